@@ -1,0 +1,697 @@
+"""What a data-parallel rewrite must know about a plain single-device training GraphDef.
+
+Found from op types, OpDef argument names and graph structure, never from node names:
+
+- variables (resource and ref) and every op that writes one;
+- batch inputs: placeholders with an unknown first dimension, tf.data iterator outputs;
+- the replica-variant nodes: those whose value depends on a batch input;
+- gradient cuts: for every variable update that depends on the batch, the tensor (dense)
+  or (values, indices) pair (sparse) through which the batch reaches it. Averaging a cut
+  across replicas makes every replica apply the update one device would apply on the
+  global batch. Cuts come from, in order:
+    1. fused optimizer ops (Apply*, ResourceApply*, SparseApply*...): their ``grad`` or
+       ``delta`` argument, plus ``indices`` for the sparse ones;
+    2. scatter updates (the scatter-based sparse SGD and Adam paths): the deduplicated
+       (UnsortedSegmentSum, Unique) pair when the optimizer deduplicated, otherwise the
+       scatter's own (updates, indices) when the scatter is linear (add/sub);
+    3. plain assign ops (Keras Nadam, BatchNorm moving averages, hand-written optimizers):
+       the tensor reached by walking back from the assigned value through element-wise
+       ops that have a single batch-dependent input; the walk stops at the op that
+       produced the gradient (a reduction, a matmul, an AddN, ...);
+    4. explicit hints (``gradients={variable: tensor}``) for custom optimizers.
+  A batch-dependent update that none of these explains is an error naming the variable.
+- roles: trainable (read by the batch computation and updated through a cut), optimizer
+  slot, step counter (an integer counter bumped by a constant), state (BatchNorm moving
+  statistics: updated from the batch but not read by it), other;
+- the init op and each variable's initializer, the saver's nodes, the input pipeline.
+"""
+
+import dataclasses
+
+from tensorflow.core.framework import types_pb2
+
+from graph_rewriter import opdefs
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.ir import Tensor
+from graph_rewriter.traversal import ancestors, topological_order
+
+VARIABLE_OPS = {"VarHandleOp": "resource", "VariableV2": "ref", "Variable": "ref"}
+# Ops that hand a variable (handle or ref) through unchanged.
+PASS_THROUGH = frozenset((
+    "Identity", "RefIdentity", "Enter", "RefEnter", "Switch", "RefSwitch", "Exit", "RefExit",
+    "Merge", "RefMerge", "NextIteration", "RefNextIteration"))
+# Ops that take a variable but only read it. Every other op taking a variable handle,
+# or a variable ref through a ref argument, is taken to write it.
+READERS = frozenset((
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "IsVariableInitialized", "_ReadVariablesOp", "DestroyResourceOp"))
+FUNCTION_CALLS = frozenset((
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall"))
+DENSE_ASSIGNS = frozenset((
+    "Assign", "AssignAdd", "AssignSub",
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
+INCREMENTS = frozenset(("AssignAdd", "AssignAddVariableOp", "CountUpTo", "ResourceCountUpTo"))
+LINEAR_SCATTERS = frozenset(("ScatterAdd", "ScatterSub", "ResourceScatterAdd", "ResourceScatterSub"))
+# Element-wise ops (broadcasting allowed): the walk from an assigned value back to the
+# gradient passes through these while only one of their inputs depends on the batch.
+ELEMENTWISE = frozenset((
+    "Identity", "Snapshot", "StopGradient", "Cast", "Neg", "Reciprocal", "Mul", "MulNoNan",
+    "RealDiv", "Div", "DivNoNan", "AddV2", "Add", "Sub", "Square", "Sqrt", "Rsqrt", "Abs",
+    "Sign", "Maximum", "Minimum", "Exp", "Log", "Pow", "Tanh", "Sigmoid", "ClipByValue",
+    "SquaredDifference"))
+PLACEHOLDERS = frozenset(("Placeholder", "PlaceholderV2", "PlaceholderWithDefault"))
+ITERATOR_GET_NEXT = frozenset(("IteratorGetNext", "IteratorGetNextSync"))
+SAVER_OPS = frozenset(("SaveV2", "RestoreV2", "Save", "Restore", "RestoreSlice", "SaveSlices",
+                       "MergeV2Checkpoints"))
+HINTS_COLLECTION = "graph_rewriter_gradients"
+
+
+@dataclasses.dataclass
+class Variable:
+    """A variable of the graph: its creating node and what the analysis learned of it."""
+    node: object
+    kind: str                     # "resource" | "ref"
+    dtype: int                    # base DataType enum
+    shape: list                   # static shape (-1 for unknown dims) or None if unknown rank
+    role: str = "other"           # "trainable" | "slot" | "step" | "state" | "other"
+    trainable: bool = False
+    slot_of: str = None           # the trainable variable an optimizer slot belongs to
+    writers: list = dataclasses.field(default_factory=list)
+    initializer: object = None    # the assign that gives its initial value
+
+    @property
+    def name(self):
+        return self.node.name
+
+    @property
+    def num_elements(self):
+        if self.shape is None or any(d < 0 for d in self.shape):
+            return None
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self):
+        n = self.num_elements
+        return None if n is None else n * dtype_size(self.dtype)
+
+
+@dataclasses.dataclass
+class GradientCut:
+    """Where the batch reaches a variable's update: averaged across replicas by the rewrite.
+
+    kind: "dense" (values only), or "sparse" (values + indices, IndexedSlices rows).
+    deduplicated: sparse indices are unique per replica (the optimizer summed duplicates
+      with Unique + UnsortedSegmentSum), so the gathered rows must be summed again.
+    linear: the sparse update is a linear scatter (add/sub) that may see duplicates.
+    source: how it was found (fused-op, scatter, assign-walk, hint).
+    """
+    values: Tensor
+    indices: Tensor = None
+    kind: str = "dense"
+    variable: str = None          # the trainable (or state) variable the cut feeds
+    variables: list = dataclasses.field(default_factory=list)  # every variable written from it
+    deduplicated: bool = False
+    linear: bool = False
+    source: str = "fused-op"
+    role: str = "gradient"        # "gradient" | "state"
+
+
+@dataclasses.dataclass
+class Analysis:
+    variables: dict               # name -> Variable, in graph order
+    cuts: list                    # GradientCut, in graph order of their values' producers
+    batch_inputs: list            # Tensor: the global batch, split across replicas
+    broadcast_inputs: list        # Tensor: fed or read once, the same for every replica
+    variant: set                  # nodes whose value depends on a batch input (cuts applied)
+    init_ops: list                # NoOp nodes that run variable initializers
+    saver_nodes: set              # nodes of the Saver's save/restore subgraphs
+    input_pipeline: set           # tf.data dataset and iterator nodes
+    step_counters: list           # names of step-counter variables
+
+    @property
+    def trainable(self):
+        return [v for v in self.variables.values() if v.trainable]
+
+    def cut_of(self, variable_name):
+        for c in self.cuts:
+            if c.variable == variable_name:
+                return c
+        return None
+
+
+def dtype_size(dt):
+    return {
+        types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2, types_pb2.DT_FLOAT: 4,
+        types_pb2.DT_DOUBLE: 8, types_pb2.DT_INT32: 4, types_pb2.DT_INT64: 8,
+        types_pb2.DT_INT8: 1, types_pb2.DT_UINT8: 1, types_pb2.DT_INT16: 2,
+        types_pb2.DT_BOOL: 1, types_pb2.DT_COMPLEX64: 8, types_pb2.DT_COMPLEX128: 16,
+    }.get(opdefs.base_dtype(dt), 4)
+
+
+def _shape_of(attr_shape):
+    if attr_shape.unknown_rank:
+        return None
+    return [d.size for d in attr_shape.dim]
+
+
+def analyze(graph, hints=None):
+    """The Analysis of a GraphItem (cached per graph version when no hints are given).
+
+    ``hints`` maps variable names to gradient tensor names ("grad:0"), or to a pair
+    ("values:0", "indices:0") for a sparse gradient: the cut for that variable's updates.
+    A MetaGraphDef collection ``graph_rewriter_gradients`` of "variable=tensor" strings
+    supplies the same hints from inside the file.
+    """
+    hints = dict(_collection_hints(graph), **(hints or {}))
+    if not hints:
+        return graph.cached("analysis", lambda g: _Analyzer(g, {}).run())
+    return _Analyzer(graph, hints).run()
+
+
+def _collection_hints(graph):
+    out = {}
+    mg = graph.meta_graph
+    if mg is None or HINTS_COLLECTION not in mg.collection_def:
+        return out
+    for item in mg.collection_def[HINTS_COLLECTION].bytes_list.value:
+        text = item.decode()
+        var, sep, grad = text.partition("=")
+        if not sep:
+            raise GraphRewriteError(
+                f"collection '{HINTS_COLLECTION}': entry '{text}' is not 'variable=tensor'")
+        parts = grad.split(",")
+        out[var.strip()] = parts[0].strip() if len(parts) == 1 else tuple(p.strip() for p in parts)
+    return out
+
+
+def variable_of(tensor):
+    """The variable node a handle or ref tensor refers to (through Identity, Enter,
+    Switch, ...), or None if it does not come from a variable of this graph."""
+    node = tensor.node
+    for _ in range(1000):
+        if node.op in VARIABLE_OPS:
+            return node
+        if node.op in PASS_THROUGH and node._inputs:
+            node = node._inputs[0].node
+            continue
+        return None
+    return None
+
+
+class _Analyzer:
+    def __init__(self, graph, hints):
+        self.g = graph
+        self.hints = hints
+
+    # ---- driver -------------------------------------------------------------------
+    def run(self):
+        g = self.g
+        self.order = topological_order(g)
+        self.position = {n: i for i, n in enumerate(self.order)}
+        self.variables = self._find_variables()
+        self._find_writers()
+        self.saver_nodes = self._find_saver_nodes()
+        self.input_pipeline = self._find_input_pipeline()
+        batch, broadcast = self._find_inputs()
+        variant0 = variant_nodes(batch, set())
+        cuts = self._find_cuts(batch, variant0)
+        cut_tensors = set()
+        for c in cuts:
+            cut_tensors.add(c.values)
+            if c.indices is not None:
+                cut_tensors.add(c.indices)
+        variant = variant_nodes(batch, cut_tensors)
+        self._check_updates_invariant(variant)
+        self._assign_roles(cuts, variant)
+        init_ops = self._find_initializers()
+        cuts.sort(key=lambda c: self.position[c.values.node])
+        return Analysis(
+            variables=self.variables, cuts=cuts, batch_inputs=batch,
+            broadcast_inputs=broadcast, variant=variant, init_ops=init_ops,
+            saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
+            step_counters=[v.name for v in self.variables.values() if v.role == "step"])
+
+    # ---- variables and their writers ------------------------------------------------
+    def _find_variables(self):
+        out = {}
+        for n in self.order:
+            kind = VARIABLE_OPS.get(n.op)
+            if kind is None:
+                continue
+            shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
+            out[n.name] = Variable(node=n, kind=kind, dtype=n.attr["dtype"].type, shape=shape)
+        out = {name: out[name] for name in (n.name for n in self.g._nodes.values()) if name in out}
+        meta = self.g.meta_graph
+        self.declared_trainable = None
+        if meta is not None and "trainable_variables" in meta.collection_def:
+            from tensorflow.core.framework import variable_pb2
+            names = set()
+            for raw in meta.collection_def["trainable_variables"].bytes_list.value:
+                vd = variable_pb2.VariableDef()
+                vd.ParseFromString(raw)
+                names.add(vd.variable_name.split(":")[0])
+            self.declared_trainable = names
+        return out
+
+    def _find_writers(self):
+        """Every (writer node, variable, input position) of the graph."""
+        self.writes = []  # (node, Variable, position)
+        lib = self.g.library
+        for n in self.order:
+            if n.op in READERS or n.op in PASS_THROUGH or n.op in VARIABLE_OPS:
+                continue
+            if not n._inputs:
+                continue
+            try:
+                dts = opdefs.input_dtypes(n)
+                refs = opdefs.input_is_ref(n)
+            except GraphRewriteError:
+                raise
+            is_call = n.op in FUNCTION_CALLS or (lib is not None and opdefs.op_def(n.op) is None)
+            written_args = _function_written_args(n, lib) if is_call else None
+            for pos, t in enumerate(n._inputs):
+                if pos >= len(dts):
+                    break
+                if dts[pos] != opdefs.DT_RESOURCE and not (pos < len(refs) and refs[pos]):
+                    continue
+                var_node = variable_of(t)
+                if var_node is None:
+                    continue
+                if written_args is not None and pos not in written_args:
+                    continue
+                var = self.variables[var_node.name]
+                var.writers.append(n)
+                self.writes.append((n, var, pos))
+
+    # ---- the saver and the input pipeline -------------------------------------------
+    def _find_saver_nodes(self):
+        seeds = [n for n in self.order if n.op in SAVER_OPS]
+        if not seeds:
+            return set()
+        region = set(seeds)
+        stack = list(seeds)
+        while stack:  # everything downstream of save/restore (restore assigns, restore_all)
+            n = stack.pop()
+            for c in list(dict.fromkeys(c for c, _ in n._consumers)) + list(n._control_consumers):
+                if c not in region:
+                    region.add(c)
+                    stack.append(c)
+        return _absorb_exclusive_ancestors(region, keep_out=lambda n: n.op in VARIABLE_OPS)
+
+    def _find_input_pipeline(self):
+        """tf.data: dataset ops, iterators, their initializers and what only they read."""
+        seeds = {n for n in self.order
+                 if "Dataset" in n.op or n.op in ITERATOR_GET_NEXT or n.op == "MakeIterator"
+                 or n.op.startswith(("Iterator", "AnonymousIterator", "OneShotIterator",
+                                     "MultiDeviceIterator"))}
+        if not seeds:
+            return set()
+        return _absorb_exclusive_ancestors(seeds, keep_out=lambda n: n.op in VARIABLE_OPS)
+
+    def _find_inputs(self):
+        """Batch inputs (split across replicas) and broadcast inputs (shared by all)."""
+        batch, broadcast = [], []
+        for n in self.order:
+            if n.op in PLACEHOLDERS:
+                if not n._consumers:
+                    continue
+                shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
+                t = Tensor(n, 0)
+                (batch if shape and shape[0] == -1 else broadcast).append(t)
+            elif n.op in ITERATOR_GET_NEXT:
+                shapes = n.attr["output_shapes"].list.shape if "output_shapes" in n.attr else []
+                for i, s in enumerate(shapes):
+                    shape = _shape_of(s)
+                    t = Tensor(n, i)
+                    if not n.consumers(i):
+                        continue
+                    (batch if shape and shape[0] == -1 else broadcast).append(t)
+        return batch, broadcast
+
+    # ---- gradient cuts ---------------------------------------------------------------
+    def _find_cuts(self, batch, variant0):
+        cuts = {}          # key tensor(s) -> GradientCut
+        explained = set()  # writer nodes whose batch dependence a cut explains
+
+        def add(cut, writer, var):
+            key = (cut.values, cut.indices)
+            existing = cuts.get(key)
+            if existing is None:
+                cuts[key] = cut
+                existing = cut
+            if var.name not in existing.variables:
+                existing.variables.append(var.name)
+            explained.add(writer)
+            return existing
+
+        self._apply_hints(add)
+        # 1 and 2: fused optimizer ops and scatter updates.
+        for n, var, pos in self.writes:
+            if n not in variant0 or n in explained:
+                continue
+            slices = opdefs.input_arg_slices(n)
+            grad_arg = "grad" if "grad" in slices else "delta" if "delta" in slices else None
+            if grad_arg is not None and ("var" in slices):
+                var_pos = slices["var"][0]
+                primary = self.variables[variable_of(n._inputs[var_pos]).name]
+                values = n._inputs[slices[grad_arg][0]]
+                indices = n._inputs[slices["indices"][0]] if "indices" in slices else None
+                if indices is None:
+                    cut = GradientCut(values=values, kind="dense", variable=primary.name, source="fused-op")
+                else:
+                    cut = self._sparse_cut(values, indices, primary.name, linear=False)
+                add(cut, n, primary)
+                continue
+            if "indices" in slices and "updates" in slices:
+                values = n._inputs[slices["updates"][0]]
+                indices = n._inputs[slices["indices"][0]]
+                dedup = _dedup_pair(indices)
+                if dedup is not None:
+                    cut = GradientCut(values=dedup[0], indices=dedup[1], kind="sparse",
+                                      deduplicated=True, source="scatter")
+                elif n.op in LINEAR_SCATTERS:
+                    cut = GradientCut(values=values, indices=indices, kind="sparse", linear=True,
+                                      source="scatter")
+                else:
+                    continue  # left for the final check to report
+                add(cut, n, var)
+        # 3: plain assigns, walked back to the gradient.
+        cut_tensors = {t for key in cuts for t in key if t is not None}
+        variant_mid = variant_nodes(batch, cut_tensors)
+        for n, var, pos in self.writes:
+            if n in explained or n not in variant_mid or n.op not in DENSE_ASSIGNS:
+                continue
+            value = n._inputs[opdefs.input_position(n, "value")]
+            if value.node not in variant_mid and value not in batch:
+                continue
+            grad = _walk_to_gradient(value, variant_mid, batch)
+            add(GradientCut(values=grad, kind="dense", source="assign-walk"), n, var)
+        # Cuts found through scatters and assigns name their variable: the one the batch
+        # computation reads (the trainable one), else the first written.
+        out = list(cuts.values())
+        for cut in out:
+            if cut.variable is None:
+                cut.variable = self._primary_variable(cut, variant_mid)
+        self._check_one_optimizer(out)
+        return out
+
+    def _apply_hints(self, add):
+        for var_name, grad in self.hints.items():
+            var = self.variables.get(var_name)
+            if var is None:
+                raise GraphRewriteError(
+                    f"gradient hint names variable '{var_name}', which is not a variable of "
+                    f"{self.g.source}", hint="use the variable op's name, e.g. 'dense/kernel'")
+            try:
+                if isinstance(grad, (tuple, list)):
+                    values, indices = (self.g.tensor(grad[0]), self.g.tensor(grad[1]))
+                    cut = GradientCut(values=values, indices=indices, kind="sparse", variable=var_name,
+                                      deduplicated=_dedup_pair(indices) is not None, source="hint")
+                else:
+                    cut = GradientCut(values=self.g.tensor(grad), kind="dense", variable=var_name, source="hint")
+            except GraphRewriteError as e:
+                raise GraphRewriteError(f"gradient hint for variable '{var_name}': {e}") from None
+            for n in var.writers:
+                add(cut, n, var)
+
+    def _sparse_cut(self, values, indices, var_name, linear):
+        dedup = _dedup_pair(indices)
+        if dedup is not None and dedup[0] == values:
+            return GradientCut(values=values, indices=indices, kind="sparse", variable=var_name,
+                               deduplicated=True, source="fused-op")
+        return GradientCut(values=values, indices=indices, kind="sparse", variable=var_name,
+                           linear=linear, source="fused-op")
+
+    def _primary_variable(self, cut, variant):
+        if cut.kind == "sparse":
+            gathered = _gathered_variable(cut.indices)
+            if gathered is not None and gathered.name in self.variables:
+                if gathered.name not in cut.variables:
+                    cut.variables.insert(0, gathered.name)
+                return gathered.name
+        for name in cut.variables:
+            if _read_by_variant(self.variables[name].node, variant):
+                return name
+        return cut.variables[0]
+
+    def _check_one_optimizer(self, cuts):
+        seen = {}
+        for cut in cuts:
+            if cut.role != "gradient" or cut.source == "assign-walk":
+                continue
+            other = seen.get(cut.variable)
+            if other is not None and other is not cut:
+                raise GraphRewriteError(
+                    f"variable '{cut.variable}' receives two different gradients (through "
+                    f"'{other.values.node.name}' and '{cut.values.node.name}'): it looks "
+                    f"updated by two optimizers", hint="give each variable one optimizer, or "
+                    "name its gradient with gradients={variable: tensor}")
+            seen[cut.variable] = cut
+
+    def _check_updates_invariant(self, variant):
+        """Every write to a variable must now be the same on every replica."""
+        for n, var, pos in self.writes:
+            if n not in variant:
+                continue
+            bad = [t for t in n._inputs if t.node in variant]
+            why = f"its input '{bad[0].name}'" if bad else "an input"
+            raise GraphRewriteError(
+                f"cannot find the gradient of variable '{var.name}': it is updated by "
+                f"'{n.name}' ({n.op}), and {why} depends on the batch in a way graph_rewriter "
+                f"does not recognise",
+                hint="name the gradient with rewrite(..., gradients={'%s': 'tensor:0'})" % var.name)
+
+    # ---- roles ------------------------------------------------------------------------
+    def _assign_roles(self, cuts, variant):
+        for cut in cuts:
+            primary = self.variables[cut.variable]
+            forward_read = _read_by_variant(primary.node, variant)
+            if forward_read or cut.source != "assign-walk":
+                primary.role, primary.trainable = "trainable", True
+                cut.role = "gradient"
+            else:
+                primary.role = "state"
+                cut.role = "state"
+            for name in cut.variables:
+                other = self.variables[name]
+                if name != cut.variable and other.role == "other":
+                    other.role, other.slot_of = "slot", cut.variable
+        for n, var, pos in self.writes:  # slots of fused ops: their non-"var" variable args
+            slices = opdefs.input_arg_slices(n)
+            if "var" not in slices or ("grad" not in slices and "delta" not in slices):
+                continue
+            primary = variable_of(n._inputs[slices["var"][0]])
+            if var.node is not primary and var.role == "other":
+                var.role, var.slot_of = "slot", primary.name
+        for var in self.variables.values():
+            if var.role == "other" and _is_step_counter(var):
+                var.role = "step"
+        if self.declared_trainable is not None:
+            for var in self.variables.values():
+                var.trainable = var.name in self.declared_trainable
+
+    # ---- initialization ------------------------------------------------------------------
+    def _find_initializers(self):
+        for var in self.variables.values():
+            for w in var.writers:
+                if w.op not in ("Assign", "AssignVariableOp") or w in self.saver_nodes:
+                    continue
+                value = w._inputs[opdefs.input_position(w, "value")]
+                if _is_pure_initial_value(value.node):
+                    var.initializer = w
+                    break
+        initializers = {v.initializer for v in self.variables.values() if v.initializer is not None}
+        return [n for n in self.order
+                if n.op == "NoOp" and any(c in initializers for c in n._control_inputs)]
+
+
+# ----- helpers shared by the analysis and the passes --------------------------------------
+
+def variant_nodes(seeds, cuts):
+    """Nodes whose value depends, through data edges, on a seed tensor; a tensor in
+    ``cuts`` stops the dependence (the rewrite replaces it by its cross-replica mean)."""
+    variant = set()
+    stack = []
+    for t in seeds:
+        for c, pos in t.node.consumers(t.index):
+            if c not in variant:
+                variant.add(c)
+                stack.append(c)
+    while stack:
+        n = stack.pop()
+        for c, pos in n._consumers:
+            if c in variant:
+                continue
+            if cuts and c._inputs[pos] in cuts:
+                continue
+            variant.add(c)
+            stack.append(c)
+    return variant
+
+
+def _absorb_exclusive_ancestors(region, keep_out):
+    """Grows ``region`` by every ancestor all of whose readers are already in it."""
+    region = set(region)
+    changed = True
+    frontier = list(region)
+    while changed:
+        changed = False
+        candidates = []
+        for n in frontier:
+            candidates += [t.node for t in n._inputs] + list(n._control_inputs)
+        frontier = []
+        for p in dict.fromkeys(candidates):
+            if p in region or keep_out(p):
+                continue
+            readers = [c for c, _ in p._consumers] + list(p._control_consumers)
+            if readers and all(r in region for r in readers):
+                region.add(p)
+                frontier.append(p)
+                changed = True
+    return region
+
+
+def _is_pure_initial_value(node):
+    """True if a value depends on no variable, placeholder, iterator or checkpoint: what
+    an initializer computes (constants, random ops, arithmetic on them)."""
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        if (n.op in VARIABLE_OPS or n.op in PLACEHOLDERS or n.op in SAVER_OPS
+                or n.op in ITERATOR_GET_NEXT):
+            return False
+        for t in n._inputs:
+            if t.node not in seen:
+                seen.add(t.node)
+                stack.append(t.node)
+    return True
+
+
+def _gathered_variable(indices):
+    """The variable whose forward gather (embedding lookup) produced these gradient
+    indices: TensorFlow's gather gradient reshapes the lookup's ids, and optimizers and
+    gradient aggregation pass them through Unique and ConcatV2."""
+    stack, seen = [indices], set()
+    while stack:
+        t = stack.pop()
+        if t in seen or len(seen) > 64:
+            continue
+        seen.add(t)
+        for c, pos in t.node.consumers(t.index):
+            if c.op in ("ResourceGather", "GatherV2", "Gather"):
+                names = opdefs.input_arg_names(c)
+                if names[pos] == "indices":
+                    var = variable_of(c._inputs[0])
+                    if var is not None:
+                        return var
+        n = t.node
+        if n.op in ("Identity", "Reshape", "Cast", "Unique", "UniqueV2", "Snapshot"):
+            stack.append(n._inputs[0])
+        elif n.op == "ConcatV2":
+            stack.extend(n._inputs[:-1])
+    return None
+
+
+def _strip_identity(t):
+    while t.node.op in ("Identity", "Snapshot") and t.node._inputs:
+        t = t.node._inputs[0]
+    return t
+
+
+def _dedup_pair(indices):
+    """If ``indices`` are Unique's unique values and an UnsortedSegmentSum sums values by
+    Unique's positions (how optimizers deduplicate IndexedSlices), (sum, indices)."""
+    t = _strip_identity(indices)
+    if t.node.op not in ("Unique", "UniqueV2") or t.index != 0:
+        return None
+    sums = [c for c, pos in t.node.consumers(1)
+            if c.op == "UnsortedSegmentSum" and opdefs.input_arg_names(c)[pos] == "segment_ids"]
+    if len(sums) != 1:
+        return None
+    return Tensor(sums[0], 0), indices
+
+
+def _walk_to_gradient(value, variant, batch):
+    """From an assigned value back through element-wise ops with one batch-dependent
+    input, to the tensor that carries the batch into the update (see module doc)."""
+    t = value
+    for _ in range(10000):
+        n = t.node
+        if n.op not in ELEMENTWISE:
+            return t
+        live = [u for u in n._inputs if u.node in variant or u in batch]
+        if len(live) != 1:
+            return t
+        t = live[0]
+    return t
+
+
+def _read_by_variant(var_node, variant):
+    """True if a read of the variable feeds a batch-dependent node (the forward pass)."""
+    stack = [var_node]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        for c, _ in n._consumers:
+            if c in seen:
+                continue
+            seen.add(c)
+            if c.op in PASS_THROUGH and c not in variant:
+                stack.append(c)
+                continue
+            if c.op in READERS or c.op in PASS_THROUGH or c.op == "GatherV2" or c.op == "Gather":
+                for cc, _ in c._consumers:
+                    if cc in variant:
+                        return True
+            if c in variant and c.op not in DENSE_ASSIGNS:
+                return True
+    return False
+
+
+def _is_step_counter(var):
+    if var.dtype not in (types_pb2.DT_INT32, types_pb2.DT_INT64) or var.shape not in ([], None):
+        return False
+    return any(w.op in INCREMENTS for w in var.writers)
+
+
+def _function_written_args(node, library):
+    """Input positions of a function-call node whose resource the called body writes."""
+    if library is None:
+        return set()
+    fn_names = []
+    for key in ("body", "cond", "then_branch", "else_branch", "f"):
+        if key in node.attr and node.attr[key].HasField("func"):
+            fn_names.append(node.attr[key].func.name)
+    if "branches" in node.attr:
+        fn_names += [f.name for f in node.attr["branches"].list.func]
+    if not fn_names:
+        fn_names = [node.op]
+    offset = 1 if node.op in ("If", "StatelessIf", "Case", "StatelessCase") else 0
+    written = set()
+    for name in fn_names:
+        for i in _body_written_args(name, library, set()):
+            written.add(i + offset)
+    return written
+
+
+def _body_written_args(fn_name, library, visiting):
+    fn = next((f for f in library.function if f.signature.name == fn_name), None)
+    if fn is None or fn_name in visiting:
+        return set()
+    visiting.add(fn_name)
+    args = {a.name: i for i, a in enumerate(fn.signature.input_arg)}
+    written = set()
+    for nd in fn.node_def:
+        if nd.op in READERS or nd.op in PASS_THROUGH:
+            continue
+        for inp in nd.input:
+            base = inp.split(":")[0]
+            if base in args and fn.signature.input_arg[args[base]].type == opdefs.DT_RESOURCE:
+                if nd.op in FUNCTION_CALLS or opdefs.op_def(nd.op) is None:
+                    continue  # nested calls: conservatively treated as readers here
+                written.add(args[base])
+    return written

@@ -1,0 +1,259 @@
+"""Reading and writing graphs: GraphDef or MetaGraphDef, binary or text, from an object,
+bytes or a path; into a GraphItem and back out, deterministically and atomically.
+
+The edge strings of the serialized form ("x:1", "^x", "loc:@x") are parsed here on load
+and printed here on export; nothing else in the project sees them.
+"""
+
+import os
+import re
+import tempfile
+
+from google.protobuf import message as pb_message
+from google.protobuf import text_format
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.ir import COLOCATION_ATTR, GraphItem, Node, Tensor
+
+_NODE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-/>]*$")
+TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
+META_SUFFIXES = (".meta",)
+
+
+# ----- reading ------------------------------------------------------------------------
+
+def load_graph(source, name=None):
+    """A GraphItem from a GraphDef, MetaGraphDef, tf.Graph, bytes, or a path to a file.
+
+    ``name`` labels the source in error messages (defaults to the path or the type).
+    """
+    if isinstance(source, GraphItem):
+        return source
+    if isinstance(source, graph_pb2.GraphDef):
+        gd = graph_pb2.GraphDef()
+        gd.CopyFrom(source)
+        return graph_item_from_graph_def(gd, name or "<GraphDef>")
+    if isinstance(source, meta_graph_pb2.MetaGraphDef):
+        mg = meta_graph_pb2.MetaGraphDef()
+        mg.CopyFrom(source)
+        return _item_from_meta(mg, name or "<MetaGraphDef>")
+    if hasattr(source, "as_graph_def") and callable(source.as_graph_def):
+        return graph_item_from_graph_def(source.as_graph_def(), name or "<tf.Graph>")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return _load_bytes(bytes(source), name or "<bytes>", None)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        data = read_file(path)
+        return _load_bytes(data, name or path, path)
+    raise GraphRewriteError(
+        f"cannot load a graph from a {type(source).__name__}: expected a GraphDef, "
+        "MetaGraphDef, tf.Graph, bytes, or a path to a .pb, .pbtxt or .meta file")
+
+
+def read_file(path):
+    if not os.path.exists(path):
+        raise GraphRewriteError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise GraphRewriteError(f"{path}: is a directory, expected a graph file (.pb, .pbtxt, .meta)")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise GraphRewriteError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _load_bytes(data, label, path):
+    if not data:
+        raise GraphRewriteError(f"{label}: is empty, expected a serialized GraphDef or MetaGraphDef")
+    suffix = os.path.splitext(path)[1].lower() if path else ""
+    looks_text = suffix in TEXT_SUFFIXES or (suffix not in (".pb", ".meta") and _looks_like_text(data))
+    meta_first = suffix in META_SUFFIXES
+    attempts = []
+    if looks_text:
+        attempts += [("text", meta_first), ("text", not meta_first)]
+    attempts += [("binary", meta_first), ("binary", not meta_first)]
+    if not looks_text and _looks_like_text(data):
+        attempts += [("text", False), ("text", True)]
+    problems = []
+    for form, as_meta in attempts:
+        msg = meta_graph_pb2.MetaGraphDef() if as_meta else graph_pb2.GraphDef()
+        try:
+            if form == "text":
+                text_format.Parse(data.decode("utf-8"), msg)
+            else:
+                msg.ParseFromString(data)
+        except (pb_message.DecodeError, text_format.ParseError, UnicodeDecodeError, ValueError) as e:
+            problems.append(f"{form} {'MetaGraphDef' if as_meta else 'GraphDef'}: {str(e).splitlines()[0][:120]}")
+            continue
+        gd = msg.graph_def if as_meta else msg
+        why = _not_a_graph(gd)
+        if why:
+            problems.append(f"{form} {'MetaGraphDef' if as_meta else 'GraphDef'}: {why}")
+            continue
+        return _item_from_meta(msg, label) if as_meta else graph_item_from_graph_def(msg, label)
+    detail = problems[0] if problems else "unrecognised content"
+    raise GraphRewriteError(
+        f"{label}: not a TensorFlow GraphDef or MetaGraphDef (binary or text): {detail}",
+        hint="pass a file written by tf.io.write_graph or tf.compat.v1.train.export_meta_graph")
+
+
+def _looks_like_text(data):
+    head = data[:4096]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(c.isprintable() or c in "\n\r\t" for c in text)
+
+
+def _not_a_graph(gd):
+    """Why a parsed GraphDef is not a real graph (random bytes often parse), or None."""
+    if not gd.node:
+        return "it has no nodes"
+    for nd in gd.node[:2000]:
+        if not nd.op or not _NODE_NAME.match(nd.name):
+            return f"node {nd.name!r} has no valid name or op"
+    return None
+
+
+def _item_from_meta(mg, label):
+    gd = graph_pb2.GraphDef()
+    gd.CopyFrom(mg.graph_def)
+    if not gd.node:
+        raise GraphRewriteError(f"{label}: the MetaGraphDef holds an empty graph")
+    item = graph_item_from_graph_def(gd, label)
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.CopyFrom(mg)
+    meta.ClearField("graph_def")
+    item.meta_graph = meta
+    return item
+
+
+def graph_item_from_graph_def(gd, source="<GraphDef>"):
+    """Builds a GraphItem that takes ownership of ``gd`` (its NodeDefs become the nodes'
+    attr protos). Two passes: every node first, then the edges, so loops load too."""
+    item = GraphItem()
+    item.source = source
+    item.versions = gd.versions
+    item.library = gd.library if gd.HasField("library") else None
+    nodes = item._nodes
+    pending = []
+    for nd in gd.node:
+        name = nd.name
+        if name in nodes:
+            raise GraphRewriteError(f"{source}: two nodes are named '{name}'",
+                                    hint="node names must be unique in a GraphDef")
+        if not name:
+            raise GraphRewriteError(f"{source}: a node of op {nd.op!r} has no name")
+        node = Node(item, name, nd.op, nd.device, nd)
+        nodes[name] = node
+        pending.append((node, nd))
+    for node, nd in pending:
+        inputs = node._inputs
+        controls = node._control_inputs
+        for s in nd.input:
+            if s.startswith("^"):
+                producer = nodes.get(s[1:])
+                if producer is None:
+                    raise GraphRewriteError(
+                        f"{source}: node '{node._name}' has control input '{s}', but no node "
+                        f"'{s[1:]}' exists", hint="the graph is truncated or was edited by hand")
+                if node not in producer._control_consumers:
+                    controls.append(producer)
+                    producer._control_consumers[node] = None
+                continue
+            op_name, sep, idx = s.rpartition(":")
+            if sep and idx.isdigit():
+                index = int(idx)
+            else:
+                op_name, index = s, 0
+            producer = nodes.get(op_name)
+            if producer is None:
+                raise GraphRewriteError(
+                    f"{source}: node '{node._name}' reads input '{s}', but no node "
+                    f"'{op_name}' exists", hint="the graph is truncated or was edited by hand")
+            producer._consumers[(node, len(inputs))] = None
+            inputs.append(Tensor(producer, index))
+        del nd.input[:]
+        if COLOCATION_ATTR in nd.attr:
+            node._colocate = [nodes.get(n, n) for n in _colocation_names(nd.attr[COLOCATION_ATTR])]
+            del nd.attr[COLOCATION_ATTR]
+    return item
+
+
+def _colocation_names(attr_value):
+    names = []
+    for s in attr_value.list.s:
+        s = s.decode("utf-8", "replace")
+        names.append(s[5:] if s.startswith("loc:@") else s)
+    return names
+
+
+# ----- writing ------------------------------------------------------------------------
+
+def to_graph_def(item):
+    """The GraphDef of ``item``: nodes in the item's order, edge strings printed."""
+    gd = graph_pb2.GraphDef()
+    if item.versions is not None:
+        gd.versions.CopyFrom(item.versions)
+    if item.library is not None:
+        gd.library.CopyFrom(item.library)
+    out_nodes = gd.node
+    for node in item._nodes.values():
+        nd = out_nodes.add()
+        nd.CopyFrom(node._def)
+        nd.name = node._name
+        nd.op = node.op
+        nd.device = node.device
+        names = [t.node._name if t.index == 0 else f"{t.node._name}:{t.index}" for t in node._inputs]
+        names += ["^" + c._name for c in node._control_inputs]
+        if names:
+            nd.input.extend(names)
+        if node._colocate:
+            nd.attr[COLOCATION_ATTR].list.s.extend(
+                ("loc:@" + (t._name if isinstance(t, Node) else t)).encode() for t in node._colocate)
+    return gd
+
+
+def to_meta_graph_def(item):
+    mg = meta_graph_pb2.MetaGraphDef()
+    if item.meta_graph is not None:
+        mg.CopyFrom(item.meta_graph)
+    mg.graph_def.CopyFrom(to_graph_def(item))
+    return mg
+
+
+def serialize(message, path=None):
+    """Deterministic bytes for a proto: text format for text suffixes, binary otherwise."""
+    if path and os.path.splitext(path)[1].lower() in TEXT_SUFFIXES:
+        return text_format.MessageToString(message).encode("utf-8")
+    return message.SerializeToString(deterministic=True)
+
+
+def write_atomic(path, data):
+    """Writes ``data`` to ``path`` through a temporary file in the same folder and a rename,
+    so an interrupted run never leaves a partial file and a failed one leaves none."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise GraphRewriteError(f"{path}: cannot write: folder '{folder}' does not exist")
+    if os.path.isdir(path):
+        raise GraphRewriteError(f"{path}: is a directory, expected a file name to write")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".graph-rewrite-", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise GraphRewriteError(f"{path}: cannot write: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise GraphRewriteError(f"{path}: cannot write: {e.strerror}") from None
+        raise

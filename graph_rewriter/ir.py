@@ -1,0 +1,347 @@
+"""GraphItem: the in-memory IR of one TensorFlow GraphDef.
+
+Nodes are objects and data edges are ``Tensor(node, index)`` pairs; the strings
+``"x:1"``, ``"^x"`` and ``"loc:@x"`` exist only in the serialized form and are parsed on
+load and printed on export (see ``graph_io``). Every edge mutation goes through the few
+methods here, which keep each producer's consumer and control-consumer tables in step
+with its consumers' input lists, so passes can ask "who reads this?" in O(1).
+
+Attributes stay inside each node's NodeDef proto (never decoded wholesale): a clone
+shares its original's proto until one of them changes an attribute (copy on write),
+which keeps cloning a 30,000-node graph sixteen times cheap.
+
+TensorFlow quirks handled here:
+- Colocation (``_class = ["loc:@x"]``) names nodes, so it is kept as a list of Node
+  references and follows renames and clones like an edge would.
+- v1 loops have back-edges (NextIteration -> Merge): edges are resolved after all
+  nodes exist, so a graph with cycles loads like any other.
+"""
+
+import collections
+
+from tensorflow.core.framework import attr_value_pb2
+
+from graph_rewriter.errors import GraphRewriteError
+
+Tensor = collections.namedtuple("Tensor", ["node", "index"])
+Tensor.__doc__ = "One output of a node: the endpoint of a data edge."
+Tensor.__repr__ = lambda self: f"Tensor({self.node.name}:{self.index})"
+Tensor.name = property(lambda self: f"{self.node.name}:{self.index}")
+
+COLOCATION_ATTR = "_class"
+
+
+class Node:
+    """One operation. Read ``inputs``/``control_inputs`` freely; change them only through
+    the methods below, which keep the producers' consumer tables consistent."""
+
+    __slots__ = ("graph", "_name", "op", "device", "_def", "_shared_def",
+                 "_inputs", "_control_inputs", "_consumers", "_control_consumers",
+                 "_colocate", "__weakref__")
+
+    def __init__(self, graph, name, op, device, node_def, shared_def=False):
+        self.graph = graph
+        self._name = name
+        self.op = op
+        self.device = device
+        self._def = node_def          # NodeDef holding attrs; its name/input fields are unused
+        self._shared_def = shared_def  # True while a clone shares its original's proto
+        self._inputs = []
+        self._control_inputs = []
+        self._consumers = {}          # (consumer Node, input position) -> None, ordered
+        self._control_consumers = {}  # consumer Node -> None, ordered
+        self._colocate = []           # Node references (or unresolved names, flagged by the verifier)
+
+    def __repr__(self):
+        return f"<Node {self._name} ({self.op})>"
+
+    @property
+    def name(self):
+        return self._name
+
+    # ----- attributes -------------------------------------------------------------
+    @property
+    def attr(self):
+        """The NodeDef attr map, for reading. Use set_attr to change it."""
+        return self._def.attr
+
+    def _own_def(self):
+        if self._shared_def:
+            own = type(self._def)()
+            own.CopyFrom(self._def)
+            self._def = own
+            self._shared_def = False
+        return self._def
+
+    def set_attr(self, key, value):
+        """Sets attr ``key`` from an AttrValue, or from a python str/bytes/int/float/bool."""
+        attr = self._own_def().attr[key]
+        if isinstance(value, attr_value_pb2.AttrValue):
+            attr.CopyFrom(value)
+        elif isinstance(value, bool):
+            attr.b = value
+        elif isinstance(value, int):
+            attr.i = value
+        elif isinstance(value, float):
+            attr.f = value
+        elif isinstance(value, str):
+            attr.s = value.encode()
+        elif isinstance(value, bytes):
+            attr.s = value
+        else:
+            raise TypeError(f"unsupported attr value for {self._name}.{key}: {value!r}")
+        self.graph._touch()
+
+    def del_attr(self, key):
+        if key in self._def.attr:
+            del self._own_def().attr[key]
+            self.graph._touch()
+
+    def output(self, index=0):
+        return Tensor(self, index)
+
+    # ----- edges ------------------------------------------------------------------
+    @property
+    def inputs(self):
+        return tuple(self._inputs)
+
+    @property
+    def control_inputs(self):
+        return tuple(self._control_inputs)
+
+    @property
+    def colocate_with(self):
+        return tuple(self._colocate)
+
+    def consumers(self, index=None):
+        """[(consumer Node, input position)] reading this node's outputs (one output if index)."""
+        if index is None:
+            return list(self._consumers)
+        return [(c, p) for (c, p) in self._consumers if c._inputs[p].index == index]
+
+    @property
+    def control_consumers(self):
+        return list(self._control_consumers)
+
+    def consumer_nodes(self):
+        """Distinct nodes reading any output, in a stable order."""
+        return list(dict.fromkeys(c for c, _ in self._consumers))
+
+    def set_input(self, position, tensor):
+        old = self._inputs[position]
+        del old.node._consumers[(self, position)]
+        self._inputs[position] = tensor
+        tensor.node._consumers[(self, position)] = None
+        self.graph._touch()
+
+    def add_input(self, tensor):
+        self._inputs.append(tensor)
+        tensor.node._consumers[(self, len(self._inputs) - 1)] = None
+        self.graph._touch()
+
+    def set_inputs(self, tensors):
+        for pos, t in enumerate(self._inputs):
+            del t.node._consumers[(self, pos)]
+        self._inputs = list(tensors)
+        for pos, t in enumerate(self._inputs):
+            t.node._consumers[(self, pos)] = None
+        self.graph._touch()
+
+    def add_control_input(self, node):
+        if self in node._control_consumers:
+            return
+        self._control_inputs.append(node)
+        node._control_consumers[self] = None
+        self.graph._touch()
+
+    def remove_control_input(self, node):
+        self._control_inputs.remove(node)
+        del node._control_consumers[self]
+        self.graph._touch()
+
+    def set_control_inputs(self, nodes):
+        for n in self._control_inputs:
+            del n._control_consumers[self]
+        self._control_inputs = list(dict.fromkeys(nodes))
+        for n in self._control_inputs:
+            n._control_consumers[self] = None
+        self.graph._touch()
+
+    def set_colocation(self, targets):
+        """Colocate with these nodes (an empty list removes the constraint)."""
+        self._colocate = list(targets)
+        self.graph._touch()
+
+
+class GraphItem:
+    """A GraphDef as a mutable graph of Node objects, plus what travels with it:
+    the function library, versions, and (when loaded from one) the MetaGraphDef parts."""
+
+    def __init__(self):
+        self._nodes = {}             # name -> Node, insertion-ordered: export order
+        self.versions = None         # VersionDef
+        self.library = None          # FunctionDefLibrary
+        self.meta_graph = None       # MetaGraphDef without its graph_def, or None
+        self.source = "<graph>"      # what it was loaded from, for error messages
+        self.version = 0             # bumped by every mutation; keys cached analyses
+        self._cache = {}
+
+    def _touch(self):
+        self.version += 1
+
+    def cached(self, key, compute):
+        """Returns compute(self), computed once per graph version (analysis caching)."""
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == self.version:
+            return hit[1]
+        value = compute(self)
+        self._cache[key] = (self.version, value)
+        return value
+
+    # ----- lookup -----------------------------------------------------------------
+    def __len__(self):
+        return len(self._nodes)
+
+    def __iter__(self):
+        return iter(list(self._nodes.values()))
+
+    def __contains__(self, name):
+        return name in self._nodes
+
+    @property
+    def nodes(self):
+        """All nodes in export order (a snapshot list)."""
+        return list(self._nodes.values())
+
+    def node(self, name):
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise GraphRewriteError(f"{self.source}: no node named '{name}'") from None
+
+    def get(self, name):
+        return self._nodes.get(name)
+
+    def tensor(self, name):
+        """Parses 'op', 'op:0' or 'op:2' into a Tensor of this graph."""
+        op_name, index = split_tensor_name(name)
+        return Tensor(self.node(op_name), index)
+
+    def unique_name(self, base):
+        if base not in self._nodes:
+            return base
+        i = 1
+        while f"{base}_{i}" in self._nodes:
+            i += 1
+        return f"{base}_{i}"
+
+    # ----- mutation ---------------------------------------------------------------
+    def add_node(self, name, op, inputs=(), control_inputs=(), attrs=None, device="",
+                 colocate_with=()):
+        """Creates a node; ``attrs`` maps names to AttrValue or python scalars."""
+        from tensorflow.core.framework import node_def_pb2
+        if name in self._nodes:
+            raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
+        node = Node(self, name, op, device, node_def_pb2.NodeDef())
+        self._nodes[name] = node
+        for key, value in (attrs or {}).items():
+            node.set_attr(key, value)
+        for t in inputs:
+            node.add_input(t)
+        for c in control_inputs:
+            node.add_control_input(c)
+        node._colocate = list(colocate_with)
+        self._touch()
+        return node
+
+    def clone_node(self, node, name, device=None):
+        """A copy of ``node`` (op, attrs, device, colocation) with no edges; it shares
+        the original's attr proto until either changes an attribute."""
+        if name in self._nodes:
+            raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
+        node._shared_def = True
+        clone = Node(self, name, node.op, node.device if device is None else device,
+                     node._def, shared_def=True)
+        clone._colocate = list(node._colocate)
+        self._nodes[name] = clone
+        self._touch()
+        return clone
+
+    def rename_node(self, node, new_name):
+        if new_name == node._name:
+            return
+        if new_name in self._nodes:
+            raise GraphRewriteError(f"{self.source}: a node named '{new_name}' already exists")
+        # Keep export order: rebuild the dict with the new key in the same place.
+        self._nodes = {(new_name if k == node._name else k): v for k, v in self._nodes.items()}
+        node._name = new_name
+        self._touch()
+
+    def remove_node(self, node):
+        """Removes a node that nothing reads any more (data or control)."""
+        if node._consumers or node._control_consumers:
+            readers = [c.name for c in node.consumer_nodes()] + [c.name for c in node._control_consumers]
+            raise GraphRewriteError(
+                f"cannot remove node '{node.name}': still read by {', '.join(readers[:5])}")
+        node.set_inputs([])
+        node.set_control_inputs([])
+        del self._nodes[node._name]
+        self._touch()
+
+    def remove_nodes(self, nodes):
+        """Removes a set of nodes that only read each other (dead-code elimination)."""
+        doomed = set(nodes)
+        for n in doomed:
+            for c, _ in n._consumers:
+                if c not in doomed:
+                    raise GraphRewriteError(f"cannot remove node '{n.name}': read by '{c.name}'")
+            for c in n._control_consumers:
+                if c not in doomed:
+                    raise GraphRewriteError(f"cannot remove node '{n.name}': control input of '{c.name}'")
+        for n in doomed:
+            for pos, t in enumerate(n._inputs):
+                t.node._consumers.pop((n, pos), None)
+            for c in n._control_inputs:
+                c._control_consumers.pop(n, None)
+            n._inputs = []
+            n._control_inputs = []
+        for n in self._nodes.values():
+            if n._colocate and any(isinstance(t, Node) and t in doomed for t in n._colocate):
+                n._colocate = [t for t in n._colocate if t not in doomed]
+        self._nodes = {k: v for k, v in self._nodes.items() if v not in doomed}
+        self._touch()
+
+    def replace_all_uses(self, old, new, only=None):
+        """Makes every reader of tensor ``old`` read ``new`` instead (restricted to the
+        consumer nodes in ``only`` when given). Returns the consumers it changed."""
+        changed = []
+        for consumer, pos in old.node.consumers(old.index):
+            if only is not None and consumer not in only:
+                continue
+            if consumer is new.node:
+                continue  # never make the replacement read itself
+            consumer.set_input(pos, new)
+            changed.append((consumer, pos))
+        return changed
+
+    def replace_control_uses(self, old, new, only=None):
+        """Moves control edges ``old -> X`` to ``new -> X``. Returns the changed X."""
+        changed = []
+        for consumer in list(old._control_consumers):
+            if only is not None and consumer not in only:
+                continue
+            consumer.remove_control_input(old)
+            if consumer is not new:
+                consumer.add_control_input(new)
+            changed.append(consumer)
+        return changed
+
+
+def split_tensor_name(name):
+    """'x' -> ('x', 0); 'x:2' -> ('x', 2). Control names ('^x') are not tensors."""
+    if name.startswith("^"):
+        raise GraphRewriteError(f"'{name}' names a control edge, not a tensor")
+    op_name, sep, index = name.rpartition(":")
+    if sep and index.isdigit():
+        return op_name, int(index)
+    return name, 0

@@ -1,0 +1,162 @@
+"""What TensorFlow's own registries say about an op: argument names and positions,
+output counts and dtypes, statefulness, and which devices have a kernel for it.
+
+Positions are computed from the OpDef (an argument can expand to several inputs through
+``number_attr`` or ``type_list_attr``), never from hand-written tables. Calls of library
+functions are resolved through the function's signature.
+"""
+
+import functools
+
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import kernels, op_def_registry
+
+from graph_rewriter.errors import GraphRewriteError
+
+DT_RESOURCE = types_pb2.DT_RESOURCE
+DT_VARIANT = types_pb2.DT_VARIANT
+DT_STRING = types_pb2.DT_STRING
+_REF_OFFSET = 100  # DT_FLOAT_REF = DT_FLOAT + 100
+
+
+def op_def(op, library=None):
+    """The OpDef of a registered op, or the signature of a library function, or None."""
+    od = op_def_registry.get(op)
+    if od is not None:
+        return od
+    if library is not None:
+        for fn in library.function:
+            if fn.signature.name == op:
+                return fn.signature
+    return None
+
+
+def require_op_def(node):
+    od = op_def(node.op, node.graph.library)
+    if od is None:
+        raise GraphRewriteError(
+            f"{node.graph.source}: node '{node.name}' uses op '{node.op}', which this TensorFlow "
+            f"does not know and the graph's function library does not define",
+            hint="load the library that registers the op (tf.load_op_library) before rewriting, "
+                 "or check that the graph was written by a compatible TensorFlow")
+    return od
+
+
+def _arg_length(arg, attrs):
+    if arg.number_attr:
+        return attrs[arg.number_attr].i if arg.number_attr in attrs else 0
+    if arg.type_list_attr:
+        return len(attrs[arg.type_list_attr].list.type) if arg.type_list_attr in attrs else 0
+    return 1
+
+
+def _arg_dtypes(arg, attrs):
+    if arg.number_attr:
+        dt = arg.type if arg.type else attrs[arg.type_attr].type if arg.type_attr in attrs else 0
+        return [dt] * _arg_length(arg, attrs)
+    if arg.type_list_attr:
+        return list(attrs[arg.type_list_attr].list.type) if arg.type_list_attr in attrs else []
+    if arg.type:
+        return [arg.type]
+    return [attrs[arg.type_attr].type if arg.type_attr in attrs else 0]
+
+
+def input_arg_slices(node):
+    """{arg name: (first position, count)} for this node's data inputs."""
+    od = require_op_def(node)
+    out, pos = {}, 0
+    attrs = node.attr
+    for arg in od.input_arg:
+        n = _arg_length(arg, attrs)
+        out[arg.name] = (pos, n)
+        pos += n
+    return out
+
+
+def input_position(node, arg_name):
+    """The data-input position of single argument ``arg_name``, or None if the op has none."""
+    sl = input_arg_slices(node).get(arg_name)
+    if sl is None or sl[1] != 1:
+        return None
+    return sl[0]
+
+
+def input_arg_names(node):
+    """The argument name of each data input position, in order."""
+    od = require_op_def(node)
+    names = []
+    for arg in od.input_arg:
+        names += [arg.name] * _arg_length(arg, node.attr)
+    return names
+
+
+def input_is_ref(node):
+    """Per data-input position: True where the argument is a ref (the op may write it)."""
+    od = require_op_def(node)
+    refs = []
+    for arg in od.input_arg:
+        refs += [arg.is_ref] * _arg_length(arg, node.attr)
+    return refs
+
+
+def output_dtypes(node):
+    """The dtype enum of each output (refs reported as their base type + 100)."""
+    od = require_op_def(node)
+    dts = []
+    for arg in od.output_arg:
+        for dt in _arg_dtypes(arg, node.attr):
+            dts.append(dt + _REF_OFFSET if arg.is_ref and dt < _REF_OFFSET else dt)
+    return dts
+
+
+def input_dtypes(node):
+    od = require_op_def(node)
+    dts = []
+    for arg in od.input_arg:
+        dts += _arg_dtypes(arg, node.attr)
+    return dts
+
+
+def num_outputs(node):
+    od = require_op_def(node)
+    return sum(_arg_length(arg, node.attr) for arg in od.output_arg)
+
+
+def is_stateful(node):
+    od = op_def(node.op, node.graph.library)
+    return bool(od is not None and getattr(od, "is_stateful", False))
+
+
+def base_dtype(dt):
+    return dt - _REF_OFFSET if dt > _REF_OFFSET else dt
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_defs(op):
+    return tuple(kernels.get_registered_kernels_for_op(op).kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_device_kernel(op, device_type, attr_items):
+    attrs = dict(attr_items)
+    for k in _kernel_defs(op):
+        if k.device_type not in (device_type, "DEFAULT"):
+            continue
+        ok = True
+        for c in k.constraint:
+            allowed = c.allowed_values.list.type
+            if c.name in attrs and allowed and attrs[c.name] not in allowed:
+                ok = False
+                break
+        if ok:
+            return True
+    return False
+
+
+def has_kernel(node, device_type):
+    """True if TensorFlow registers a kernel for this node on ``device_type`` (checking the
+    kernel's dtype constraints). Function calls run wherever their caller runs."""
+    if op_def_registry.get(node.op) is None:
+        return True  # a library function: its body's ops are placed when it runs
+    attr_items = tuple(sorted((k, v.type) for k, v in node.attr.items() if v.WhichOneof("value") == "type"))
+    return _has_device_kernel(node.op, device_type, attr_items)

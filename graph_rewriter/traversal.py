@@ -1,0 +1,122 @@
+"""Graph walks over a GraphItem: topological order, ancestors, descendants, cycles.
+
+v1 while loops are cycles by construction: NextIteration feeds Merge. Those back-edges
+(an input of a Merge whose producer is a NextIteration) are the only cycles TensorFlow
+allows; every walk here ignores them, and ``find_cycle`` reports any other.
+"""
+
+from graph_rewriter.errors import GraphRewriteError
+
+_BACK_EDGE_SOURCES = frozenset(("NextIteration", "RefNextIteration"))
+_MERGES = frozenset(("Merge", "RefMerge"))
+
+
+def is_back_edge(producer, consumer):
+    return consumer.op in _MERGES and producer.op in _BACK_EDGE_SOURCES
+
+
+def _forward_inputs(node):
+    """Producers of ``node`` (data then control) except loop back-edges."""
+    if node.op in _MERGES:
+        prods = [t.node for t in node._inputs if t.node.op not in _BACK_EDGE_SOURCES]
+    else:
+        prods = [t.node for t in node._inputs]
+    prods.extend(node._control_inputs)
+    return prods
+
+
+def topological_order(graph):
+    """Nodes so that producers come before consumers (loop back-edges ignored), stable
+    with respect to the graph's own order. Raises GraphRewriteError on another cycle."""
+    nodes = graph._nodes
+    indeg = {}
+    for n in nodes.values():
+        indeg[n] = len(set(_forward_inputs(n)))
+    ready = [n for n in nodes.values() if indeg[n] == 0]
+    ready.reverse()
+    order = []
+    seen_edges = set()
+    while ready:
+        n = ready.pop()
+        order.append(n)
+        outs = dict.fromkeys([c for c, _ in n._consumers])
+        outs.update(dict.fromkeys(n._control_consumers))
+        for c in outs:
+            if is_back_edge(n, c):
+                continue
+            key = (n, c)
+            if key in seen_edges:
+                continue
+            seen_edges.add(key)
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    if len(order) != len(nodes):
+        cycle = find_cycle(graph)
+        names = " -> ".join(n.name for n in cycle[:8]) if cycle else "unknown"
+        raise GraphRewriteError(
+            f"{graph.source}: the graph has a cycle that is not a while loop: {names}",
+            hint="only v1 loops (NextIteration -> Merge) may form cycles; check the graph's edges")
+    return order
+
+
+def find_cycle(graph):
+    """A list of nodes forming a cycle that is not a loop back-edge, or [] if none."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = {n: WHITE for n in graph._nodes.values()}
+    for root in graph._nodes.values():
+        if color[root] != WHITE:
+            continue
+        stack = [(root, iter(_forward_inputs(root)))]
+        path = [root]
+        color[root] = GREY
+        while stack:
+            node, it = stack[-1]
+            advanced = False
+            for p in it:
+                if color[p] == GREY:
+                    return path[path.index(p):] + [p]
+                if color[p] == WHITE:
+                    color[p] = GREY
+                    stack.append((p, iter(_forward_inputs(p))))
+                    path.append(p)
+                    advanced = True
+                    break
+            if not advanced:
+                color[node] = BLACK
+                stack.pop()
+                path.pop()
+    return []
+
+
+def ancestors(nodes, data_only=False, stop=None):
+    """Every node some of ``nodes`` depends on (excluding themselves unless reached),
+    following data (and control unless data_only) edges backwards; ``stop(node)`` True
+    keeps the walk from going past a node (the node itself is still included)."""
+    seen = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        prods = [t.node for t in n._inputs] if data_only else [t.node for t in n._inputs] + list(n._control_inputs)
+        for p in prods:
+            if p not in seen:
+                seen.add(p)
+                if stop is None or not stop(p):
+                    stack.append(p)
+    return seen
+
+
+def descendants(nodes, data_only=False):
+    """Every node that depends on some of ``nodes`` through data (and control) edges."""
+    seen = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        outs = [c for c, _ in n._consumers]
+        if not data_only:
+            outs += list(n._control_consumers)
+        for c in outs:
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return seen

@@ -167,9 +167,8 @@ def analyze(graph, hints=None):
     supplies the same hints from inside the file.
     """
     hints = dict(_collection_hints(graph), **(hints or {}))
-    if not hints:
-        return graph.cached("analysis", lambda g: _Analyzer(g, {}).run())
-    return _Analyzer(graph, hints).run()
+    key = ("analysis", tuple(sorted((k, str(v)) for k, v in hints.items())))
+    return graph.cached(key, lambda g: _Analyzer(g, hints).run())
 
 
 def _collection_hints(graph):
@@ -300,7 +299,7 @@ class _Analyzer:
                 if c not in region:
                     region.add(c)
                     stack.append(c)
-        return _absorb_exclusive_ancestors(region, keep_out=lambda n: n.op in VARIABLE_OPS)
+        return absorb_exclusive_ancestors(region, keep_out=lambda n: n.op in VARIABLE_OPS)
 
     def _find_input_pipeline(self):
         """tf.data: dataset ops, iterators, their initializers and what only they read."""
@@ -310,7 +309,7 @@ class _Analyzer:
                                      "MultiDeviceIterator"))}
         if not seeds:
             return set()
-        return _absorb_exclusive_ancestors(seeds, keep_out=lambda n: n.op in VARIABLE_OPS)
+        return absorb_exclusive_ancestors(seeds, keep_out=lambda n: n.op in VARIABLE_OPS)
 
     def _find_inputs(self):
         """Batch inputs (split across replicas) and broadcast inputs (shared by all)."""
@@ -533,7 +532,7 @@ def variant_nodes(seeds, cuts):
     return variant
 
 
-def _absorb_exclusive_ancestors(region, keep_out):
+def absorb_exclusive_ancestors(region, keep_out):
     """Grows ``region`` by every ancestor all of whose readers are already in it."""
     region = set(region)
     changed = True

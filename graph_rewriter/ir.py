@@ -183,6 +183,7 @@ class GraphItem:
         self.library = None          # FunctionDefLibrary
         self.meta_graph = None       # MetaGraphDef without its graph_def, or None
         self.source = "<graph>"      # what it was loaded from, for error messages
+        self.replicas = None         # a ReplicaMap once the graph is replicated
         self.version = 0             # bumped by every mutation; keys cached analyses
         self._cache = {}
 
@@ -266,6 +267,39 @@ class GraphItem:
         self._nodes[name] = clone
         self._touch()
         return clone
+
+    def clone_nodes(self, nodes, prefix):
+        """Clones ``nodes`` under ``prefix + name``. Edges between cloned nodes lead to the
+        clones; edges from other nodes (and colocation with them) stay as they were.
+        Returns {original: clone}. One bulk operation: this is the replication hot path."""
+        mapping = {}
+        table = self._nodes
+        for n in nodes:
+            name = prefix + n._name
+            if name in table:
+                raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
+            n._shared_def = True
+            c = Node(self, name, n.op, n.device, n._def, shared_def=True)
+            table[name] = c
+            mapping[n] = c
+        get = mapping.get
+        for n, c in mapping.items():
+            ins = c._inputs
+            for pos, t in enumerate(n._inputs):
+                p = get(t.node, t.node)
+                nt = Tensor(p, t.index)
+                ins.append(nt)
+                p._consumers[(c, pos)] = None
+            if n._control_inputs:
+                cis = c._control_inputs
+                for q in n._control_inputs:
+                    q2 = get(q, q)
+                    cis.append(q2)
+                    q2._control_consumers[c] = None
+            if n._colocate:
+                c._colocate = [get(t, t) if isinstance(t, Node) else t for t in n._colocate]
+        self._touch()
+        return mapping
 
     def rename_node(self, node, new_name):
         if new_name == node._name:

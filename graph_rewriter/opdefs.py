@@ -61,21 +61,72 @@ def _arg_dtypes(arg, attrs):
     return [attrs[arg.type_attr].type if arg.type_attr in attrs else 0]
 
 
+class _ArgInfo:
+    """Per-signature facts about an op's arguments (cached: computed once per op and
+    type attributes, not once per node)."""
+    __slots__ = ("slices", "names", "refs", "in_dtypes", "out_dtypes")
+
+    def __init__(self, od, attrs):
+        self.slices, self.names, self.refs, self.in_dtypes = {}, [], [], []
+        pos = 0
+        for arg in od.input_arg:
+            n = _arg_length(arg, attrs)
+            self.slices[arg.name] = (pos, n)
+            pos += n
+            self.names += [arg.name] * n
+            self.refs += [arg.is_ref] * n
+            self.in_dtypes += _arg_dtypes(arg, attrs)
+        self.out_dtypes = []
+        for arg in od.output_arg:
+            for dt in _arg_dtypes(arg, attrs):
+                self.out_dtypes.append(dt + _REF_OFFSET if arg.is_ref and dt < _REF_OFFSET else dt)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature_attrs(op):
+    od = op_def_registry.get(op)
+    names = set()
+    for arg in list(od.input_arg) + list(od.output_arg):
+        for a in (arg.number_attr, arg.type_attr, arg.type_list_attr):
+            if a:
+                names.add(a)
+    return tuple(sorted(names))
+
+
+def _attr_key(v):
+    kind = v.WhichOneof("value")
+    if kind == "type":
+        return v.type
+    if kind == "i":
+        return v.i
+    if kind == "list":
+        return tuple(v.list.type)
+    return None
+
+
+_INFO_CACHE = {}
+
+
+def _info(node):
+    if op_def_registry.get(node.op) is None:
+        return _ArgInfo(require_op_def(node), node.attr)
+    attrs = node.attr
+    key = (node.op,) + tuple(_attr_key(attrs[a]) if a in attrs else None
+                             for a in _signature_attrs(node.op))
+    info = _INFO_CACHE.get(key)
+    if info is None:
+        info = _INFO_CACHE[key] = _ArgInfo(op_def_registry.get(node.op), attrs)
+    return info
+
+
 def input_arg_slices(node):
     """{arg name: (first position, count)} for this node's data inputs."""
-    od = require_op_def(node)
-    out, pos = {}, 0
-    attrs = node.attr
-    for arg in od.input_arg:
-        n = _arg_length(arg, attrs)
-        out[arg.name] = (pos, n)
-        pos += n
-    return out
+    return _info(node).slices
 
 
 def input_position(node, arg_name):
     """The data-input position of single argument ``arg_name``, or None if the op has none."""
-    sl = input_arg_slices(node).get(arg_name)
+    sl = _info(node).slices.get(arg_name)
     if sl is None or sl[1] != 1:
         return None
     return sl[0]
@@ -83,43 +134,25 @@ def input_position(node, arg_name):
 
 def input_arg_names(node):
     """The argument name of each data input position, in order."""
-    od = require_op_def(node)
-    names = []
-    for arg in od.input_arg:
-        names += [arg.name] * _arg_length(arg, node.attr)
-    return names
+    return _info(node).names
 
 
 def input_is_ref(node):
     """Per data-input position: True where the argument is a ref (the op may write it)."""
-    od = require_op_def(node)
-    refs = []
-    for arg in od.input_arg:
-        refs += [arg.is_ref] * _arg_length(arg, node.attr)
-    return refs
+    return _info(node).refs
 
 
 def output_dtypes(node):
     """The dtype enum of each output (refs reported as their base type + 100)."""
-    od = require_op_def(node)
-    dts = []
-    for arg in od.output_arg:
-        for dt in _arg_dtypes(arg, node.attr):
-            dts.append(dt + _REF_OFFSET if arg.is_ref and dt < _REF_OFFSET else dt)
-    return dts
+    return _info(node).out_dtypes
 
 
 def input_dtypes(node):
-    od = require_op_def(node)
-    dts = []
-    for arg in od.input_arg:
-        dts += _arg_dtypes(arg, node.attr)
-    return dts
+    return _info(node).in_dtypes
 
 
 def num_outputs(node):
-    od = require_op_def(node)
-    return sum(_arg_length(arg, node.attr) for arg in od.output_arg)
+    return len(_info(node).out_dtypes)
 
 
 def is_stateful(node):

@@ -1,0 +1,34 @@
+"""graph_rewriter: rewrites a single-device TensorFlow 1 training GraphDef into the
+distributed data-parallel GraphDef that trains it on many devices and machines.
+
+    import graph_rewriter as gr
+    result = gr.rewrite("train.pb", devices_per_worker=4)
+    with gr.Session(result) as sess:
+        sess.run("init")
+        sess.run(["loss:0", "train_op"], feed_dict={"x:0": x, "y:0": y})
+
+The public names (API.md): rewrite, load, Session, start_server, GraphRewriteError.
+TensorFlow is imported lazily, so `import graph_rewriter` and the CLI's argument
+checks stay fast.
+"""
+
+from graph_rewriter.errors import GraphRewriteError
+
+__version__ = "0.1.0"
+__all__ = ["rewrite", "load", "Session", "start_server", "GraphRewriteError", "Plan"]
+
+
+def __getattr__(name):
+    if name in ("rewrite", "load", "RewriteResult"):
+        from graph_rewriter import api as _api
+        return getattr(_api, name)
+    if name == "Session":
+        from graph_rewriter.session import Session
+        return Session
+    if name == "start_server":
+        from graph_rewriter.server import start_server
+        return start_server
+    if name == "Plan":
+        from graph_rewriter.plan import Plan
+        return Plan
+    raise AttributeError(f"module 'graph_rewriter' has no attribute {name!r}")

@@ -1,0 +1,152 @@
+"""``rewrite()``: load a single-device training graph, run the strategy's passes, and
+return the distributed GraphDef with everything needed to run it (``RewriteResult``)."""
+
+import json
+import os
+import time
+
+from graph_rewriter import graph_io
+from graph_rewriter.cluster import parse_cluster
+from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_TIMEOUT_SECONDS, Options, RewriteContext
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.metadata import METADATA_NODE, read_metadata
+from graph_rewriter.pass_manager import PassManager
+from graph_rewriter.plan import Plan
+from graph_rewriter.verifier import verify
+
+
+class RewriteResult:
+    """What ``rewrite`` returns and ``load`` reads back."""
+
+    def __init__(self, graph_def, metadata, meta_graph=None, timings=None):
+        self.graph_def = graph_def
+        self.metadata = metadata
+        self.meta_graph = meta_graph      # MetaGraphDef parts of the input, if it was one
+        self.timings = timings or []      # (step, seconds, modified)
+
+    @property
+    def num_replicas(self):
+        return self.metadata["num_replicas"]
+
+    @property
+    def plan(self):
+        return Plan.from_dict(self.metadata["plan"])
+
+    @property
+    def devices(self):
+        return list(self.metadata["replica_devices"])
+
+    def save(self, path):
+        """Writes ONE file (binary GraphDef; text for .pbtxt; MetaGraphDef for .meta)."""
+        path = os.fspath(path)
+        if path.endswith(".meta"):
+            from tensorflow.core.protobuf import meta_graph_pb2
+            mg = meta_graph_pb2.MetaGraphDef()
+            if self.meta_graph is not None:
+                mg.CopyFrom(self.meta_graph)
+            mg.graph_def.CopyFrom(self.graph_def)
+            message = mg
+        else:
+            message = self.graph_def
+        graph_io.write_atomic(path, graph_io.serialize(message, path))
+        return path
+
+    def summary(self):
+        """A few readable lines: replicas, devices, gradients, packs, time."""
+        plan = self.metadata["plan"]
+        cuts = plan["cuts"]
+        dense = [c for c in cuts if c["sync"] == "allreduce"]
+        sparse = [c for c in cuts if c["sync"] == "allgather"]
+        lines = [
+            f"strategy {plan['strategy']}: {self.num_replicas} replica(s) on "
+            f"{', '.join(self.devices)}",
+            f"variables: {len(plan['variables'])} ({sum(v['role'] == 'trainable' for v in plan['variables'])} trainable), "
+            f"gradients: {len(dense)} allreduced in {len(plan['packs'])} pack(s), {len(sparse)} allgathered",
+            f"batch inputs split across replicas: {', '.join(plan['batch_inputs']) or 'none'}",
+            f"nodes: {len(self.graph_def.node)}",
+        ]
+        total = sum(s for name, s, _ in self.timings if name != "verify")
+        if self.timings:
+            lines.append(f"time: {total * 1000:.0f} ms "
+                         f"(verify {sum(s for n, s, _ in self.timings if n == 'verify') * 1000:.0f} ms)")
+        return "\n".join(lines)
+
+
+def pipeline(options, cluster):
+    """The passes a strategy runs, in order (data: nothing else decides the order)."""
+    import passes
+    if options.strategy in ("ps", "hybrid", "auto"):
+        raise GraphRewriteError(
+            f"strategy '{options.strategy}' is not available in this version of graph_rewriter",
+            hint="use strategy='allreduce'")
+    if cluster.num_workers > 1 or cluster.task is not None:
+        raise GraphRewriteError(
+            "rewriting for several workers is not available in this version of graph_rewriter",
+            hint="give a cluster with one worker (or none) and use devices_per_worker")
+    return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
+            passes.MirrorVariablesPass(), passes.AllReducePass(), passes.AllGatherPass(),
+            passes.PlacePass(), passes.MetadataPass()]
+
+
+def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_worker=1,
+            device_type="GPU", task=None, bytes_per_pack=DEFAULT_BYTES_PER_PACK,
+            compression=None, sparse_as_dense=False, merge=None, gradients=None,
+            timeout_seconds=DEFAULT_TIMEOUT_SECONDS, verify_each=True, dump_after=(),
+            dump_dir=".", log=None):
+    """Rewrites a single-device training graph for data-parallel training.
+
+    See API.md for the contract. Beyond it: ``bytes_per_pack`` (dense gradients are
+    packed into same-dtype buffers of at most this size; 0 = one per dtype),
+    ``compression`` ("fp16"/"bf16": cast before the allreduce, back after),
+    ``sparse_as_dense`` (allreduce sparse gradients as dense tensors), ``gradients``
+    ({variable: tensor} hints for custom optimizers), ``timeout_seconds`` (a collective
+    waiting longer for a peer fails the step instead of hanging), ``verify_each`` (run
+    the verifier after every pass), ``dump_after`` (pass names; write the graph after
+    them into ``dump_dir``), ``log`` (a callable receiving progress lines).
+    """
+    started = time.perf_counter()
+    plan = None
+    if isinstance(strategy, Plan):
+        plan, strategy = strategy, strategy.strategy
+    elif isinstance(strategy, (str, os.PathLike)) and os.fspath(strategy).endswith(".json"):
+        path = os.fspath(strategy)
+        plan = Plan.from_json(graph_io.read_file(path).decode("utf-8", "replace"), path)
+        strategy = plan.strategy
+    options = Options(
+        strategy=strategy, devices_per_worker=devices_per_worker, device_type=device_type,
+        bytes_per_pack=bytes_per_pack, compression=compression, sparse_as_dense=sparse_as_dense,
+        merge=dict(merge or {}), gradients=dict(gradients or {}), timeout_seconds=timeout_seconds,
+        verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir).validate()
+    cluster = parse_cluster(cluster_spec, task)
+    ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)
+    passes = pipeline(options, cluster)
+    t0 = time.perf_counter()
+    graph = graph_io.load_graph(graph_def)
+    if METADATA_NODE in graph:
+        raise GraphRewriteError(
+            f"{graph.source} is already the output of graph-rewrite",
+            hint="rewrite the original single-device graph")
+    ctx.timings.append(("load", time.perf_counter() - t0, False))
+    ctx.info(f"loaded {graph.source}: {len(graph)} nodes in {(time.perf_counter() - t0) * 1000:.1f} ms")
+    manager = PassManager(passes, verifier=verify, verify_each=options.verify,
+                          dump_after=options.dump_after, dump_dir=options.dump_dir)
+    manager.run(graph, ctx)
+    t0 = time.perf_counter()
+    out = graph_io.to_graph_def(graph)
+    ctx.timings.append(("export", time.perf_counter() - t0, False))
+    metadata = read_metadata(out)
+    ctx.info(f"rewrite done: {len(out.node)} nodes in {(time.perf_counter() - started) * 1000:.1f} ms")
+    return RewriteResult(out, metadata, meta_graph=graph.meta_graph, timings=ctx.timings)
+
+
+def load(path):
+    """Reads a rewritten graph written by ``RewriteResult.save`` or the CLI."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    item = graph_io.load_graph(path)
+    gd = graph_io.to_graph_def(item)
+    metadata = read_metadata(gd, os.fspath(path) if isinstance(path, (str, os.PathLike)) else "graph")
+    meta = None
+    if item.meta_graph is not None:
+        meta = meta_graph_pb2.MetaGraphDef()
+        meta.CopyFrom(item.meta_graph)
+    return RewriteResult(gd, metadata, meta_graph=meta)

@@ -1,0 +1,60 @@
+"""Collective group and instance keys, and the collective ops themselves.
+
+Keys derive from the plan and the devices alone, so every worker of a between-graph
+run computes the same keys without talking, and two different rewritten graphs on the
+same servers do not reuse each other's instance keys (which TensorFlow would mistake for
+one collective with mismatched shapes). Instances are numbered in one canonical order:
+the dense packs, then three per sparse gradient (sizes, values, indices).
+"""
+
+import hashlib
+
+from graph_rewriter.op_builder import const, make_op
+
+_INSTANCE_SLOTS = 1 << 13
+
+
+def _digest(text):
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def group_key(devices):
+    """One group per ordered device set: 1 .. 2**30."""
+    return _digest("group|" + "|".join(devices)) % ((1 << 30) - 1) + 1
+
+
+def instance_base(plan):
+    return (_digest("instances|" + plan.to_json()) % (1 << 17)) * _INSTANCE_SLOTS + 1
+
+
+def dense_instance_key(plan, pack_index):
+    return instance_base(plan) + pack_index
+
+
+def sparse_instance_keys(plan, cut_position):
+    """(sizes, values, indices) instance keys of the cut_position-th allgathered cut."""
+    first = instance_base(plan) + len(plan.packs) + 3 * cut_position
+    return first, first + 1, first + 2
+
+
+def _key_inputs(graph, scope, group_size, gkey, ikey, device):
+    return [const(graph, f"{scope}/group_size", group_size, "int32", device),
+            const(graph, f"{scope}/group_key", gkey, "int32", device),
+            const(graph, f"{scope}/instance_key", ikey, "int32", device)]
+
+
+def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):
+    """CollectiveReduceV2 summing ``tensor`` over the group and dividing by its size."""
+    inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
+    return make_op(graph, "CollectiveReduceV2", f"{scope}/all_reduce", inputs,
+                   attrs={"merge_op": "Add", "final_op": "Div", "communication_hint": "auto",
+                          "timeout_seconds": float(timeout)},
+                   device=device, control_inputs=control_inputs)
+
+
+def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):
+    """CollectiveGatherV2: every member's ``tensor`` (same shape) stacked along axis 0."""
+    inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
+    return make_op(graph, "CollectiveGatherV2", f"{scope}/all_gather", inputs,
+                   attrs={"communication_hint": "auto", "timeout_seconds": float(timeout)},
+                   device=device, control_inputs=control_inputs)

@@ -1,0 +1,81 @@
+"""The explicit configuration a rewrite carries through its passes (no globals).
+
+``Options`` holds what the user asked for, validated once; ``RewriteContext`` adds what
+the pipeline derives on the way (the cluster, the plan, timings, a log function).
+"""
+
+import dataclasses
+import typing
+
+from graph_rewriter.errors import GraphRewriteError
+
+STRATEGIES = ("allreduce", "ps", "hybrid", "auto")
+DEVICE_TYPES = ("GPU", "CPU")
+COMPRESSIONS = (None, "fp16", "bf16")
+MERGES = ("sum", "mean", "concat", "master")
+DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
+DEFAULT_TIMEOUT_SECONDS = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    strategy: str = "allreduce"
+    devices_per_worker: int = 1
+    device_type: str = "GPU"
+    bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
+    compression: typing.Optional[str] = None
+    sparse_as_dense: bool = False
+    merge: dict = dataclasses.field(default_factory=dict)
+    gradients: dict = dataclasses.field(default_factory=dict)
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    verify: bool = True
+    dump_after: tuple = ()
+    dump_dir: str = "."
+
+    def validate(self):
+        if self.strategy not in STRATEGIES:
+            raise GraphRewriteError(
+                f"unknown strategy {self.strategy!r}", hint=f"use one of {', '.join(STRATEGIES)}")
+        if isinstance(self.devices_per_worker, bool) or not isinstance(self.devices_per_worker, int):
+            raise GraphRewriteError(
+                f"devices_per_worker must be an integer >= 1, got {self.devices_per_worker!r}")
+        if self.devices_per_worker < 1:
+            raise GraphRewriteError(
+                f"devices_per_worker must be >= 1, got {self.devices_per_worker}",
+                hint="give the number of GPUs (or CPU replicas) per machine")
+        if self.device_type not in DEVICE_TYPES:
+            raise GraphRewriteError(
+                f"unknown device type {self.device_type!r}", hint="use GPU or CPU")
+        if self.compression not in COMPRESSIONS:
+            raise GraphRewriteError(
+                f"unknown compression {self.compression!r}", hint="use fp16, bf16 or none")
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise GraphRewriteError(
+                f"bytes_per_pack must be a non-negative integer (0: one pack per dtype), got {self.bytes_per_pack!r}")
+        if not (isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds >= 0):
+            raise GraphRewriteError(
+                f"timeout_seconds must be a number >= 0 (0 waits forever), got {self.timeout_seconds!r}")
+        for name, how in self.merge.items():
+            if how not in MERGES:
+                raise GraphRewriteError(
+                    f"merge for '{name}' is {how!r}", hint=f"use one of {', '.join(MERGES)}")
+        return self
+
+
+@dataclasses.dataclass
+class RewriteContext:
+    """What every pass may read: the options, the cluster, the plan, and a logger."""
+    options: Options
+    cluster: object
+    plan: object = None
+    log: typing.Callable = None
+    timings: list = dataclasses.field(default_factory=list)  # (pass name, seconds, modified)
+    passes_run: list = dataclasses.field(default_factory=list)
+
+    @property
+    def num_replicas(self):
+        return self.options.devices_per_worker * self.cluster.num_workers
+
+    def info(self, message):
+        if self.log is not None:
+            self.log(message)

@@ -1,0 +1,27 @@
+"""The metadata a rewritten graph carries in itself (one Const node of JSON), so that one
+file holds everything the Session wrapper and `graph-rewrite inspect` need."""
+
+import json
+
+from graph_rewriter.errors import GraphRewriteError
+
+METADATA_NODE = "graph_rewriter/metadata"
+METADATA_FORMAT = "graph_rewriter.metadata/1"
+
+
+def read_metadata(graph_def, source="graph"):
+    """The metadata dict of a rewritten GraphDef; a clear error if it has none."""
+    for node in reversed(graph_def.node):
+        if node.name == METADATA_NODE:
+            try:
+                doc = json.loads(node.attr["value"].tensor.string_val[0].decode("utf-8"))
+            except (IndexError, ValueError) as e:
+                raise GraphRewriteError(f"{source}: its graph_rewriter metadata is damaged ({e})") from None
+            if doc.get("format") != METADATA_FORMAT:
+                raise GraphRewriteError(
+                    f"{source}: written by an incompatible graph_rewriter (metadata format "
+                    f"{doc.get('format')!r}, expected {METADATA_FORMAT!r})")
+            return doc
+    raise GraphRewriteError(
+        f"{source} was not written by graph-rewrite (it has no '{METADATA_NODE}' node)",
+        hint="rewrite the graph first, or pass the file that `graph-rewrite IN OUT` wrote")

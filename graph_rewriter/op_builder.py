@@ -1,0 +1,108 @@
+"""Creating TensorFlow ops as IR nodes, with their type attributes taken from the OpDef.
+
+``make_op(graph, "ConcatV2", name, [[a, b], axis])`` fills ``T``, ``N`` and ``Tidx`` from
+the inputs' dtypes and the OpDef's argument declarations, and every other attribute from
+the OpDef's defaults unless given, so a pass states only what is particular to it.
+List arguments (``number_attr`` or ``type_list_attr``) are passed as python lists.
+"""
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
+
+from graph_rewriter import opdefs
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.ir import Tensor
+
+
+def dtype_of(tensor):
+    """The (base) DataType enum of a tensor of the IR."""
+    return opdefs.base_dtype(opdefs.output_dtypes(tensor.node)[tensor.index])
+
+
+def _attr_value(value):
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    a = attr_value_pb2.AttrValue()
+    if isinstance(value, dtypes.DType):
+        a.type = value.as_datatype_enum
+    elif isinstance(value, bool):
+        a.b = value
+    elif isinstance(value, int):
+        a.i = value
+    elif isinstance(value, float):
+        a.f = value
+    elif isinstance(value, (str, bytes)):
+        a.s = value.encode() if isinstance(value, str) else value
+    elif isinstance(value, (list, tuple)):
+        if all(isinstance(v, dtypes.DType) for v in value):
+            a.list.type.extend(v.as_datatype_enum for v in value)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            a.list.i.extend(value)
+        elif all(isinstance(v, (str, bytes)) for v in value):
+            a.list.s.extend(v.encode() if isinstance(v, str) else v for v in value)
+        else:
+            raise TypeError(f"unsupported list attr {value!r}")
+    else:
+        raise TypeError(f"unsupported attr {value!r}")
+    return a
+
+
+def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inputs=(),
+            colocate_with=(), type_attrs=None):
+    """A new node of ``op_type`` named ``graph.unique_name(name)``.
+
+    ``type_attrs`` gives dtype enums for type attrs that cannot be read off inputs
+    (an op's output type); everything else comes from the inputs or the OpDef defaults.
+    """
+    od = op_def_registry.get(op_type)
+    if od is None:
+        raise GraphRewriteError(f"op '{op_type}' is not registered in this TensorFlow")
+    given = dict(attrs or {})
+    values = {}
+    flat = []
+    if len(inputs) != len(od.input_arg):
+        raise GraphRewriteError(
+            f"internal: {op_type} takes {len(od.input_arg)} arguments, got {len(inputs)}")
+    for arg, value in zip(od.input_arg, inputs):
+        if arg.number_attr or arg.type_list_attr:
+            items = list(value)
+            flat += items
+            if arg.number_attr:
+                values.setdefault(arg.number_attr, len(items))
+                if arg.type_attr and items:
+                    values.setdefault(arg.type_attr, dtypes.as_dtype(dtype_of(items[0])))
+            else:
+                values.setdefault(arg.type_list_attr, [dtypes.as_dtype(dtype_of(t)) for t in items])
+        else:
+            flat.append(value)
+            if arg.type_attr:
+                values.setdefault(arg.type_attr, dtypes.as_dtype(dtype_of(value)))
+    for k, v in (type_attrs or {}).items():
+        values[k] = dtypes.as_dtype(v)
+    values.update(given)
+    node = graph.add_node(graph.unique_name(name), op_type, inputs=flat,
+                          control_inputs=control_inputs, device=device, colocate_with=colocate_with)
+    for a in od.attr:
+        if a.name in values:
+            node.set_attr(a.name, _attr_value(values[a.name]))
+        elif a.HasField("default_value"):
+            node.set_attr(a.name, a.default_value)
+    for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
+        if k.startswith("_"):
+            node.set_attr(k, _attr_value(v))
+    return node
+
+
+def const(graph, name, value, dtype, device=""):
+    """A Const node holding ``value`` (anything numpy converts) as ``dtype``; returns its Tensor."""
+    dt = dtypes.as_dtype(dtype)
+    proto = tensor_util.make_tensor_proto(np.asarray(value, dtype=dt.as_numpy_dtype), dtype=dt)
+    node = graph.add_node(graph.unique_name(name), "Const", device=device)
+    node.set_attr("dtype", _attr_value(dt))
+    node.set_attr("value", attr_value_pb2.AttrValue(tensor=proto))
+    return Tensor(node, 0)
+
+
+def out(node, index=0):
+    return Tensor(node, index)

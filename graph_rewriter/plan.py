@@ -1,0 +1,188 @@
+"""The plan: every per-variable decision of a rewrite, as data a user can read and edit.
+
+A plan is made from the analysis and the options (``make_plan``), carried in the
+rewrite context, applied by the passes, and returned as ``result.plan``. It serialises to
+JSON (``to_json``/``Plan.from_json``); ``graph-rewrite plan`` prints one and
+``--plan FILE`` applies an edited one, after ``check_plan`` has compared it with the graph.
+"""
+
+import dataclasses
+import json
+
+from tensorflow.python.framework import dtypes
+
+from graph_rewriter.errors import GraphRewriteError
+
+PLAN_FORMAT = "graph_rewriter.plan/1"
+DENSE_SYNCS = ("allreduce",)
+SPARSE_SYNCS = ("allgather", "allreduce")  # allreduce on a sparse gradient = sparse_as_dense
+
+
+@dataclasses.dataclass
+class CutPlan:
+    """How one gradient (or state update) is synchronised across replicas."""
+    variable: str
+    kind: str                   # "dense" | "sparse"
+    values: str                 # tensor name in the original graph
+    indices: str = None
+    deduplicated: bool = False
+    linear: bool = False
+    role: str = "gradient"      # "gradient" | "state"
+    source: str = "fused-op"
+    sync: str = "allreduce"     # "allreduce" | "allgather"
+    dtype: str = "float32"
+    shape: list = None
+    bytes: int = None
+    pack: int = None            # index into Plan.packs for allreduced cuts
+    variables: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PackPlan:
+    dtype: str
+    cuts: list                  # variable names, in issue order
+    bytes: int
+
+
+@dataclasses.dataclass
+class VariablePlan:
+    name: str
+    role: str
+    dtype: str
+    shape: list
+    bytes: int
+    placement: str = "mirrored"  # a copy per replica
+    slot_of: str = None
+    initializer: str = None      # the assign that initializes it (replicas copy the master)
+
+
+@dataclasses.dataclass
+class Plan:
+    strategy: str
+    num_replicas: int
+    devices_per_worker: int
+    device_type: str
+    variables: list
+    cuts: list
+    packs: list
+    batch_inputs: list
+    broadcast_inputs: list
+    step_counters: list
+    compression: str = None
+    fingerprint: str = ""       # of the single-device graph: keeps collective keys apart
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d = {"format": PLAN_FORMAT, **d}
+        return d
+
+    def to_json(self):
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, d, source="plan"):
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise GraphRewriteError(f"{source}: not a graph_rewriter plan (expected \"format\": \"{PLAN_FORMAT}\")")
+        try:
+            return cls(
+                strategy=d["strategy"], num_replicas=d["num_replicas"],
+                devices_per_worker=d["devices_per_worker"], device_type=d["device_type"],
+                variables=[VariablePlan(**v) for v in d["variables"]],
+                cuts=[CutPlan(**c) for c in d["cuts"]],
+                packs=[PackPlan(**p) for p in d["packs"]],
+                batch_inputs=list(d["batch_inputs"]), broadcast_inputs=list(d["broadcast_inputs"]),
+                step_counters=list(d["step_counters"]), compression=d.get("compression"),
+                fingerprint=d.get("fingerprint", ""))
+        except (KeyError, TypeError) as e:
+            raise GraphRewriteError(f"{source}: malformed plan: {e}") from None
+
+    @classmethod
+    def from_json(cls, text, source="plan"):
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GraphRewriteError(f"{source}: not valid JSON: {e.msg} at line {e.lineno}") from None
+        return cls.from_dict(d, source)
+
+    def cut(self, variable):
+        for c in self.cuts:
+            if c.variable == variable:
+                return c
+        return None
+
+
+def dtype_name(enum):
+    return dtypes.as_dtype(enum).base_dtype.name
+
+
+def make_plan(analysis, options, num_replicas):
+    """The default plan for the options' strategy over this analysis."""
+    cuts = []
+    for c in analysis.cuts:
+        var = analysis.variables[c.variable]
+        sync = "allreduce" if c.kind == "dense" or options.sparse_as_dense else "allgather"
+        cuts.append(CutPlan(
+            variable=c.variable, kind=c.kind, values=c.values.name,
+            indices=c.indices.name if c.indices is not None else None,
+            deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
+            sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
+            variables=list(c.variables)))
+    variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
+                              bytes=v.nbytes, slot_of=v.slot_of)
+                 for v in analysis.variables.values()]
+    plan = Plan(
+        strategy=options.strategy, num_replicas=num_replicas,
+        devices_per_worker=options.devices_per_worker, device_type=options.device_type,
+        variables=variables, cuts=cuts, packs=[],
+        batch_inputs=[t.name for t in analysis.batch_inputs],
+        broadcast_inputs=[t.name for t in analysis.broadcast_inputs],
+        step_counters=list(analysis.step_counters), compression=options.compression)
+    assign_packs(plan, options.bytes_per_pack)
+    return plan
+
+
+def assign_packs(plan, bytes_per_pack):
+    """Groups allreduced cuts into same-dtype packs of at most ``bytes_per_pack`` bytes
+    (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
+    first are issued first, so communication overlaps the rest of backprop."""
+    plan.packs = []
+    open_pack = {}
+    for c in plan.cuts:
+        c.pack = None
+        if c.sync != "allreduce":
+            continue
+        size = c.bytes
+        p = open_pack.get(c.dtype)
+        if p is None or size is None or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):
+            p = PackPlan(dtype=c.dtype, cuts=[], bytes=0)
+            plan.packs.append(p)
+            open_pack[c.dtype] = p if size is not None else None
+        p.cuts.append(c.variable)
+        p.bytes += size or 0
+        c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)
+
+
+def check_plan(plan, analysis, options, num_replicas):
+    """Compares a given (possibly hand-edited) plan with the graph; names what differs."""
+    if plan.num_replicas != num_replicas:
+        raise GraphRewriteError(
+            f"the plan is for {plan.num_replicas} replicas, but the options give {num_replicas}",
+            hint="make the plan again with the same cluster and devices_per_worker")
+    known = {c.variable: c for c in analysis.cuts}
+    for c in plan.cuts:
+        found = known.get(c.variable)
+        if found is None:
+            raise GraphRewriteError(
+                f"the plan names variable '{c.variable}', which has no gradient in this graph")
+        allowed = DENSE_SYNCS if c.kind == "dense" else SPARSE_SYNCS
+        if c.sync not in allowed:
+            raise GraphRewriteError(
+                f"plan: variable '{c.variable}' has sync {c.sync!r}; a {c.kind} gradient "
+                f"allows {', '.join(allowed)}")
+    missing = set(known) - {c.variable for c in plan.cuts}
+    if missing:
+        raise GraphRewriteError(
+            f"the plan has no entry for variable '{sorted(missing)[0]}'",
+            hint="make the plan from this graph with `graph-rewrite plan`")
+    assign_packs(plan, options.bytes_per_pack)
+    return plan

@@ -1,0 +1,35 @@
+"""start_server: a TensorFlow server configured for what ``rewrite`` emits."""
+
+import tensorflow as tf
+
+from graph_rewriter.cluster import parse_cluster
+from graph_rewriter.errors import GraphRewriteError
+
+
+def server_config(cluster, device_type="GPU", devices_per_worker=1):
+    """The ConfigProto a server of this cluster needs: CPU device count for CPU replicas,
+    the collective group leader, and enough inter-op threads that replicas waiting in
+    collectives cannot starve the ops they wait for."""
+    config = tf.compat.v1.ConfigProto()
+    if device_type == "CPU":
+        config.device_count["CPU"] = devices_per_worker
+    leader_job, leader_index = cluster.compute_tasks[0]
+    config.experimental.collective_group_leader = f"/job:{leader_job}/replica:0/task:{leader_index}"
+    config.inter_op_parallelism_threads = max(4, devices_per_worker * cluster.num_workers + 2)
+    return config
+
+
+def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1, start=True):
+    """Starts (and returns) the tf.distribute.Server for ``task`` of ``cluster_spec``."""
+    cluster = parse_cluster(cluster_spec, task)
+    if cluster.is_local or cluster.task is None:
+        raise GraphRewriteError("start_server needs a cluster spec and a task in it, e.g. worker:0")
+    job, index = cluster.task
+    try:
+        return tf.distribute.Server(
+            tf.train.ClusterSpec(cluster.jobs), job_name=job, task_index=index,
+            config=server_config(cluster, device_type, devices_per_worker), start=start)
+    except (tf.errors.OpError, ValueError, RuntimeError) as e:
+        raise GraphRewriteError(
+            f"cannot start the server for {job}:{index} at {cluster.jobs[job][index]}: "
+            f"{str(e).splitlines()[0]}", hint="check that the port is free and the address is this machine's") from None

@@ -1,0 +1,177 @@
+"""Session: a tf.compat.v1.Session that runs a rewritten graph with the original names.
+
+- Feeds: the original placeholders; the graph itself splits a batch across replicas.
+  A batch smaller than the replica count, or one that does not divide evenly, is
+  rejected here with a GraphRewriteError naming the input, before TensorFlow runs.
+- Fetches (strings "op" or "op:0", tf.Tensor/tf.Operation, or nested lists, tuples and
+  dicts of them): an op runs on every replica; a tensor that depends on the batch is
+  merged across replicas (a scalar averaged, a tensor with the batch as its first
+  dimension concatenated, anything else taken from replica 0); the rewrite's ``merge``
+  option overrides per tensor. Everything else comes from replica 0.
+- Config: the ConfigProto is completed with what the graph needs (CPU device count for
+  CPU replicas, enough inter-op threads for in-process collectives).
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.ir import split_tensor_name
+
+
+def _load_result(result):
+    from graph_rewriter.api import RewriteResult, load
+    if isinstance(result, RewriteResult):
+        return result
+    if isinstance(result, (str, os.PathLike)):
+        return load(result)
+    raise GraphRewriteError(
+        f"Session needs the result of graph_rewriter.rewrite() or a path to a rewritten graph, "
+        f"got {type(result).__name__}")
+
+
+def session_config(required, config=None):
+    """``config`` (a ConfigProto or None) completed with the graph's requirements."""
+    out = tf.compat.v1.ConfigProto()
+    if config is not None:
+        out.CopyFrom(config)
+    for device, count in required.get("device_count", {}).items():
+        out.device_count[device] = max(out.device_count.get(device, 0), count)
+    threads = required.get("inter_op_parallelism_threads", 0)
+    if threads and 0 < out.inter_op_parallelism_threads < threads:
+        out.inter_op_parallelism_threads = threads
+    elif threads and out.inter_op_parallelism_threads == 0:
+        out.inter_op_parallelism_threads = max(threads, os.cpu_count() or 1)
+    return out
+
+
+class Session(tf.compat.v1.Session):
+    """Runs a RewriteResult (or a path to a saved one) with the original graph's names."""
+
+    def __init__(self, result, target="", config=None):
+        self.result = _load_result(result)
+        md = self.result.metadata
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.import_graph_def(self.result.graph_def, name="")
+        super().__init__(target=target, graph=graph, config=session_config(md["session_config"], config))
+        self._prefixes = md["replica_prefixes"]
+        self._variant = set(md["variant"])
+        self._merge = {_tensor_key(k): v for k, v in md.get("merge", {}).items()}
+        self._batch_inputs = {_tensor_key(n) for n in md["batch_inputs"]}
+        self._num_replicas = md["num_replicas"]
+        self._node_names = {n.name for n in self.result.graph_def.node}
+
+    @property
+    def num_replicas(self):
+        return self._num_replicas
+
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        feeds = self._check_feeds(feed_dict)
+        flat = []
+        plan = self._plan(fetches, flat)
+        values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
+        return _build(plan, values)
+
+    # ----- feeds -----------------------------------------------------------------
+    def _check_feeds(self, feed_dict):
+        if not feed_dict:
+            return feed_dict
+        out = {}
+        for key, value in feed_dict.items():
+            name = key if isinstance(key, str) else getattr(key, "name", None)
+            if name is None:
+                raise GraphRewriteError(f"feed key {key!r} is not a tensor name or a tf.Tensor")
+            tname = _tensor_key(name)
+            if tname in self._batch_inputs and self._num_replicas > 1:
+                rows = np.shape(value)[0] if np.ndim(value) > 0 else None
+                r = self._num_replicas
+                if rows is None or rows < r:
+                    raise GraphRewriteError(
+                        f"input '{tname}' gets a batch of {rows or 0} row(s), which cannot be split "
+                        f"across {r} replicas", hint=f"feed at least {r} rows")
+                if rows % r:
+                    raise GraphRewriteError(
+                        f"input '{tname}' gets {rows} rows, which do not split evenly across {r} "
+                        f"replicas (the mean of replica means would differ from the batch mean)",
+                        hint=f"feed a multiple of {r} rows")
+            out[tname] = value
+        return out
+
+    # ----- fetches -----------------------------------------------------------------
+    def _plan(self, fetch, flat):
+        if isinstance(fetch, (list, tuple)):
+            items = [self._plan(f, flat) for f in fetch]
+            return ("seq", type(fetch), items)
+        if isinstance(fetch, dict):
+            return ("dict", type(fetch), {k: self._plan(v, flat) for k, v in fetch.items()})
+        name = fetch if isinstance(fetch, str) else getattr(fetch, "name", None)
+        if name is None:
+            raise GraphRewriteError(f"fetch {fetch!r} is not a name, tf.Tensor or tf.Operation")
+        if ":" not in name:  # an op: run every replica's copy
+            names = self._replica_names(name)
+            start = len(flat)
+            flat.extend(names)
+            return ("op", start, len(names))
+        op, index = split_tensor_name(name)
+        if op not in self._variant or len(self._replica_names(op)) == 1:
+            flat.append(name)
+            return ("one", len(flat) - 1)
+        start = len(flat)
+        flat.extend(f"{n}:{index}" for n in self._replica_names(op))
+        how = self._merge.get(_tensor_key(name))
+        if how is None:
+            shape = self.graph.get_tensor_by_name(f"{op}:{index}").shape
+            batch_first = shape.rank is not None and shape.rank >= 1 and shape[0] is None
+            how = "auto-concat" if batch_first else "auto"
+        return ("merge", start, self._num_replicas, how)
+
+    def _replica_names(self, op):
+        if op not in self._node_names:
+            raise GraphRewriteError(f"fetch '{op}' names no node of the rewritten graph")
+        names = [op]
+        for prefix in self._prefixes[1:]:
+            if prefix + op in self._node_names:
+                names.append(prefix + op)
+        return names
+
+
+def _build(plan, values):
+    kind = plan[0]
+    if kind == "seq":
+        items = [_build(p, values) for p in plan[2]]
+        return plan[1](items) if plan[1] in (list, tuple) else plan[1](*items)
+    if kind == "dict":
+        return plan[1]({k: _build(p, values) for k, p in plan[2].items()})
+    if kind == "op":
+        return None
+    if kind == "one":
+        return values[plan[1]]
+    _, start, n, how = plan
+    parts = values[start:start + n]
+    return merge_values(parts, how)
+
+
+def merge_values(parts, how):
+    """Merges one tensor's per-replica values (see the module doc for the rules)."""
+    if how == "master":
+        return parts[0]
+    if how == "sum":
+        return np.sum(np.stack(parts), axis=0)
+    if how == "mean":
+        return np.mean(np.stack(parts), axis=0)
+    if how == "concat":
+        return np.concatenate(parts, axis=0)
+    first = np.asarray(parts[0])
+    if first.ndim == 0:
+        return np.mean(np.stack(parts), axis=0) if first.dtype.kind in "fiuc" else parts[0]
+    if how == "auto-concat":
+        return np.concatenate(parts, axis=0)
+    return parts[0]
+
+
+def _tensor_key(name):
+    op, index = split_tensor_name(name)
+    return f"{op}:{index}"

@@ -1,0 +1,188 @@
+"""Checks the invariants every graph between passes must hold (DESIGN.md, "Verifier").
+
+- node names are unique and every input names an existing output of its producer;
+- there is no cycle except v1 loop back-edges;
+- ops are known to TensorFlow or defined by the graph's function library;
+- devices parse and name a task and a device that exist in the cluster;
+- colocation targets exist;
+- each collective group has one size, members on distinct devices, and each instance
+  key is used once per device (and by no more members than the group has);
+- v1 loop frames and variables' shared_names are never shared between replicas.
+"""
+
+import re
+
+from graph_rewriter import opdefs
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.ir import Node
+from graph_rewriter.traversal import topological_order
+
+_DEVICE = re.compile(
+    r"^(?:/job:(?P<job>[A-Za-z0-9_]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?"
+    r"(?:/device:(?P<type>[A-Za-z_]+):(?P<index>\d+|\*))?$")
+COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2",
+                         "CollectiveBcastRecvV2", "CollectiveReduce", "CollectiveGather",
+                         "CollectiveAllToAllV2", "CollectiveReduceScatterV2"))
+SHARED_RESOURCE_OPS = frozenset(("VarHandleOp", "VariableV2", "HashTableV2", "MutableHashTableV2",
+                                 "FIFOQueueV2", "ConditionalAccumulator",
+                                 "SparseConditionalAccumulator", "ResourceConditionalAccumulator"))
+
+
+def verify(graph, ctx=None):
+    """Raises GraphRewriteError naming the first broken invariant; returns the topological order."""
+    _check_edges(graph)
+    order = topological_order(graph)
+    cluster = ctx.cluster if ctx is not None else None
+    options = ctx.options if ctx is not None else None
+    _check_devices(graph, cluster, options)
+    _check_colocation(graph)
+    _check_collectives(graph)
+    _check_replica_isolation(graph)
+    return order
+
+
+def _check_edges(graph):
+    counts = {}
+    for n in graph._nodes.values():
+        if graph._nodes.get(n._name) is not n:
+            raise GraphRewriteError(f"node '{n.name}' is not registered under its own name")
+        for pos, t in enumerate(n._inputs):
+            p = t.node
+            if graph._nodes.get(p._name) is not p:
+                raise GraphRewriteError(
+                    f"node '{n.name}' input {pos} reads '{p.name}', which is not in the graph")
+            count = counts.get(p)
+            if count is None:
+                count = counts[p] = opdefs.num_outputs(p)  # raises for unknown ops
+            if t.index >= count:
+                raise GraphRewriteError(
+                    f"node '{n.name}' reads '{p.name}:{t.index}', but '{p.name}' ({p.op}) has "
+                    f"{count} output{'s' if count != 1 else ''}")
+        for c in n._control_inputs:
+            if graph._nodes.get(c._name) is not c:
+                raise GraphRewriteError(
+                    f"node '{n.name}' has a control input on '{c.name}', which is not in the graph")
+        if n not in counts:
+            opdefs.require_op_def(n)
+
+
+def _check_devices(graph, cluster, options):
+    seen = {}
+    for n in graph._nodes.values():
+        dev = n.device
+        if not dev:
+            continue
+        ok = seen.get(dev)
+        if ok is None:
+            ok = seen[dev] = _device_problem(dev, cluster, options)
+        if ok:
+            raise GraphRewriteError(f"node '{n.name}' has device '{dev}': {ok}")
+
+
+def _device_problem(dev, cluster, options):
+    norm = re.sub(r"/(gpu|cpu|GPU|CPU):", lambda m: f"/device:{m.group(1).upper()}:", dev)
+    m = _DEVICE.match(norm)
+    if m is None:
+        return "not a TensorFlow device name"
+    if cluster is None or options is None:
+        return None
+    job, task = m.group("job"), m.group("task")
+    if cluster.is_local:
+        if job not in (None, "localhost"):
+            return "names a job, but the rewrite is for this machine only"
+    else:
+        if job is not None and job not in cluster.jobs:
+            return f"job '{job}' is not in the cluster"
+        if job is not None and task is not None and int(task) >= len(cluster.jobs[job]):
+            return f"task {task} does not exist in job '{job}'"
+    dtype, index = m.group("type"), m.group("index")
+    if dtype is None or index == "*":
+        return None
+    if dtype not in ("CPU", "GPU"):
+        return f"device type '{dtype}' is neither CPU nor GPU"
+    if dtype == options.device_type and int(index) >= options.devices_per_worker and int(index) > 0:
+        return f"index {index} exceeds devices_per_worker={options.devices_per_worker}"
+    if dtype == "GPU" and options.device_type == "CPU":
+        return "a GPU device, but the rewrite is for CPU replicas"
+    return None
+
+
+def _check_colocation(graph):
+    for n in graph._nodes.values():
+        for t in n._colocate:
+            if not isinstance(t, Node) or graph._nodes.get(t._name) is not t:
+                name = t if isinstance(t, str) else t.name
+                raise GraphRewriteError(
+                    f"node '{n.name}' is colocated with '{name}', which is not in the graph")
+
+
+def _const_int(t):
+    n = t.node
+    if n.op != "Const":
+        return None
+    tensor = n.attr["value"].tensor
+    vals = list(tensor.int_val) or list(tensor.int64_val)
+    return vals[0] if vals else 0
+
+
+def _check_collectives(graph):
+    groups = {}     # group_key -> (group_size, set of devices)
+    instances = {}  # (group_key, instance_key, device) -> node name
+    members = {}    # (group_key, instance_key) -> count
+    for n in graph._nodes.values():
+        if n.op not in COLLECTIVES:
+            continue
+        if n.op.endswith("V2"):
+            sl = opdefs.input_arg_slices(n)
+            size = _const_int(n._inputs[sl["group_size"][0]])
+            gkey = _const_int(n._inputs[sl["group_key"][0]])
+            ikey = _const_int(n._inputs[sl["instance_key"][0]])
+        else:
+            size, gkey, ikey = n.attr["group_size"].i, n.attr["group_key"].i, n.attr["instance_key"].i
+        if size is None or gkey is None or ikey is None:
+            continue  # computed at run time: nothing to check statically
+        g = groups.setdefault(gkey, (size, set()))
+        if g[0] != size:
+            raise GraphRewriteError(
+                f"collective '{n.name}' gives group {gkey} size {size}, another member gave {g[0]}")
+        g[1].add(n.device)
+        key = (gkey, ikey, n.device)
+        if key in instances:
+            raise GraphRewriteError(
+                f"collectives '{instances[key]}' and '{n.name}' share group {gkey}, instance "
+                f"{ikey} on device '{n.device}'")
+        instances[key] = n.name
+        members[(gkey, ikey)] = members.get((gkey, ikey), 0) + 1
+        if members[(gkey, ikey)] > size:
+            raise GraphRewriteError(
+                f"collective instance {ikey} of group {gkey} has more than its {size} members "
+                f"(at '{n.name}')")
+    for gkey, (size, devices) in groups.items():
+        if len(devices) > size:
+            raise GraphRewriteError(
+                f"collective group {gkey} spans {len(devices)} devices but has size {size}")
+
+
+def _check_replica_isolation(graph):
+    replicas = getattr(graph, "replicas", None)
+    if replicas is None or replicas.num_replicas < 2:
+        return
+    frames = {}
+    shared = {}
+    for n in graph._nodes.values():
+        if n.op in ("Enter", "RefEnter"):
+            frame = n.attr["frame_name"].s
+            r = replicas.replica_of(graph, n._name)
+            other = frames.setdefault(frame, (r, n._name))
+            if other[0] != r:
+                raise GraphRewriteError(
+                    f"loop frame '{frame.decode()}' is entered by '{other[1]}' and '{n.name}', "
+                    f"which belong to different replicas")
+        elif n.op in SHARED_RESOURCE_OPS and "shared_name" in n.attr and n.attr["shared_name"].s:
+            key = (n.device, n.attr["container"].s if "container" in n.attr else b"", n.attr["shared_name"].s)
+            r = replicas.replica_of(graph, n._name)
+            other = shared.setdefault(key, (r, n._name))
+            if other[0] != r:
+                raise GraphRewriteError(
+                    f"'{other[1]}' and '{n.name}' share shared_name "
+                    f"'{key[2].decode()}' on one device, so the replicas would alias one resource")

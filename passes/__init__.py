@@ -1,0 +1,15 @@
+"""The rewrite passes, one module each. A pass reads the IR and the rewrite context
+(options, cluster, plan) and never another pass's module; the pipeline module of
+graph_rewriter puts them in order."""
+
+from passes.plan import PlanPass
+from passes.replicate import ReplicatePass
+from passes.split_inputs import SplitInputsPass
+from passes.mirror_variables import MirrorVariablesPass
+from passes.allreduce import AllReducePass
+from passes.allgather import AllGatherPass
+from passes.place import PlacePass
+from passes.metadata import MetadataPass
+
+__all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass",
+           "AllReducePass", "AllGatherPass", "PlacePass", "MetadataPass"]

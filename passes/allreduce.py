@@ -1,0 +1,133 @@
+"""allreduce: average dense gradients across replicas with one collective per pack.
+
+Per replica, for each pack of same-dtype gradients (the plan's packs, in the order
+backprop produces them):
+
+    g1 ─> Reshape[-1] ─┐
+    g2 ─> Reshape[-1] ─┴─> ConcatV2 ─> [Cast fp16] ─> CollectiveReduceV2(Add, Div)
+        ─> [Cast back] ─> SplitV ─> Reshape(shape of g1) ─> g1's readers
+                                 └> Reshape(shape of g2) ─> g2's readers
+
+Each pack's collective waits for the previous pack's, so every replica issues them in
+the same order (NCCL requires it), while later packs' gradients are still computed.
+Sparse gradients planned as "allreduce" (sparse_as_dense) are first scattered into a
+dense tensor of the variable's shape and handed back as (every row, row ids).
+BatchNorm moving statistics and other batch-dependent state updates are packed and
+averaged the same way.
+"""
+
+from tensorflow.python.framework import dtypes
+
+from graph_rewriter.collectives import all_reduce_mean, dense_instance_key, group_key
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.pass_manager import Pass
+
+_COMPRESS = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+class AllReducePass(Pass):
+    name = "allreduce"
+    requires = frozenset({"replicated", "plan"})
+    ensures = frozenset({"dense_synced"})
+
+    def run(self, graph, ctx):
+        rm, plan = graph.replicas, ctx.plan
+        r = rm.num_replicas
+        if r == 1 or not plan.packs:
+            return False
+        gkey = group_key(rm.devices)
+        cuts = {c.variable: c for c in plan.cuts}
+        for i in range(r):
+            previous = None
+            for p, pack in enumerate(plan.packs):
+                members = [cuts[v] for v in pack.cuts]
+                previous = self._reduce_pack(graph, ctx, i, p, members, gkey,
+                                             dense_instance_key(plan, p), previous)
+        return True
+
+    def _reduce_pack(self, graph, ctx, i, p, cuts, gkey, ikey, previous):
+        rm = graph.replicas
+        device = rm.devices[i]
+        scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
+        sources, flats, sizes, readers = [], [], [], []
+        for cut in cuts:
+            values = rm.tensor(graph, i, cut.values)
+            if cut.kind == "sparse":
+                indices = rm.tensor(graph, i, cut.indices)
+                readers.append((values.node.consumers(values.index), indices.node.consumers(indices.index)))
+                values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
+            else:
+                readers.append((values.node.consumers(values.index), None))
+            sources.append(values)
+            n = _num_elements(cut.shape)
+            if n is None:
+                raise GraphRewriteError(
+                    f"variable '{cut.variable}' has no static shape, which allreduce packing needs",
+                    hint="give the variable a fully defined shape")
+            sizes.append(n)
+            flat = make_op(graph, "Reshape", f"{scope}/flat", [values, const(graph, f"{scope}/minus_one", [-1], "int32", device)],
+                           device=device)
+            flats.append(flat.output(0))
+        packed = flats[0] if len(flats) == 1 else make_op(
+            graph, "ConcatV2", f"{scope}/concat", [flats, const(graph, f"{scope}/axis", 0, "int32", device)],
+            device=device).output(0)
+        wire = dtypes.as_dtype(cuts[0].dtype)
+        compressed = ctx.options.compression and wire.is_floating and wire.size > 2
+        if compressed:
+            packed = make_op(graph, "Cast", f"{scope}/compress", [packed],
+                             attrs={"DstT": dtypes.as_dtype(_COMPRESS[ctx.options.compression])},
+                             device=device).output(0)
+        reduced = all_reduce_mean(graph, scope, packed, rm.num_replicas, gkey, ikey, device,
+                                  ctx.options.timeout_seconds,
+                                  control_inputs=[previous] if previous is not None else [])
+        out = reduced.output(0)
+        if compressed:
+            out = make_op(graph, "Cast", f"{scope}/decompress", [out], attrs={"DstT": wire},
+                          device=device).output(0)
+        if len(cuts) > 1:
+            split = make_op(graph, "SplitV", f"{scope}/split",
+                            [out, const(graph, f"{scope}/sizes", sizes, "int64", device),
+                             const(graph, f"{scope}/split_axis", 0, "int32", device)],
+                            attrs={"num_split": len(cuts)}, device=device)
+            parts = [split.output(k) for k in range(len(cuts))]
+        else:
+            parts = [out]
+        for cut, part, (value_readers, index_readers) in zip(cuts, parts, readers):
+            shaped = make_op(graph, "Reshape", f"{scope}/{cut.variable}/mean",
+                             [part, const(graph, f"{scope}/{cut.variable}/shape", cut.shape, "int64", device)],
+                             device=device).output(0)
+            for c, pos in value_readers:
+                c.set_input(pos, shaped)
+            if index_readers is not None:
+                rows = make_op(graph, "Range", f"{scope}/{cut.variable}/rows",
+                               [const(graph, f"{scope}/zero", 0, _index_dtype(graph, rm, i, cut), device),
+                                const(graph, f"{scope}/num_rows", cut.shape[0], _index_dtype(graph, rm, i, cut), device),
+                                const(graph, f"{scope}/one", 1, _index_dtype(graph, rm, i, cut), device)],
+                               device=device).output(0)
+                for c, pos in index_readers:
+                    c.set_input(pos, rows)
+        return reduced
+
+    def _densify(self, graph, scope, cut, values, indices, device):
+        """The dense gradient of the rows: duplicates summed, untouched rows zero."""
+        if not cut.shape or cut.shape[0] < 0:
+            raise GraphRewriteError(
+                f"sparse_as_dense needs the row count of variable '{cut.variable}', which is not static")
+        return make_op(graph, "UnsortedSegmentSum", f"{scope}/densify",
+                       [values, indices, const(graph, f"{scope}/num_rows", cut.shape[0], "int64", device)],
+                       device=device).output(0)
+
+
+def _index_dtype(graph, rm, i, cut):
+    from graph_rewriter.op_builder import dtype_of
+    return dtypes.as_dtype(dtype_of(rm.tensor(graph, i, cut.indices))).name
+
+
+def _num_elements(shape):
+    if shape is None or any(d < 0 for d in shape):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,59 @@
+"""metadata: record inside the graph what the Session wrapper and `inspect` need.
+
+One Const node, ``graph_rewriter/metadata``, holds JSON: the replicas and their
+devices, the plan, which original nodes differ per replica (for merging fetches), the
+merge overrides, the session configuration the graph needs, and the passes that ran.
+Nothing reads the node, so it never runs; it travels with the GraphDef wherever it goes.
+"""
+
+import json
+
+from graph_rewriter.metadata import METADATA_FORMAT, METADATA_NODE
+from graph_rewriter.op_builder import const
+from graph_rewriter.pass_manager import Pass
+
+
+class MetadataPass(Pass):
+    name = "metadata"
+    requires = frozenset({"placed", "plan"})
+    ensures = frozenset({"metadata"})
+
+    def run(self, graph, ctx):
+        rm = graph.replicas
+        opts = ctx.options
+        doc = {
+            "format": METADATA_FORMAT,
+            "num_replicas": rm.num_replicas,
+            "replica_prefixes": rm.prefixes,
+            "replica_devices": rm.devices,
+            "host_devices": rm.hosts,
+            "device_type": opts.device_type,
+            "devices_per_worker": opts.devices_per_worker,
+            "cluster": ctx.cluster.as_dict(),
+            "task": list(ctx.cluster.task) if ctx.cluster.task else None,
+            "batch_inputs": ctx.plan.batch_inputs,
+            "variant": rm.variant,
+            "merge": dict(opts.merge),
+            "session_config": session_config(ctx),
+            "plan": ctx.plan.to_dict(),
+            "passes": ctx.passes_run + [self.name],
+            "source": graph.source,
+        }
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        if METADATA_NODE in graph:
+            graph.remove_node(graph.node(METADATA_NODE))
+        node = const(graph, METADATA_NODE, text.encode(), "string", rm.global_device).node
+        assert node.name == METADATA_NODE
+        return True
+
+
+def session_config(ctx):
+    """What a tf.compat.v1.ConfigProto must allow for this graph to run."""
+    opts = ctx.options
+    cfg = {}
+    if opts.device_type == "CPU":
+        cfg["device_count"] = {"CPU": opts.devices_per_worker}
+    # Collectives of several in-process replicas block inter-op threads while they wait;
+    # fewer threads than replicas + 1 can deadlock the step.
+    cfg["inter_op_parallelism_threads"] = max(2, opts.devices_per_worker + 2)
+    return cfg

@@ -1,0 +1,57 @@
+"""plan: analyse the single-device graph and decide, per variable, how it is synchronised.
+
+Leaves the graph unchanged; puts the Plan in the context (or checks a given one).
+Rejects graphs that do not train: no variables, or no update that depends on the batch.
+"""
+
+import hashlib
+
+from graph_rewriter.analysis import analyze
+from graph_rewriter.graph_io import to_graph_def
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.pass_manager import Pass
+from graph_rewriter.plan import check_plan, make_plan
+
+
+class PlanPass(Pass):
+    name = "plan"
+    ensures = frozenset({"plan"})
+
+    def run(self, graph, ctx):
+        analysis = analyze(graph, ctx.options.gradients)
+        if not analysis.variables:
+            raise GraphRewriteError(
+                f"{graph.source} has no variables: it looks like an inference graph, and there "
+                "is nothing to train", hint="pass the training graph (with its optimizer)")
+        if not analysis.cuts:
+            raise GraphRewriteError(
+                f"{graph.source} has variables but no optimizer update that depends on the batch "
+                "(no gradient found)",
+                hint="export the graph after calling optimizer.minimize() or apply_gradients()")
+        r = ctx.num_replicas
+        if r > 1 and not analysis.batch_inputs:
+            raise GraphRewriteError(
+                f"{graph.source} has no batch input to split across {r} replicas: expected a "
+                "placeholder with an unknown first dimension or a tf.data iterator output",
+                hint="build inputs with shape [None, ...] (a static batch size is folded into "
+                     "constants by TensorFlow, so it cannot be split)")
+        if ctx.plan is None:
+            ctx.plan = make_plan(analysis, ctx.options, r)
+        else:
+            check_plan(ctx.plan, analysis, ctx.options, r)
+        ctx.plan.fingerprint = graph_fingerprint(graph)
+        for v in analysis.variables.values():
+            init = v.initializer
+            for vp in ctx.plan.variables:
+                if vp.name == v.name:
+                    vp.initializer = init.name if init is not None else None
+        ctx.info(f"plan: {len(analysis.variables)} variables, {len(ctx.plan.cuts)} gradients "
+                 f"({sum(c.kind == 'sparse' for c in ctx.plan.cuts)} sparse), "
+                 f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
+        return False
+
+
+def graph_fingerprint(graph):
+    """A digest of the single-device graph: two different graphs rewritten in one process
+    (or on one cluster) get different collective instance keys."""
+    return hashlib.sha256(to_graph_def(graph).SerializeToString(deterministic=True)).hexdigest()[:16]

@@ -39,12 +39,13 @@ class MirrorVariablesPass(Pass):
                     init.set_input(pos, value)
                     changed = True
             for restore in _restore_assigns(graph, rm, master):
+                waiting = restore.control_consumers  # e.g. save/restore_all, before we add readers
                 for i in range(1, rm.num_replicas):
                     copy = rm.node(graph, i, vp.name)
                     value = _read(graph, master, f"{rm.prefixes[i]}{vp.name}/restored_value",
                                   control_inputs=[restore])
                     sync = _assign(graph, copy, value, f"{rm.prefixes[i]}{vp.name}/sync_after_restore")
-                    for c in restore.control_consumers:
+                    for c in waiting:
                         c.add_control_input(sync)
                     changed = True
         return changed

@@ -1,0 +1,286 @@
+"""The graph-rewrite command.
+
+    graph-rewrite IN OUT [--cluster SPEC] [--strategy S] [--devices-per-worker N]
+                         [--device-type GPU|CPU] [--task JOB:INDEX] [-v] ...
+    graph-rewrite plan IN [...]           print the per-variable plan as JSON
+    graph-rewrite inspect FILE            what a rewritten graph does
+    graph-rewrite serve --cluster SPEC --task JOB:INDEX
+    graph-rewrite demo
+
+Rejected input exits with status 2 and one line ``graph-rewrite: error: ...`` on stderr,
+never a traceback, and leaves OUT as it was (the output is written to a temporary file
+and renamed into place only when everything succeeded).
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from graph_rewriter.errors import GraphRewriteError
+
+PROG = "graph-rewrite"
+SUBCOMMANDS = ("plan", "inspect", "serve", "demo")
+
+REWRITE_EXAMPLES = """examples:
+  graph-rewrite train.pb train_4gpu.pb --devices-per-worker 4
+  graph-rewrite train.pbtxt out.pb --device-type CPU --devices-per-worker 2 -v
+  graph-rewrite train.meta out.meta --devices-per-worker 8 --compression fp16
+  graph-rewrite train.pb out.pb --plan plan.json
+  graph-rewrite train.pb out.pb --dump-after replicate --dump-dir /tmp/dumps
+
+other commands: graph-rewrite {plan,inspect,serve,demo} --help
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit status 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        sys.exit(2)
+
+
+def _add_rewrite_options(p):
+    p.add_argument("--cluster", metavar="SPEC",
+                   help="cluster spec: JSON text or a JSON file {\"worker\": [\"host:port\", ...], \"ps\": [...]}; "
+                        "default: this machine only (or TF_CONFIG when set)")
+    p.add_argument("--strategy", default="allreduce", metavar="S",
+                   help="allreduce (default), ps, hybrid or auto")
+    p.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
+                   help="replicas per machine: its GPUs, or CPU replicas with --device-type CPU (default 1)")
+    p.add_argument("--device-type", default="GPU", metavar="GPU|CPU",
+                   help="GPU (default) or CPU replicas (CPU:0..N-1, for tests and CPU clusters)")
+    p.add_argument("--task", metavar="JOB:INDEX",
+                   help="build the graph this task's own client runs (between-graph replication)")
+    p.add_argument("--bytes-per-pack", type=int, default=None, metavar="BYTES",
+                   help="largest allreduce pack of same-dtype gradients (default 32 MiB; 0: one per dtype)")
+    p.add_argument("--compression", choices=("fp16", "bf16", "none"), default="none",
+                   help="cast dense gradients down for the allreduce and back after")
+    p.add_argument("--sparse-as-dense", action="store_true",
+                   help="allreduce sparse gradients as dense tensors instead of gathering rows")
+    p.add_argument("--gradient", action="append", default=[], metavar="VAR=TENSOR",
+                   help="name a custom optimizer's gradient for a variable (repeatable); "
+                        "sparse: VAR=VALUES,INDICES")
+    p.add_argument("--merge", action="append", default=[], metavar="TENSOR=HOW",
+                   help="how Session merges a fetched tensor across replicas: sum, mean, concat or master")
+    p.add_argument("--timeout-seconds", type=float, default=None, metavar="S",
+                   help="a collective waiting longer than this for a peer fails the step (default 600; 0: never)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print progress and per-pass timings")
+
+
+def _rewrite_parser():
+    p = _Parser(prog=PROG, description="Rewrite a single-device TensorFlow 1 training graph into a "
+                "data-parallel one.", epilog=REWRITE_EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef) or .meta (MetaGraphDef)")
+    p.add_argument("output", metavar="OUT", help="where to write the rewritten graph (.pb, .pbtxt or .meta)")
+    _add_rewrite_options(p)
+    p.add_argument("--plan", metavar="FILE", help="apply a plan written by `graph-rewrite plan` (and perhaps edited)")
+    p.add_argument("--dump-after", action="append", default=[], metavar="PASS",
+                   help="write the graph after this pass (repeatable; 'all' for every pass)")
+    p.add_argument("--dump-dir", default=".", metavar="DIR", help="where --dump-after writes (default .)")
+    p.add_argument("--no-verify", action="store_true", help="verify only the final graph, not after every pass")
+    return p
+
+
+def _plan_parser():
+    p = _Parser(prog=f"{PROG} plan", description="Print the per-variable plan of a rewrite as JSON.",
+                epilog="example:\n  graph-rewrite plan train.pb --devices-per-worker 4 > plan.json\n"
+                       "  (edit plan.json, then) graph-rewrite train.pb out.pb --devices-per-worker 4 --plan plan.json",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", metavar="IN")
+    _add_rewrite_options(p)
+    return p
+
+
+def _inspect_parser():
+    p = _Parser(prog=f"{PROG} inspect", description="Describe a rewritten graph: replicas, devices, "
+                "per-variable plan, collectives, bytes moved per step.",
+                epilog="example:\n  graph-rewrite inspect out.pb\n  graph-rewrite inspect out.pb --json",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", metavar="FILE", help="a graph written by graph-rewrite or result.save()")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _serve_parser():
+    p = _Parser(prog=f"{PROG} serve", description="Start a TensorFlow server configured for rewritten "
+                "graphs and block until interrupted.",
+                epilog="example:\n  graph-rewrite serve --cluster cluster.json --task worker:0\n"
+                       "  graph-rewrite serve --cluster '{\"worker\": [\"localhost:2222\"]}' --task worker:0 "
+                       "--device-type CPU --devices-per-worker 2",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True, metavar="SPEC", help="JSON text or a JSON file")
+    p.add_argument("--task", required=True, metavar="JOB:INDEX", help="this server's task, e.g. worker:0")
+    p.add_argument("--device-type", default="GPU", metavar="GPU|CPU")
+    p.add_argument("--devices-per-worker", type=int, default=1, metavar="N")
+    return p
+
+
+def _demo_parser():
+    return _Parser(prog=f"{PROG} demo", description="Build a small model, rewrite it for 2 CPU replicas, "
+                   "train it and compare the loss with single-device training.",
+                   epilog="example:\n  graph-rewrite demo",
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _pairs(items, flag):
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise GraphRewriteError(f"{flag} {item!r} is not NAME=VALUE")
+        out[key] = value
+    return out
+
+
+def _rewrite_kwargs(args):
+    from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_TIMEOUT_SECONDS
+    if args.devices_per_worker < 1:
+        raise GraphRewriteError(f"--devices-per-worker must be at least 1, got {args.devices_per_worker}")
+    if args.device_type not in ("GPU", "CPU"):
+        raise GraphRewriteError(f"--device-type must be GPU or CPU, got {args.device_type!r}")
+    gradients = {}
+    for var, grad in _pairs(args.gradient, "--gradient").items():
+        gradients[var] = tuple(grad.split(",", 1)) if "," in grad else grad
+    return dict(
+        cluster_spec=args.cluster, strategy=args.strategy,
+        devices_per_worker=args.devices_per_worker, device_type=args.device_type, task=args.task,
+        bytes_per_pack=DEFAULT_BYTES_PER_PACK if args.bytes_per_pack is None else args.bytes_per_pack,
+        compression=None if args.compression == "none" else args.compression,
+        sparse_as_dense=args.sparse_as_dense, gradients=gradients,
+        merge=_pairs(args.merge, "--merge"),
+        timeout_seconds=DEFAULT_TIMEOUT_SECONDS if args.timeout_seconds is None else args.timeout_seconds)
+
+
+def _log(message):
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+
+
+def cmd_rewrite(argv):
+    args = _rewrite_parser().parse_args(argv)
+    if not os.path.exists(args.input):
+        raise GraphRewriteError(f"{args.input}: no such file")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' does not exist")
+    if not os.access(out_dir, os.W_OK):
+        raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' is not writable")
+    from graph_rewriter.api import rewrite
+    kwargs = _rewrite_kwargs(args)
+    if args.plan:
+        kwargs["strategy"] = args.plan if args.plan.endswith(".json") else _plan_from(args.plan)
+    started = time.perf_counter()
+    result = rewrite(args.input, **kwargs, verify_each=not args.no_verify,
+                     dump_after=args.dump_after, dump_dir=args.dump_dir,
+                     log=_log if args.verbose else None)
+    result.save(args.output)
+    if args.verbose:
+        for line in result.summary().splitlines():
+            _log(line)
+    print(f"{PROG}: wrote {args.output}: {result.metadata['plan']['strategy']}, "
+          f"{result.num_replicas} replica(s), {len(result.graph_def.node)} nodes, "
+          f"{time.perf_counter() - started:.2f} s")
+    return 0
+
+
+def _plan_from(path):
+    from graph_rewriter import graph_io
+    from graph_rewriter.plan import Plan
+    return Plan.from_json(graph_io.read_file(path).decode("utf-8", "replace"), path)
+
+
+def cmd_plan(argv):
+    args = _plan_parser().parse_args(argv)
+    from graph_rewriter.api import rewrite
+    result = rewrite(args.input, **_rewrite_kwargs(args), log=_log if args.verbose else None)
+    sys.stdout.write(result.plan.to_json())
+    return 0
+
+
+def cmd_inspect(argv):
+    args = _inspect_parser().parse_args(argv)
+    from graph_rewriter.api import load
+    from graph_rewriter.inspect_report import format_report, report
+    rep = report(load(args.file))
+    if args.json:
+        import json
+        sys.stdout.write(json.dumps(rep, indent=2) + "\n")
+    else:
+        sys.stdout.write(format_report(rep))
+    return 0
+
+
+def cmd_serve(argv):
+    args = _serve_parser().parse_args(argv)
+    from graph_rewriter.server import start_server
+    server = start_server(args.cluster, args.task, device_type=args.device_type,
+                          devices_per_worker=args.devices_per_worker)
+    _log(f"serving {args.task} at {server.target} (Ctrl-C to stop)")
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    try:
+        server.join()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_demo(argv):
+    _demo_parser().parse_args(argv)
+    from graph_rewriter.demo import run_demo
+    return run_demo(log=print)
+
+
+def import_tensorflow_quietly():
+    """Imports TensorFlow with its start-up log lines (printed by C++ before logging is
+    configured, so TF_CPP_MIN_LOG_LEVEL cannot silence them) kept off stderr, which is
+    reserved for this command's own one-line messages."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if "tensorflow" in sys.modules:
+        return
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        import tensorflow  # noqa: F401  (stderr is not a real file: nothing to redirect)
+        return
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    sys.stderr.flush()
+    os.dup2(devnull, fd)
+    try:
+        import tensorflow  # noqa: F401
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"plan": cmd_plan, "inspect": cmd_inspect, "serve": cmd_serve, "demo": cmd_demo}
+    try:
+        if not ({"-h", "--help"} & set(argv)):
+            import_tensorflow_quietly()
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        return cmd_rewrite(argv)
+    except GraphRewriteError as e:
+        sys.stderr.write(f"{PROG}: error: {' '.join(str(e).split())}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
+    except Exception as e:  # a bug, not bad input: still no traceback unless asked for
+        if os.environ.get("GRAPH_REWRITE_DEBUG"):
+            raise
+        sys.stderr.write(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "
+                         f"(set GRAPH_REWRITE_DEBUG=1 for a traceback; please report it)\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,545 @@
+"""The model zoo: small, seeded, single-device tf.compat.v1 TRAINING graphs.
+
+Tests, the demo and the benchmarks all build their inputs here, so that "the same model"
+means the same GraphDef everywhere:
+
+    ex = build("embedding", optimizer="adagrad", resource=False)
+    losses, values = run_single(ex, steps=3)               # one device
+    result = graph_rewriter.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
+    losses2, values2 = run_rewritten(result, ex, steps=3)  # must be the same numbers
+
+Every graph follows one convention: batch placeholders "x:0", "y:0" (and "ids:0") with an
+unknown first dimension, a scalar mean loss "loss:0", a train op "train_op", an init op
+"init", a global_step (v1 optimizers) or Keras ``iterations`` counter, and a Saver. The
+loss is a MEAN over the batch, so averaging equal shards' gradients is exact.
+Everything is seeded (graph seed and op seeds): the same arguments give the same graph
+and the same numbers. TensorFlow is imported lazily, like the rest of the package.
+"""
+
+import dataclasses
+import typing
+
+import numpy as np
+
+OPTIMIZERS_V1 = (
+    "sgd", "momentum", "nesterov", "adam", "adagrad", "adagrad_da", "adadelta", "rmsprop",
+    "rmsprop_momentum", "rmsprop_centered", "ftrl", "proximal_sgd", "proximal_adagrad")
+OPTIMIZERS_KERAS = (
+    "keras_sgd", "keras_sgd_momentum", "keras_adam", "keras_adagrad", "keras_rmsprop",
+    "keras_adadelta", "keras_adamax", "keras_nadam", "keras_ftrl")
+MODELS = (
+    "mlp", "embedding", "cond", "lstm_v1", "lstm_v2", "keras", "keras_embedding", "batchnorm",
+    "lr_schedule", "iterator")
+KERAS_MODELS = ("keras", "keras_embedding")
+
+FEATURES = 6          # x columns of the dense models
+HIDDEN = 8
+EMBED_ROWS = 20       # embedding table rows ...
+EMBED_DIM = 4
+EMBED_FEATURES = 4    # dense x columns next to the embedding
+ID_RANGE = 6          # ... of which batches only touch rows 0..5 (duplicates guaranteed)
+SEQ_LEN = 3           # LSTM time steps
+SEQ_FEATURES = 4
+ITERATOR_ROWS = 64    # rows of the in-graph dataset of the "iterator" model
+BN_MOMENTUM = 0.9
+
+
+@dataclasses.dataclass
+class Example:
+    """A built training graph and the names a test needs to drive it."""
+    graph_def: typing.Any                 # tf.compat.v1.GraphDef
+    model: str
+    optimizer: str
+    resource: bool
+    feeds: list                           # placeholder tensor names that take the batch
+    loss: str = "loss:0"
+    train_op: str = "train_op"
+    init: str = "init"
+    variables: dict = dataclasses.field(default_factory=dict)  # variable node -> read tensor
+    step_counter: typing.Optional[str] = None                  # read tensor of the counter
+    extra_init: list = dataclasses.field(default_factory=list) # ops to run after init (none yet)
+    tensors: dict = dataclasses.field(default_factory=dict)    # named inner tensors (tests)
+    seed: int = 0
+    batch_size: typing.Optional[int] = None  # fixed batch of the in-graph input pipeline
+
+    def batch(self, step, size=8, seed=0):
+        """The feed dict of training step ``step``: ``size`` rows, seeded by (seed, step).
+
+        Embedding ids come from range(ID_RANGE) and repeat within the batch, across its
+        halves and across its quarters, so sparse updates see duplicate rows inside one
+        replica's shard and between replicas. The "cond" model's ``use_branch`` flag is
+        not batch data: it alternates with the step. "iterator" reads its own data: {}.
+        """
+        if self.model == "iterator":
+            return {}
+        rng = np.random.default_rng([seed, step, 7919])
+        feed = {}
+        if self.model in ("lstm_v1", "lstm_v2"):
+            x = rng.normal(size=(size, SEQ_LEN, SEQ_FEATURES))
+            y = np.tanh(x.sum(axis=(1, 2)) / 4.0)[:, None] + 0.1 * rng.normal(size=(size, 1))
+        else:
+            width = EMBED_FEATURES if self.model in ("embedding", "keras_embedding") else FEATURES
+            x = rng.normal(size=(size, width))
+            y = np.sin(x.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(size, 1))
+        feed["x:0"] = x.astype(np.float32)
+        feed["y:0"] = y.astype(np.float32)
+        if "ids:0" in self.feeds:
+            feed["ids:0"] = _ids(rng, size)
+        if self.model == "cond":
+            feed["use_branch:0"] = np.asarray(step % 2 == 0)
+        return feed
+
+
+def _ids(rng, size):
+    ids = rng.integers(0, ID_RANGE, size=size).astype(np.int32)
+    if size >= 4:
+        quarter = size // 4
+        shared = ids[0]
+        for k in range(4):          # one id in every quarter (so in both halves too)
+            ids[k * quarter] = shared
+        if quarter >= 2:
+            ids[1] = shared         # and twice inside the first quarter
+    elif size >= 2:
+        ids[1] = ids[0]
+    return ids
+
+
+# ----- building -----------------------------------------------------------------------------
+
+def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
+    """Builds one example graph; see the module doc for the names it follows.
+
+    Options: ``control_flow`` ("v1"/"v2") for "cond" (default: TensorFlow's current
+    setting, v2 in TF 2.x); ``batch_size`` for "iterator" (default 8); ``learning_rate``
+    to override the optimizer's default. Keras models always use resource variables
+    (Keras creates them itself); their optimizer must be one of OPTIMIZERS_KERAS, and the
+    other models' one of OPTIMIZERS_V1.
+    """
+    import tensorflow as tf
+
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    keras = model in KERAS_MODELS
+    allowed = OPTIMIZERS_KERAS if keras else OPTIMIZERS_V1
+    if optimizer not in allowed:
+        raise ValueError(f"model {model!r} takes an optimizer from {', '.join(allowed)}, "
+                         f"got {optimizer!r}")
+    unknown = set(kw) - {"control_flow", "batch_size", "learning_rate"}
+    if unknown:
+        raise TypeError(f"build() got unknown options {sorted(unknown)}")
+    if keras:
+        resource = True
+    graph = tf.Graph()
+    flags = _ControlFlow(kw.get("control_flow") if model == "cond"
+                         else {"lstm_v1": "v1", "lstm_v2": "v2"}.get(model))
+    with graph.as_default(), flags:
+        tf.compat.v1.set_random_seed(seed)
+        scope = tf.compat.v1.get_variable_scope()
+        with tf.compat.v1.variable_scope(scope, use_resource=resource):
+            builder = _KerasBuilder if keras else _V1Builder
+            b = builder(model, optimizer, seed, kw)
+            b.build()
+        saver_vars = tf.compat.v1.global_variables()
+        if keras:
+            saver_vars = _unique(saver_vars + b.extra_variables())
+        tf.compat.v1.train.Saver(var_list=saver_vars)
+        variables = {v.op.name: _read_tensor_name(v) for v in saver_vars}
+        step = b.step_variable
+    return Example(
+        graph_def=graph.as_graph_def(), model=model, optimizer=optimizer, resource=resource,
+        feeds=list(b.feeds), variables=variables,
+        step_counter=variables[step.op.name] if step is not None else None,
+        tensors=dict(b.tensors), seed=seed, batch_size=b.batch_size)
+
+
+class _ControlFlow:
+    """Switches TensorFlow's v1/v2 control-flow flag while a graph is built and restores
+    it after: the flag is process-wide, and tf.while_loop/tf.cond read it when called."""
+
+    def __init__(self, version):
+        self.version = version
+
+    def __enter__(self):
+        import tensorflow as tf
+        self.before = tf.compat.v1.control_flow_v2_enabled()
+        if self.version == "v1":
+            tf.compat.v1.disable_control_flow_v2()
+        elif self.version == "v2":
+            tf.compat.v1.enable_control_flow_v2()
+        elif self.version is not None:
+            raise ValueError(f"control_flow must be 'v1' or 'v2', got {self.version!r}")
+        return self
+
+    def __exit__(self, *exc):
+        import tensorflow as tf
+        if self.before:
+            tf.compat.v1.enable_control_flow_v2()
+        else:
+            tf.compat.v1.disable_control_flow_v2()
+        return False
+
+
+def _unique(variables):
+    seen, out = set(), []
+    for v in variables:
+        if v.op.name not in seen:
+            seen.add(v.op.name)
+            out.append(v)
+    return out
+
+
+def _read_tensor_name(v):
+    """A tensor that reads the variable's current value when fetched.
+
+    A resource variable built in graph mode keeps the read it made at creation
+    ("w/Read/ReadVariableOp:0"); ``v.value()`` would add a NEW ReadVariableOp node, so it is
+    not used. A ref variable's snapshot is "w/read:0".
+    """
+    import tensorflow as tf
+    element = getattr(v, "_graph_element", None)
+    if element is not None and hasattr(element, "name") and not isinstance(element, tf.Operation):
+        return element.name
+    snapshot = getattr(v, "_snapshot", None)
+    if snapshot is not None:
+        return snapshot.name
+    return tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype,
+                                     name=v.op.name + "/example_read").name
+
+
+def _seeds(seed):
+    """Distinct op-level seeds, one per call, derived from the example's seed."""
+    k = 0
+    while True:
+        k += 1
+        yield seed * 1000 + k
+
+
+class _V1Builder:
+    """Models trained by a tf.compat.v1.train optimizer with minimize(global_step=...)."""
+
+    def __init__(self, model, optimizer, seed, kw):
+        self.model, self.optimizer_name, self.seed, self.kw = model, optimizer, seed, kw
+        self.seeds = _seeds(seed)
+        self.feeds, self.tensors = [], {}
+        self.batch_size = None
+        self.step_variable = None
+
+    # -- pieces
+    def placeholder(self, name, shape, dtype=None):
+        import tensorflow as tf
+        t = tf.compat.v1.placeholder(dtype or tf.float32, shape, name=name)
+        if shape and shape[0] is None:
+            self.feeds.append(t.name)
+        return t
+
+    def weight(self, name, shape, stddev=None):
+        import tensorflow as tf
+        if stddev is None:
+            init = tf.compat.v1.glorot_uniform_initializer(seed=next(self.seeds))
+        else:
+            init = tf.compat.v1.random_normal_initializer(stddev=stddev, seed=next(self.seeds))
+        return tf.compat.v1.get_variable(name, shape, tf.float32, initializer=init)
+
+    def bias(self, name, shape):
+        import tensorflow as tf
+        init = tf.compat.v1.random_uniform_initializer(-0.1, 0.1, seed=next(self.seeds))
+        return tf.compat.v1.get_variable(name, shape, tf.float32, initializer=init)
+
+    def dense(self, inputs, units, name, activation=None):
+        import tensorflow as tf
+        with tf.compat.v1.variable_scope(name):
+            w = self.weight("kernel", [inputs.shape[-1], units])
+            b = self.bias("bias", [units])
+        out = tf.nn.bias_add(tf.matmul(inputs, w), b)
+        return activation(out) if activation is not None else out
+
+    @staticmethod
+    def mse(pred, y):
+        import tensorflow as tf
+        return tf.reduce_mean(tf.square(pred - y))
+
+    # -- models
+    def build(self):
+        import tensorflow as tf
+        self.global_step = tf.compat.v1.train.get_or_create_global_step()
+        self.step_variable = self.global_step
+        raw_loss = getattr(self, "_" + self.model)()
+        loss = tf.identity(raw_loss, name="loss")
+        learning_rate = self.kw.get("learning_rate")
+        if self.model == "lr_schedule":
+            base = learning_rate if learning_rate is not None else _V1_RATES[self.optimizer_name]
+            learning_rate = tf.compat.v1.train.exponential_decay(
+                base, self.global_step, decay_steps=1, decay_rate=0.5, name="learning_rate")
+            self.tensors["learning_rate"] = learning_rate.name
+        opt = _v1_optimizer(self.optimizer_name, self.global_step, learning_rate)
+        update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        with tf.control_dependencies(update_ops):
+            opt.minimize(loss, global_step=self.global_step, name="train_op")
+        _init_op(tf.compat.v1.global_variables(),
+                 tf.compat.v1.get_collection("example_init_ops"))
+
+    def _mlp(self):
+        import tensorflow as tf
+        x = self.placeholder("x", [None, FEATURES])
+        y = self.placeholder("y", [None, 1])
+        h = self.dense(x, HIDDEN, "hidden", tf.tanh)
+        return self.mse(self.dense(h, 1, "output"), y)
+
+    _lr_schedule = _mlp
+
+    def _embedding(self):
+        import tensorflow as tf
+        ids = self.placeholder("ids", [None], tf.int32)
+        x = self.placeholder("x", [None, EMBED_FEATURES])
+        y = self.placeholder("y", [None, 1])
+        table = self.weight("embedding", [EMBED_ROWS, EMBED_DIM], stddev=0.5)
+        rows = tf.nn.embedding_lookup(table, ids)
+        h = self.dense(tf.concat([rows, x], axis=1), HIDDEN, "hidden", tf.tanh)
+        return self.mse(self.dense(h, 1, "output"), y)
+
+    def _cond(self):
+        import tensorflow as tf
+        x = self.placeholder("x", [None, FEATURES])
+        y = self.placeholder("y", [None, 1])
+        use_branch = tf.compat.v1.placeholder(tf.bool, [], name="use_branch")
+        h = self.dense(x, HIDDEN, "hidden", tf.tanh)
+        # Variables are created outside the branches: a v2 cond traces its branches into
+        # functions, where creating variables is not allowed.
+        with tf.compat.v1.variable_scope("head_a"):
+            wa, ba = self.weight("kernel", [HIDDEN, 1]), self.bias("bias", [1])
+        with tf.compat.v1.variable_scope("head_b"):
+            wb, bb = self.weight("kernel", [HIDDEN, 1]), self.bias("bias", [1])
+        return tf.cond(use_branch,
+                       lambda: self.mse(tf.matmul(h, wa) + ba, y),
+                       lambda: self.mse(tf.tanh(tf.matmul(h, wb) + bb), y),
+                       name="branch")
+
+    def _lstm(self):
+        import tensorflow as tf
+        x = self.placeholder("x", [None, SEQ_LEN, SEQ_FEATURES])
+        y = self.placeholder("y", [None, 1])
+        with tf.compat.v1.variable_scope("lstm"):
+            kernel = self.weight("kernel", [SEQ_FEATURES + HIDDEN, 4 * HIDDEN])
+            bias = self.bias("bias", [4 * HIDDEN])
+        steps = tf.transpose(x, [1, 0, 2])   # [time, batch, features]
+        zeros = tf.zeros(tf.stack([tf.shape(x)[0], HIDDEN]))
+
+        def body(t, h, c):
+            z = tf.matmul(tf.concat([tf.gather(steps, t), h], axis=1), kernel) + bias
+            i, f, o, g = tf.split(z, 4, axis=1)
+            c = tf.sigmoid(f + 1.0) * c + tf.sigmoid(i) * tf.tanh(g)
+            h = tf.sigmoid(o) * tf.tanh(c)
+            return t + 1, h, c
+
+        _, h, _ = tf.while_loop(lambda t, h, c: t < SEQ_LEN, body, [tf.constant(0), zeros, zeros],
+                                name="recurrence")
+        return self.mse(self.dense(h, 1, "output"), y)
+
+    _lstm_v1 = _lstm
+    _lstm_v2 = _lstm
+
+    def _batchnorm(self):
+        import tensorflow as tf
+        x = self.placeholder("x", [None, FEATURES])
+        y = self.placeholder("y", [None, 1])
+        h = self.dense(x, HIDDEN, "hidden")
+        self.tensors["bn_input"] = h.name
+        normed = _batch_normalization()(h, training=True, momentum=BN_MOMENTUM, name="bn")
+        return self.mse(self.dense(tf.tanh(normed), 1, "output"), y)
+
+    def _iterator(self):
+        import tensorflow as tf
+        self.batch_size = self.kw.get("batch_size", 8)
+        rng = np.random.default_rng([self.seed, 4099])
+        xs = rng.normal(size=(ITERATOR_ROWS, FEATURES)).astype(np.float32)
+        ys = (np.sin(xs.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(ITERATOR_ROWS, 1))).astype(np.float32)
+        # batch before repeat, without drop_remainder: the batch dimension stays unknown
+        # (None) in the iterator's output shapes, which is what marks it as a batch input.
+        ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(self.batch_size).repeat()
+        iterator = tf.compat.v1.data.make_initializable_iterator(ds)
+        tf.compat.v1.add_to_collection("example_init_ops", iterator.initializer)
+        x, y = iterator.get_next()
+        self.tensors.update(x=x.name, y=y.name)
+        h = self.dense(x, HIDDEN, "hidden", tf.tanh)
+        return self.mse(self.dense(h, 1, "output"), y)
+
+
+def _init_op(variables, extra_ops):
+    """The op "init": the variables' initializer itself (what
+    tf.compat.v1.global_variables_initializer() names "init"), or, with further ops to run
+    (an iterator's initializer, local variables), a group of them all."""
+    import tensorflow as tf
+    local = tf.compat.v1.local_variables()
+    if not extra_ops and not local:
+        return tf.compat.v1.variables_initializer(variables, name="init")
+    ops = [tf.compat.v1.variables_initializer(variables, name="init_variables")] + list(extra_ops)
+    if local:
+        ops.append(tf.compat.v1.variables_initializer(local, name="init_local"))
+    return tf.group(*ops, name="init")
+
+
+def _batch_normalization():
+    """tf.compat.v1.layers.batch_normalization. With Keras 3 installed (TF >= 2.16) the
+    tf.compat.v1.layers names raise; tf_keras still ships the same function."""
+    import tensorflow as tf
+    try:
+        return tf.compat.v1.layers.batch_normalization
+    except (AttributeError, ImportError):
+        from tf_keras.api._v1.keras.__internal__.legacy.layers import batch_normalization
+        return batch_normalization
+
+
+_V1_RATES = {
+    "sgd": 0.1, "momentum": 0.05, "nesterov": 0.05, "adam": 0.01, "adagrad": 0.1,
+    "adagrad_da": 0.1, "adadelta": 1.0, "rmsprop": 0.01, "rmsprop_momentum": 0.01,
+    "rmsprop_centered": 0.01, "ftrl": 0.1, "proximal_sgd": 0.1, "proximal_adagrad": 0.1}
+
+
+def _v1_optimizer(name, global_step, learning_rate=None):
+    import tensorflow as tf
+    t = tf.compat.v1.train
+    lr = _V1_RATES[name] if learning_rate is None else learning_rate
+    reg = dict(l1_regularization_strength=0.001, l2_regularization_strength=0.001)
+    return {
+        "sgd": lambda: t.GradientDescentOptimizer(lr),
+        "momentum": lambda: t.MomentumOptimizer(lr, 0.9),
+        "nesterov": lambda: t.MomentumOptimizer(lr, 0.9, use_nesterov=True),
+        "adam": lambda: t.AdamOptimizer(lr),
+        "adagrad": lambda: t.AdagradOptimizer(lr),
+        "adagrad_da": lambda: t.AdagradDAOptimizer(lr, global_step, **reg),
+        "adadelta": lambda: t.AdadeltaOptimizer(lr),
+        "rmsprop": lambda: t.RMSPropOptimizer(lr),
+        "rmsprop_momentum": lambda: t.RMSPropOptimizer(lr, momentum=0.9),
+        "rmsprop_centered": lambda: t.RMSPropOptimizer(lr, momentum=0.5, centered=True),
+        "ftrl": lambda: t.FtrlOptimizer(lr, **reg),
+        "proximal_sgd": lambda: t.ProximalGradientDescentOptimizer(lr, **reg),
+        "proximal_adagrad": lambda: t.ProximalAdagradOptimizer(lr, **reg),
+    }[name]()
+
+
+_KERAS_RATES = {
+    "keras_sgd": 0.1, "keras_sgd_momentum": 0.05, "keras_adam": 0.01, "keras_adagrad": 0.1,
+    "keras_rmsprop": 0.01, "keras_adadelta": 1.0, "keras_adamax": 0.01, "keras_nadam": 0.01,
+    "keras_ftrl": 0.1}
+
+
+def _keras_optimizer(name, learning_rate=None):
+    from tf_keras.optimizers import legacy
+    lr = _KERAS_RATES[name] if learning_rate is None else learning_rate
+    return {
+        "keras_sgd": lambda: legacy.SGD(lr),
+        "keras_sgd_momentum": lambda: legacy.SGD(lr, momentum=0.9),
+        "keras_adam": lambda: legacy.Adam(lr),
+        "keras_adagrad": lambda: legacy.Adagrad(lr),
+        "keras_rmsprop": lambda: legacy.RMSprop(lr),
+        "keras_adadelta": lambda: legacy.Adadelta(lr),
+        "keras_adamax": lambda: legacy.Adamax(lr),
+        "keras_nadam": lambda: legacy.Nadam(lr),
+        "keras_ftrl": lambda: legacy.Ftrl(lr, l1_regularization_strength=0.001,
+                                          l2_regularization_strength=0.001),
+    }[name]()
+
+
+class _KerasBuilder:
+    """tf_keras layers and a legacy OptimizerV2 in graph mode.
+
+    The legacy optimizer's ``minimize`` wants a callable loss (or a GradientTape) and
+    ``get_updates`` refuses None gradients, so gradients come from tf.gradients and go
+    to ``apply_gradients``, which in graph mode also bumps ``iterations`` once per run.
+    """
+
+    def __init__(self, model, optimizer, seed, kw):
+        self.model, self.optimizer_name, self.seed, self.kw = model, optimizer, seed, kw
+        self.seeds = _seeds(seed)
+        self.feeds, self.tensors = [], {}
+        self.batch_size = None
+        self.step_variable = None
+
+    def build(self):
+        import tensorflow as tf
+        import tf_keras
+        L = tf_keras.layers
+        init = tf_keras.initializers
+
+        def dense(units, name, activation=None):
+            return L.Dense(units, activation=activation, name=name,
+                           kernel_initializer=init.GlorotUniform(seed=next(self.seeds)),
+                           bias_initializer=init.RandomUniform(-0.1, 0.1, seed=next(self.seeds)))
+
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        if self.model == "keras":
+            x = tf.compat.v1.placeholder(tf.float32, [None, FEATURES], name="x")
+            # Input(tensor=...) wraps the placeholder itself; a Sequential called on a
+            # plain tensor would add a second input placeholder of its own.
+            inp = tf_keras.Input(tensor=x)
+            out = dense(1, "output")(dense(HIDDEN, "hidden", "tanh")(inp))
+            inputs, self.feeds = [inp], ["x:0", "y:0"]
+        else:
+            ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+            x = tf.compat.v1.placeholder(tf.float32, [None, EMBED_FEATURES], name="x")
+            ids_in, x_in = tf_keras.Input(tensor=ids), tf_keras.Input(tensor=x)
+            rows = L.Embedding(EMBED_ROWS, EMBED_DIM, name="embedding",
+                               embeddings_initializer=init.RandomNormal(
+                                   stddev=0.5, seed=next(self.seeds)))(ids_in)
+            h = dense(HIDDEN, "hidden", "tanh")(L.Concatenate(axis=1)([rows, x_in]))
+            out = dense(1, "output")(h)
+            inputs, self.feeds = [ids_in, x_in], ["ids:0", "x:0", "y:0"]
+        self.keras_model = tf_keras.Model(inputs, out, name="model")
+        loss = tf.identity(tf.reduce_mean(tf.square(out - y)), name="loss")
+        opt = _keras_optimizer(self.optimizer_name, self.kw.get("learning_rate"))
+        params = self.keras_model.trainable_variables
+        grads = tf.gradients(loss, params)
+        update = opt.apply_gradients(list(zip(grads, params)))
+        tf.group(update, name="train_op")
+        self.opt = opt
+        self.step_variable = opt.iterations
+        variables = _unique(tf.compat.v1.global_variables() + self.extra_variables())
+        _init_op(variables, [])
+
+    def extra_variables(self):
+        """Keras variables missing from the GLOBAL_VARIABLES collection, if any."""
+        return list(self.keras_model.variables) + list(self.opt.variables())
+
+
+# ----- running ------------------------------------------------------------------------------
+
+def _feed(example, step, batch_size, feeds):
+    if feeds is None:
+        return example.batch(step, size=batch_size, seed=example.seed)
+    return feeds(step) if callable(feeds) else feeds[step]
+
+
+def _train(sess, example, steps, batch_size, feeds):
+    sess.run(example.init)
+    for op in example.extra_init:
+        sess.run(op)
+    losses = []
+    for step in range(steps):
+        loss, _ = sess.run([example.loss, example.train_op],
+                           feed_dict=_feed(example, step, batch_size, feeds))
+        losses.append(float(loss))
+    values = sess.run(dict(example.variables))
+    return losses, {name: np.asarray(v) for name, v in values.items()}
+
+
+def run_single(example, steps=3, batch_size=8, feeds=None):
+    """Trains the original graph on one device: (losses per step, final variable values).
+
+    ``feeds``: None (``example.batch(step, batch_size)``), a list of feed dicts indexed by
+    step, or a callable step -> feed dict. Values are keyed by variable node name and
+    include the step counter.
+    """
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(example.graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        return _train(sess, example, steps, batch_size, feeds)
+
+
+def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=None):
+    """The same training run through ``graph_rewriter.Session`` on a rewritten graph,
+    with the original names (variables are read through the master replica's copy)."""
+    from graph_rewriter.session import Session
+    with Session(result, config=config) as sess:
+        return _train(sess, example, steps, batch_size, feeds)

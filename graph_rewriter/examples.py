@@ -146,7 +146,7 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
         variables = {v.op.name: _read_tensor_name(v) for v in saver_vars}
         step = b.step_variable
     return Example(
-        graph_def=graph.as_graph_def(), model=model, optimizer=optimizer, resource=resource,
+        graph_def=canonical_function_names(graph.as_graph_def()), model=model, optimizer=optimizer, resource=resource,
         feeds=list(b.feeds), variables=variables,
         step_counter=variables[step.op.name] if step is not None else None,
         tensors=dict(b.tensors), seed=seed, batch_size=b.batch_size)
@@ -177,6 +177,130 @@ class _ControlFlow:
         else:
             tf.compat.v1.disable_control_flow_v2()
         return False
+
+
+def canonical_function_names(graph_def):
+    """The GraphDef with its function library renamed deterministically.
+
+    TensorFlow names the functions of v2 control flow and gradients with a process-wide
+    counter ("branch_true_73", "CustomGradient-185"), so building the same model twice
+    in one process gives two different GraphDefs. Each function is renamed to its name
+    without those numbers plus its rank in first-use order, and every reference (function
+    attrs, call ops, attrs holding a function's name, gradient defs) follows.
+    """
+    import re
+    lib = graph_def.library
+    known = {f.signature.name: f for f in lib.function}
+    if not known and not any("_gradient_op_type" in n.attr for n in graph_def.node):
+        return graph_def
+    order, seen_grad_types = [], []
+
+    def note(name):
+        if name in known and name not in order:
+            order.append(name)
+            visit_function(known[name])
+
+    def visit_attr(value):
+        kind = value.WhichOneof("value")
+        if kind == "func":
+            note(value.func.name)
+            for k in sorted(value.func.attr):
+                visit_attr(value.func.attr[k])
+        elif kind == "list":
+            for f in value.list.func:
+                note(f.name)
+        elif kind == "s":
+            text = value.s.decode("utf-8", "replace")
+            if text in known:
+                note(text)
+            elif re.fullmatch(r"CustomGradient-\d+", text) and text not in seen_grad_types:
+                seen_grad_types.append(text)
+
+    def visit_node(node):
+        note(node.op)
+        for k in sorted(node.attr):
+            visit_attr(node.attr[k])
+
+    def visit_function(fn):
+        for k in sorted(fn.attr):
+            visit_attr(fn.attr[k])
+        for node in fn.node_def:
+            visit_node(node)
+
+    for node in graph_def.node:
+        visit_node(node)
+    for name in sorted(known, key=lambda n: (re.sub(r"\d+", "", n), n)):  # unreferenced
+        note(name)
+    mapping, counts = {}, {}
+    for name in order:
+        base = re.sub(r"_\d+(?=_|$)", "", name)
+        counts[base] = counts.get(base, 0) + 1
+        mapping[name] = f"{base}_{counts[base]}"
+    for k, text in enumerate(seen_grad_types):
+        mapping[text] = f"CustomGradient-{k + 1}"
+
+    def fix_attr(value):
+        kind = value.WhichOneof("value")
+        if kind == "func":
+            value.func.name = mapping.get(value.func.name, value.func.name)
+            for k in value.func.attr:
+                fix_attr(value.func.attr[k])
+        elif kind == "list":
+            for f in value.list.func:
+                f.name = mapping.get(f.name, f.name)
+        elif kind == "s":
+            text = value.s.decode("utf-8", "replace")
+            if text in mapping:
+                value.s = mapping[text].encode()
+
+    def fix_node(node):
+        node.op = mapping.get(node.op, node.op)
+        for k in node.attr:
+            fix_attr(node.attr[k])
+
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for node in out.node:
+        fix_node(node)
+    functions = list(out.library.function)
+    for fn in functions:
+        _rename_args(fn, mapping)
+        fn.signature.name = mapping.get(fn.signature.name, fn.signature.name)
+        for k in fn.attr:
+            fix_attr(fn.attr[k])
+        for node in fn.node_def:
+            fix_node(node)
+    for grad in out.library.gradient:
+        grad.function_name = mapping.get(grad.function_name, grad.function_name)
+        grad.gradient_func = mapping.get(grad.gradient_func, grad.gradient_func)
+    del out.library.function[:]
+    out.library.function.extend(sorted(functions, key=lambda f: f.signature.name))
+    return out
+
+
+def _rename_args(fn, mapping):
+    """Arguments named after a function ("cond_39___redundant_placeholder0") follow it."""
+    renamed = {}
+    for arg in list(fn.signature.input_arg) + list(fn.signature.output_arg):
+        for old, new in mapping.items():
+            if arg.name.startswith(old + "_"):
+                renamed[arg.name] = new + arg.name[len(old):]
+                arg.name = renamed[arg.name]
+                break
+    if not renamed:
+        return
+
+    def fix(ref):
+        control = ref.startswith("^")
+        head, sep, tail = ref.lstrip("^").partition(":")
+        return ("^" if control else "") + renamed.get(head, head) + sep + tail
+
+    for node in fn.node_def:
+        node.input[:] = [fix(r) for r in node.input]
+    for key in list(fn.ret):
+        value = fix(fn.ret[key])
+        del fn.ret[key]
+        fn.ret[renamed.get(key, key)] = value
 
 
 def _unique(variables):

@@ -1,0 +1,44 @@
+"""Writes example single-device training graphs to try graph-rewrite on.
+
+    python tools/make_example_graphs.py OUT_DIR [--model mlp] [--optimizer adam]
+
+writes OUT_DIR/<model>_<optimizer>.pb, .pbtxt and .meta (the .meta keeps the Saver's
+SaverDef and collections). Every graph is one of graph_rewriter.examples: placeholders
+x (and y, ids) with an unknown batch dimension, "loss", "train_op", "init".
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--model", default="mlp", help="one of graph_rewriter.examples.MODELS")
+    p.add_argument("--optimizer", default="adam", help="an optimizer name of graph_rewriter.examples")
+    p.add_argument("--resource", choices=("yes", "no"), default="yes", help="resource or ref variables")
+    args = p.parse_args()
+    import tensorflow as tf
+
+    from graph_rewriter import examples
+    tf.compat.v1.disable_eager_execution()
+    ex = examples.build(args.model, args.optimizer, resource=args.resource == "yes")
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"{args.model}_{args.optimizer}")
+    tf.io.write_graph(ex.graph_def, args.out_dir, os.path.basename(stem) + ".pb", as_text=False)
+    tf.io.write_graph(ex.graph_def, args.out_dir, os.path.basename(stem) + ".pbtxt", as_text=True)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(ex.graph_def, name="")
+        saver = tf.compat.v1.train.Saver(tf.compat.v1.global_variables() or None,
+                                         allow_empty=True) if tf.compat.v1.global_variables() else None
+        tf.compat.v1.train.export_meta_graph(stem + ".meta", graph=graph,
+                                             saver_def=saver.as_saver_def() if saver else None)
+    print(f"wrote {stem}.pb, {stem}.pbtxt, {stem}.meta (feeds {', '.join(ex.feeds)}; "
+          f"fetch {ex.loss}, run {ex.train_op} and {ex.init})")
+
+
+if __name__ == "__main__":
+    main()

@@ -216,14 +216,17 @@ class _Analyzer:
         self.saver_nodes = self._find_saver_nodes()
         self.input_pipeline = self._find_input_pipeline()
         batch, broadcast = self._find_inputs()
-        variant0 = variant_nodes(batch, set())
-        cuts = self._find_cuts(batch, variant0)
+        # Replica-variant means "depends on the data". Without a splittable batch input
+        # (only static batch sizes), the data still tells gradients from other updates.
+        seeds = batch or [t for t in broadcast if _rank(t) != 0]
+        variant0 = variant_nodes(seeds, set())
+        cuts = self._find_cuts(seeds, variant0)
         cut_tensors = set()
         for c in cuts:
             cut_tensors.add(c.values)
             if c.indices is not None:
                 cut_tensors.add(c.indices)
-        variant = variant_nodes(batch, cut_tensors)
+        variant = variant_nodes(seeds, cut_tensors)
         self._check_updates_invariant(variant)
         self._assign_roles(cuts, variant)
         init_ops = self._find_initializers()
@@ -649,6 +652,18 @@ def _read_by_variant(var_node, variant):
             if c in variant and c.op not in DENSE_ASSIGNS:
                 return True
     return False
+
+
+def _rank(t):
+    """Static rank of a placeholder or iterator output, or None if unknown."""
+    n = t.node
+    if "shape" in n.attr:
+        shape = _shape_of(n.attr["shape"].shape)
+    elif "output_shapes" in n.attr and t.index < len(n.attr["output_shapes"].list.shape):
+        shape = _shape_of(n.attr["output_shapes"].list.shape[t.index])
+    else:
+        return None
+    return None if shape is None else len(shape)
 
 
 def _is_step_counter(var):

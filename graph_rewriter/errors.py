@@ -11,4 +11,7 @@ class GraphRewriteError(Exception):
     def __init__(self, message, *, hint=None):
         self.message = message
         self.hint = hint
-        super().__init__(message if not hint else f"{message}. To fix this, {hint}")
+        text = message.rstrip()
+        if hint:
+            text = f"{text.rstrip('.')}. To fix this, {hint}"
+        super().__init__(text)

@@ -18,6 +18,7 @@ and the same numbers. TensorFlow is imported lazily, like the rest of the packag
 
 import dataclasses
 import typing
+import warnings
 
 import numpy as np
 
@@ -110,7 +111,9 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     """Builds one example graph; see the module doc for the names it follows.
 
     Options: ``control_flow`` ("v1"/"v2") for "cond" (default: TensorFlow's current
-    setting, v2 in TF 2.x); ``batch_size`` for "iterator" (default 8); ``learning_rate``
+    setting, v2 in TF 2.x); ``batch_size`` for "iterator" (default 8); ``update_ops``
+    for "batchnorm": "group" (default: tf.group(minimize, *UPDATE_OPS)) or "control"
+    (minimize() built under tf.control_dependencies(UPDATE_OPS)); ``learning_rate``
     to override the optimizer's default. Keras models always use resource variables
     (Keras creates them itself); their optimizer must be one of OPTIMIZERS_KERAS, and the
     other models' one of OPTIMIZERS_V1.
@@ -124,7 +127,7 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     if optimizer not in allowed:
         raise ValueError(f"model {model!r} takes an optimizer from {', '.join(allowed)}, "
                          f"got {optimizer!r}")
-    unknown = set(kw) - {"control_flow", "batch_size", "learning_rate"}
+    unknown = set(kw) - {"control_flow", "batch_size", "learning_rate", "update_ops"}
     if unknown:
         raise TypeError(f"build() got unknown options {sorted(unknown)}")
     if keras:
@@ -397,8 +400,16 @@ class _V1Builder:
             self.tensors["learning_rate"] = learning_rate.name
         opt = _v1_optimizer(self.optimizer_name, self.global_step, learning_rate)
         update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
-        with tf.control_dependencies(update_ops):
+        if not update_ops:
             opt.minimize(loss, global_step=self.global_step, name="train_op")
+        elif self.kw.get("update_ops", "group") == "group":
+            minimize = opt.minimize(loss, global_step=self.global_step)
+            tf.group(minimize, *update_ops, name="train_op")
+        else:
+            # The pattern TF1's batch_normalization docs give: every op minimize() makes,
+            # the gradients included, gets a control input on the moving-average updates.
+            with tf.control_dependencies(update_ops):
+                opt.minimize(loss, global_step=self.global_step, name="train_op")
         _init_op(tf.compat.v1.global_variables(),
                  tf.compat.v1.get_collection("example_init_ops"))
 
@@ -468,7 +479,9 @@ class _V1Builder:
         y = self.placeholder("y", [None, 1])
         h = self.dense(x, HIDDEN, "hidden")
         self.tensors["bn_input"] = h.name
-        normed = _batch_normalization()(h, training=True, momentum=BN_MOMENTUM, name="bn")
+        with warnings.catch_warnings():  # "tf.layers.batch_normalization is deprecated"
+            warnings.simplefilter("ignore")
+            normed = _batch_normalization()(h, training=True, momentum=BN_MOMENTUM, name="bn")
         return self.mse(self.dense(tf.tanh(normed), 1, "output"), y)
 
     def _iterator(self):
@@ -646,6 +659,30 @@ def _train(sess, example, steps, batch_size, feeds):
     return losses, {name: np.asarray(v) for name, v in values.items()}
 
 
+def _replica_copies(sess, example, prefixes):
+    """Every replica's copy of every variable, read through the variable op itself: a
+    copy's own read op may not exist (a read only the Saver uses stays global)."""
+    import tensorflow as tf
+    graph = sess.graph
+    fetches = {}
+    with graph.as_default():
+        for prefix in prefixes:
+            for name in example.variables:
+                try:
+                    op = graph.get_operation_by_name(prefix + name)
+                except KeyError:
+                    continue
+                if op.type == "VarHandleOp":
+                    fetches[prefix + name] = tf.raw_ops.ReadVariableOp(
+                        resource=op.outputs[0], dtype=op.get_attr("dtype"),
+                        name=f"{prefix}{name}/examples_read_copy")
+                else:   # a ref variable: fetching its ref output returns the value
+                    fetches[prefix + name] = op.outputs[0]
+    # The plain Session.run: graph_rewriter.Session only knows the rewritten graph's nodes.
+    values = tf.compat.v1.Session.run(sess, fetches)
+    return {name: np.asarray(v) for name, v in values.items()}
+
+
 def run_single(example, steps=3, batch_size=8, feeds=None):
     """Trains the original graph on one device: (losses per step, final variable values).
 
@@ -661,9 +698,16 @@ def run_single(example, steps=3, batch_size=8, feeds=None):
         return _train(sess, example, steps, batch_size, feeds)
 
 
-def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=None):
-    """The same training run through ``graph_rewriter.Session`` on a rewritten graph,
-    with the original names (variables are read through the master replica's copy)."""
+def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=None,
+                  replica_copies=False):
+    """The same training run through ``graph_rewriter.Session`` on a rewritten graph
+    (``result``: a RewriteResult or the path of a saved one), with the original names:
+    variables are read through the master replica's copy. With ``replica_copies`` the
+    values also hold every other replica's copy, keyed "replica_1/<variable>" (the
+    rewritten graph's prefix), so a test can check that the replicas stay identical."""
     from graph_rewriter.session import Session
     with Session(result, config=config) as sess:
-        return _train(sess, example, steps, batch_size, feeds)
+        losses, values = _train(sess, example, steps, batch_size, feeds)
+        if replica_copies:
+            values.update(_replica_copies(sess, example, sess.result.metadata["replica_prefixes"][1:]))
+        return losses, values

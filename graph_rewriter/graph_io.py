@@ -85,7 +85,7 @@ def _load_bytes(data, label, path):
             else:
                 msg.ParseFromString(data)
         except (pb_message.DecodeError, text_format.ParseError, UnicodeDecodeError, ValueError) as e:
-            problems.append(f"{form} {'MetaGraphDef' if as_meta else 'GraphDef'}: {str(e).splitlines()[0][:120]}")
+            problems.append(f"{form} {'MetaGraphDef' if as_meta else 'GraphDef'}: {str(e).splitlines()[0][:120].rstrip('.')}")
             continue
         gd = msg.graph_def if as_meta else msg
         why = _not_a_graph(gd)
@@ -114,7 +114,7 @@ def _not_a_graph(gd):
         return "it has no nodes"
     for nd in gd.node[:2000]:
         if not nd.op or not _NODE_NAME.match(nd.name):
-            return f"node {nd.name!r} has no valid name or op"
+            return "it decodes as a protobuf message, but its entries are not graph nodes (no valid name and op)"
     return None
 
 

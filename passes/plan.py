@@ -23,11 +23,6 @@ class PlanPass(Pass):
             raise GraphRewriteError(
                 f"{graph.source} has no variables: it looks like an inference graph, and there "
                 "is nothing to train", hint="pass the training graph (with its optimizer)")
-        if not analysis.cuts:
-            raise GraphRewriteError(
-                f"{graph.source} has variables but no optimizer update that depends on the batch "
-                "(no gradient found)",
-                hint="export the graph after calling optimizer.minimize() or apply_gradients()")
         r = ctx.num_replicas
         if r > 1 and not analysis.batch_inputs:
             raise GraphRewriteError(
@@ -35,6 +30,18 @@ class PlanPass(Pass):
                 "placeholder with an unknown first dimension or a tf.data iterator output",
                 hint="build inputs with shape [None, ...] (a static batch size is folded into "
                      "constants by TensorFlow, so it cannot be split)")
+        if not analysis.cuts:
+            raise GraphRewriteError(
+                f"{graph.source} has variables but no optimizer update that depends on the batch "
+                "(no gradient found)",
+                hint="export the graph after calling optimizer.minimize() or apply_gradients()")
+        for name in ctx.options.merge:
+            try:
+                graph.tensor(name)
+            except GraphRewriteError:
+                raise GraphRewriteError(
+                    f"merge names '{name}', which is not a tensor of {graph.source}",
+                    hint="use the original graph's tensor names, e.g. loss:0") from None
         if ctx.plan is None:
             ctx.plan = make_plan(analysis, ctx.options, r)
         else:

@@ -338,9 +338,9 @@ def test_missing_arguments_are_one_line():
     assert_rejected(proc, "IN")
 
 
-def test_failure_late_in_the_pipeline_leaves_existing_out_byte_identical(graphs, tmp_path):
-    """A rejection after the graph was loaded and passes ran (the graph is already
-    rewritten) must leave a previous OUT exactly as it was."""
+def test_rewriting_an_output_onto_itself_is_rejected_and_leaves_it_byte_identical(graphs, tmp_path):
+    """IN is a graph graph-rewrite wrote, and OUT is that same file: rejected after the
+    graph was read, and the file stays exactly as it was."""
     good = tmp_path / "good.pb"
     assert_ok(run_cli(graphs["pb"], good, *CPU2))
     before = read_bytes(good)

@@ -32,10 +32,11 @@ def main():
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(ex.graph_def, name="")
-        saver = tf.compat.v1.train.Saver(tf.compat.v1.global_variables() or None,
-                                         allow_empty=True) if tf.compat.v1.global_variables() else None
-        tf.compat.v1.train.export_meta_graph(stem + ".meta", graph=graph,
-                                             saver_def=saver.as_saver_def() if saver else None)
+    # The example's Saver is in the graph already; describe it for the MetaGraphDef.
+    saver_def = tf.compat.v1.train.SaverDef(
+        filename_tensor_name="save/Const:0", save_tensor_name="save/control_dependency:0",
+        restore_op_name="save/restore_all", version=tf.compat.v1.train.SaverDef.V2)
+    tf.compat.v1.train.export_meta_graph(stem + ".meta", graph=graph, saver_def=saver_def)
     print(f"wrote {stem}.pb, {stem}.pbtxt, {stem}.meta (feeds {', '.join(ex.feeds)}; "
           f"fetch {ex.loss}, run {ex.train_op} and {ex.init})")
 

@@ -1,0 +1,276 @@
+"""Numeric equivalence, the backbone: a model rewritten for R replicas and trained on the
+same global batches computes what one device computes.
+
+For each example of graph_rewriter.examples, ``rewrite(graph_def, devices_per_worker=R,
+device_type="CPU")`` run through graph_rewriter.Session must give the single-device losses
+and final variables (every variable: weights, optimizer slots, step counters) within float
+rounding after STEPS steps, for R in {1, 2, 4}; every replica's copy of every variable must
+equal the master's; the step counter must equal the number of steps, not steps x R.
+
+The reference is always the single-device run of the same graph on the same batches,
+never a constant, and each reference is checked to have actually trained (the variables
+moved), so an equal-but-idle rewrite cannot pass.
+
+Cost: every case starts a TensorFlow session; the single-device reference of a model is
+computed once and shared by its R cases. The full cross product of every optimizer with
+R in {1, 2, 4} is the slow variant (``-m slow``); the default run takes R in {1, 2, 4}
+for a representative subset (sgd, adam, adagrad, ftrl on dense and sparse models) and R=2
+for the rest.
+
+BatchNorm is different (see test_batchnorm_*): each replica normalises with its own
+shard's statistics, so losses differ from one device; the defined behaviour is that every
+replica's moving statistics get the single-device update computed with the MEAN of the
+replicas' batch statistics.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graph_rewriter as gr
+from graph_rewriter import examples
+from graph_rewriter.session import session_config
+
+STEPS = 3
+BATCH = 8                 # divisible by every R below
+REPLICAS = (1, 2, 4)
+RTOL, ATOL = 1e-4, 1e-6
+
+V1 = examples.OPTIMIZERS_V1
+KERAS = examples.OPTIMIZERS_KERAS
+REPRESENTATIVE_V1 = ("sgd", "adam", "adagrad", "ftrl")
+REPRESENTATIVE_KERAS = ("keras_sgd", "keras_adam", "keras_adagrad", "keras_ftrl")
+
+# Exhaustive variants run only when asked for: pytest -m slow
+slow = [pytest.mark.slow,
+        pytest.mark.skipif("'slow' not in config.getoption('markexpr')",
+                           reason="exhaustive variant: run with -m slow")]
+
+
+def _mark(params, marks):
+    return [pytest.param(*p, marks=marks) if marks else p for p in params]
+
+
+def _split_cases(models, optimizers, representative, resources):
+    """(model, optimizer, resource, R) cases: R in {1,2,4} for the representative
+    optimizers and R=2 for the rest by default; the remaining R values marked slow."""
+    quick, exhaustive = [], []
+    for model in models:
+        for optimizer in optimizers:
+            for resource in resources:
+                for r in REPLICAS:
+                    case = (model, optimizer, resource, r)
+                    if optimizer in representative or r == 2:
+                        quick.append(case)
+                    else:
+                        exhaustive.append(case)
+    return quick + _mark(exhaustive, slow)
+
+
+def _case_id(value):
+    if isinstance(value, bool):
+        return "resource" if value else "ref"
+    if isinstance(value, int):
+        return f"R{value}"
+    return str(value)
+
+
+# ----- the reference and the comparison ---------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _reference(model, optimizer, resource, options=()):
+    """(example, initial values, single-device losses, single-device final values)."""
+    ex = examples.build(model, optimizer, resource=resource, **dict(options))
+    _, initial = examples.run_single(ex, steps=0, batch_size=BATCH)
+    losses, final = examples.run_single(ex, steps=STEPS, batch_size=BATCH)
+    return ex, initial, losses, final
+
+
+def _step_counter_name(ex):
+    return next(name for name, t in ex.variables.items() if t == ex.step_counter)
+
+
+def check_equivalence(model, optimizer, resource, replicas, **options):
+    ex, initial, losses, final = _reference(model, optimizer, resource, tuple(sorted(options.items())))
+    # The reference trained: the loss is finite and weights moved, so equality means something.
+    assert np.all(np.isfinite(losses)), losses
+    moved = [n for n in final if not np.array_equal(final[n], initial[n])]
+    assert len(moved) >= 2, f"single-device run of {model}/{optimizer} changed only {moved}"
+
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    assert result.num_replicas == replicas
+    got_losses, got = examples.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH,
+                                             replica_copies=True)
+
+    np.testing.assert_allclose(got_losses, losses, rtol=RTOL, atol=ATOL,
+                               err_msg=f"losses per step of {replicas} replicas vs one device")
+    for name, want in final.items():
+        np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"variable '{name}' after {STEPS} steps")
+    counter = _step_counter_name(ex)
+    assert int(final[counter]) == STEPS
+    assert int(got[counter]) == STEPS, f"'{counter}' advanced {int(got[counter])} times in {STEPS} steps"
+    # Every replica's copy equals the master's (mirrored variables never drift apart).
+    prefixes = result.metadata["replica_prefixes"][1:]
+    assert len(prefixes) == replicas - 1
+    for prefix in prefixes:
+        copies = [n for n in got if n.startswith(prefix)]
+        assert sorted(copies) == sorted(prefix + n for n in final), f"copies under '{prefix}'"
+        for name in copies:
+            np.testing.assert_allclose(got[name], got[name[len(prefix):]], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"replica copy '{name}' differs from the master's")
+
+
+# ----- tf.compat.v1.train optimizers: dense and sparse, resource and ref ------------------
+
+V1_CASES = _split_cases(("mlp", "embedding"), V1, REPRESENTATIVE_V1, (True, False))
+
+
+@pytest.mark.parametrize("model,optimizer,resource,replicas", V1_CASES, ids=_case_id)
+def test_v1_optimizer(model, optimizer, resource, replicas):
+    check_equivalence(model, optimizer, resource, replicas)
+
+
+# ----- tf_keras legacy OptimizerV2: dense and sparse (scatter-based updates) ---------------
+
+KERAS_CASES = _split_cases(("keras", "keras_embedding"), KERAS, REPRESENTATIVE_KERAS, (True,))
+
+
+@pytest.mark.parametrize("model,optimizer,resource,replicas", KERAS_CASES, ids=_case_id)
+def test_keras_optimizer(model, optimizer, resource, replicas):
+    check_equivalence(model, optimizer, resource, replicas)
+
+
+# ----- control flow, schedules, input pipelines -------------------------------------------
+
+OTHER_CASES = [(m, o, res, r)
+               for m in ("cond", "lstm_v1", "lstm_v2", "lr_schedule", "iterator")
+               for o in ("sgd", "adam")
+               for res in (True, False)
+               for r in REPLICAS]
+
+
+@pytest.mark.parametrize("model,optimizer,resource,replicas", OTHER_CASES, ids=_case_id)
+def test_model(model, optimizer, resource, replicas):
+    check_equivalence(model, optimizer, resource, replicas)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("replicas", [2, 4], ids=_case_id)
+def test_cond_with_v1_control_flow(optimizer, replicas):
+    """The same tf.cond built as Switch/Merge instead of If."""
+    check_equivalence("cond", optimizer, True, replicas, control_flow="v1")
+
+
+def test_cond_takes_both_branches():
+    """The cond reference is only meaningful if both branches trained: each head moves."""
+    ex, initial, _, final = _reference("cond", "sgd", True)
+    for head in ("head_a/kernel", "head_b/kernel"):
+        assert not np.array_equal(initial[head], final[head]), head
+
+
+def test_lr_schedule_decays():
+    """The schedule really depends on global_step (so a step counter advancing R times
+    per step would change the numbers)."""
+    ex, *_ = _reference("lr_schedule", "sgd", True)
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.import_graph_def(ex.graph_def, name="")
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(ex.init)
+        rates = []
+        for step in range(2):
+            rates.append(sess.run(ex.tensors["learning_rate"]))
+            sess.run(ex.train_op, ex.batch(step, BATCH))
+    assert rates[1] == pytest.approx(rates[0] / 2)
+
+
+# ----- BatchNorm: per-replica statistics, averaged moving statistics ----------------------
+
+def _read_replicas(result, ex, names, steps, batch):
+    """Runs ``steps`` steps through graph_rewriter.Session, then reads every replica's copy
+    of ``names`` through a plain tf.compat.v1.Session on the same kind of graph."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.import_graph_def(result.graph_def, name="")
+    config = session_config(result.metadata["session_config"])
+    prefixes = result.metadata["replica_prefixes"]
+    with tf.compat.v1.Session(graph=g, config=config) as sess:
+        sess.run(ex.init)
+        for step in range(steps):
+            sess.run(ex.train_op, batch(step))
+        fetches = {(p, n): p + ex.variables[n] for p in prefixes for n in names}
+        return sess.run(fetches)
+
+
+@pytest.mark.parametrize("update_ops", ["group", "control"])
+@pytest.mark.parametrize("resource", [True, False], ids=_case_id)
+@pytest.mark.parametrize("replicas", [2, 4], ids=_case_id)
+def test_batchnorm_moving_statistics(replicas, resource, update_ops):
+    """After one step on equal shards: moving_mean equals one device's (the mean of shard
+    means is the batch mean); moving_variance equals momentum * v0 + (1 - momentum) *
+    mean of the shards' (biased) batch variances; every replica holds the same values.
+    ``update_ops``: UPDATE_OPS grouped with the train op, or minimize() built under
+    tf.control_dependencies(UPDATE_OPS) as TF1's docs recommend."""
+    ex, initial, _, _ = _reference("batchnorm", "sgd", resource, (("update_ops", update_ops),))
+    feed = ex.batch(0, BATCH, ex.seed)
+    _, single = examples.run_single(ex, steps=1, batch_size=BATCH)
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.import_graph_def(ex.graph_def, name="")
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(ex.init)
+        bn_input = sess.run(ex.tensors["bn_input"], feed)   # before any update
+    shard_variances = [s.var(axis=0) for s in np.split(bn_input, replicas)]
+    m = examples.BN_MOMENTUM
+    want_variance = m * initial["bn/moving_variance"] + (1 - m) * np.mean(shard_variances, axis=0)
+    # The variance of replica means differs from the batch variance: the test can tell.
+    assert not np.allclose(want_variance, single["bn/moving_variance"], rtol=RTOL, atol=ATOL)
+
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    values = _read_replicas(result, ex, ["bn/moving_mean", "bn/moving_variance"], 1,
+                            lambda step: ex.batch(step, BATCH, ex.seed))
+    for prefix in result.metadata["replica_prefixes"]:
+        np.testing.assert_allclose(values[(prefix, "bn/moving_mean")], single["bn/moving_mean"],
+                                   rtol=RTOL, atol=ATOL, err_msg=f"{prefix}bn/moving_mean")
+        np.testing.assert_allclose(values[(prefix, "bn/moving_variance")], want_variance,
+                                   rtol=RTOL, atol=ATOL, err_msg=f"{prefix}bn/moving_variance")
+
+
+@pytest.mark.parametrize("replicas", [2, 4], ids=_case_id)
+def test_batchnorm_replicas_stay_identical(replicas):
+    """Over several steps the replicas' statistics and weights stay equal to each other,
+    and the step counter advances once per step."""
+    ex, *_ = _reference("batchnorm", "adam", True)
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    names = list(ex.variables)
+    values = _read_replicas(result, ex, names, STEPS, lambda step: ex.batch(step, BATCH, ex.seed))
+    prefixes = result.metadata["replica_prefixes"]
+    for name in names:
+        for prefix in prefixes[1:]:
+            np.testing.assert_allclose(values[(prefix, name)], values[("", name)], rtol=RTOL,
+                                       atol=ATOL, err_msg=f"{prefix}{name}")
+    assert int(values[("", "global_step")]) == STEPS
+
+
+# ----- the examples themselves --------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [m for m in examples.MODELS if m not in examples.KERAS_MODELS]
+                         + list(examples.KERAS_MODELS))
+def test_examples_build_deterministically(model):
+    optimizer = "keras_adam" if model in examples.KERAS_MODELS else "adam"
+    a = examples.build(model, optimizer).graph_def.SerializeToString(deterministic=True)
+    b = examples.build(model, optimizer).graph_def.SerializeToString(deterministic=True)
+    assert a == b
+
+
+def test_embedding_batches_repeat_ids_within_and_across_shards():
+    ex, *_ = _reference("embedding", "sgd", True)
+    for step in range(STEPS):
+        ids = ex.batch(step, BATCH)["ids:0"]
+        assert len(set(ids)) < len(ids)
+        for parts in (2, 4):
+            shards = [set(s) for s in np.split(ids, parts)]
+            assert set.intersection(*shards), (step, parts, ids)

@@ -136,7 +136,7 @@ def graph_item_from_graph_def(gd, source="<GraphDef>"):
     attr protos). Two passes: every node first, then the edges, so loops load too."""
     item = GraphItem()
     item.source = source
-    item.versions = gd.versions
+    item.versions = gd.versions if gd.HasField("versions") else None
     item.library = gd.library if gd.HasField("library") else None
     nodes = item._nodes
     pending = []

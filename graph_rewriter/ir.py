@@ -274,10 +274,11 @@ class GraphItem:
         Returns {original: clone}. One bulk operation: this is the replication hot path."""
         mapping = {}
         table = self._nodes
+        for n in nodes:  # check every name first: a rejected clone leaves the graph as it was
+            if prefix + n._name in table:
+                raise GraphRewriteError(f"{self.source}: a node named '{prefix + n._name}' already exists")
         for n in nodes:
             name = prefix + n._name
-            if name in table:
-                raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
             n._shared_def = True
             c = Node(self, name, n.op, n.device, n._def, shared_def=True)
             table[name] = c
@@ -313,14 +314,7 @@ class GraphItem:
 
     def remove_node(self, node):
         """Removes a node that nothing reads any more (data or control)."""
-        if node._consumers or node._control_consumers:
-            readers = [c.name for c in node.consumer_nodes()] + [c.name for c in node._control_consumers]
-            raise GraphRewriteError(
-                f"cannot remove node '{node.name}': still read by {', '.join(readers[:5])}")
-        node.set_inputs([])
-        node.set_control_inputs([])
-        del self._nodes[node._name]
-        self._touch()
+        self.remove_nodes([node])
 
     def remove_nodes(self, nodes):
         """Removes a set of nodes that only read each other (dead-code elimination)."""
@@ -328,10 +322,10 @@ class GraphItem:
         for n in doomed:
             for c, _ in n._consumers:
                 if c not in doomed:
-                    raise GraphRewriteError(f"cannot remove node '{n.name}': read by '{c.name}'")
+                    raise GraphRewriteError(f"cannot remove node '{n.name}': still read by '{c.name}'")
             for c in n._control_consumers:
                 if c not in doomed:
-                    raise GraphRewriteError(f"cannot remove node '{n.name}': control input of '{c.name}'")
+                    raise GraphRewriteError(f"cannot remove node '{n.name}': still a control input of '{c.name}'")
         for n in doomed:
             for pos, t in enumerate(n._inputs):
                 t.node._consumers.pop((n, pos), None)

@@ -68,6 +68,7 @@ class PassManager:
         if self.verifier is not None and self.verify_each:
             self._verify(graph, ctx, None, [])
         done = []
+        changed = False
         for p in self.passes:
             start = time.perf_counter()
             try:
@@ -79,6 +80,7 @@ class PassManager:
                     f"{self._where(p, done)}internal error {type(e).__name__}: {e}",
                     hint="please report this with the input graph") from e
             seconds = time.perf_counter() - start
+            changed = changed or bool(modified)
             done.append(p.name)
             ctx.passes_run.append(p.name)
             ctx.timings.append((p.name, seconds, bool(modified)))
@@ -90,7 +92,7 @@ class PassManager:
                 self._dump(graph, ctx, p)
         if self.verifier is not None and not self.verify_each:
             self._verify(graph, ctx, self.passes[-1] if self.passes else None, done)
-        return PassResult(graph, bool(done))
+        return PassResult(graph, changed)
 
     def _where(self, p, done):
         return f"pass '{p.name}' (after {', '.join(done) or 'no other pass'}): "

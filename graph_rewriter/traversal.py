@@ -5,6 +5,8 @@ v1 while loops are cycles by construction: NextIteration feeds Merge. Those back
 allows; every walk here ignores them, and ``find_cycle`` reports any other.
 """
 
+import heapq
+
 from graph_rewriter.errors import GraphRewriteError
 
 _BACK_EDGE_SOURCES = frozenset(("NextIteration", "RefNextIteration"))
@@ -17,40 +19,34 @@ def is_back_edge(producer, consumer):
 
 def _forward_inputs(node):
     """Producers of ``node`` (data then control) except loop back-edges."""
+    prods = [t.node for t in node._inputs] + list(node._control_inputs)
     if node.op in _MERGES:
-        prods = [t.node for t in node._inputs if t.node.op not in _BACK_EDGE_SOURCES]
-    else:
-        prods = [t.node for t in node._inputs]
-    prods.extend(node._control_inputs)
+        prods = [p for p in prods if p.op not in _BACK_EDGE_SOURCES]
     return prods
 
 
 def topological_order(graph):
-    """Nodes so that producers come before consumers (loop back-edges ignored), stable
-    with respect to the graph's own order. Raises GraphRewriteError on another cycle."""
-    nodes = graph._nodes
-    indeg = {}
-    for n in nodes.values():
-        indeg[n] = len(set(_forward_inputs(n)))
-    ready = [n for n in nodes.values() if indeg[n] == 0]
-    ready.reverse()
+    """Nodes so that producers come before consumers (loop back-edges ignored); among
+    the nodes ready at any moment, the one first in the graph's own order goes first.
+    Raises GraphRewriteError on a cycle that is not a loop."""
+    nodes = list(graph._nodes.values())
+    index = {n: i for i, n in enumerate(nodes)}
+    indeg = [len(set(_forward_inputs(n))) for n in nodes]
+    ready = [i for i, d in enumerate(indeg) if d == 0]
+    heapq.heapify(ready)
     order = []
-    seen_edges = set()
     while ready:
-        n = ready.pop()
+        n = nodes[heapq.heappop(ready)]
         order.append(n)
         outs = dict.fromkeys([c for c, _ in n._consumers])
         outs.update(dict.fromkeys(n._control_consumers))
         for c in outs:
             if is_back_edge(n, c):
                 continue
-            key = (n, c)
-            if key in seen_edges:
-                continue
-            seen_edges.add(key)
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                ready.append(c)
+            j = index[c]
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
     if len(order) != len(nodes):
         cycle = find_cycle(graph)
         names = " -> ".join(n.name for n in cycle[:8]) if cycle else "unknown"

@@ -141,7 +141,7 @@ def _check_collectives(graph):
             size, gkey, ikey = n.attr["group_size"].i, n.attr["group_key"].i, n.attr["instance_key"].i
         if size is None or gkey is None or ikey is None:
             continue  # computed at run time: nothing to check statically
-        g = groups.setdefault(gkey, (size, set()))
+        g = groups.setdefault(gkey, (size, set(), n.name))
         if g[0] != size:
             raise GraphRewriteError(
                 f"collective '{n.name}' gives group {gkey} size {size}, another member gave {g[0]}")
@@ -157,10 +157,11 @@ def _check_collectives(graph):
             raise GraphRewriteError(
                 f"collective instance {ikey} of group {gkey} has more than its {size} members "
                 f"(at '{n.name}')")
-    for gkey, (size, devices) in groups.items():
+    for gkey, (size, devices, member) in groups.items():
         if len(devices) > size:
             raise GraphRewriteError(
-                f"collective group {gkey} spans {len(devices)} devices but has size {size}")
+                f"collective group {gkey} (member '{member}') spans {len(devices)} devices "
+                f"but has size {size}")
 
 
 def _check_replica_isolation(graph):

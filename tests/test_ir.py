@@ -12,7 +12,6 @@
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -35,15 +34,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----- graph builders -----------------------------------------------------------------
 
-def small_training_graph():
-    """x[None,4] @ w[4,1] - y -> square -> mean = loss; GradientDescent "train_op"; "init"."""
+def small_training_graph(hidden=False):
+    """x[None,4] @ w[4,1] - y -> square -> mean = loss; GradientDescent "train_op"; "init".
+    ``hidden`` adds a tanh layer with a bias first (three variables instead of one)."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(0)
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
         y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        h = x
+        if hidden:
+            v = tf1.get_variable("v", [4, 4], use_resource=True)
+            b = tf1.get_variable("b", [4], use_resource=True)
+            h = tf.tanh(tf.matmul(h, v) + b)
         w = tf1.get_variable("w", [4, 1], use_resource=True)
-        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y), name="loss")
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - y), name="loss")
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
         init = tf1.global_variables_initializer()
         assert init.name == "init"
@@ -296,7 +301,8 @@ with open(sys.argv[2], "wb") as f:
 """
 
 
-def test_rewrite_is_byte_identical_across_hash_seeds(tmp_path, train_gd):
+def test_rewrite_is_byte_identical_across_hash_seeds(tmp_path):
+    train_gd = small_training_graph(hidden=True).as_graph_def()
     src = tmp_path / "train.pb"
     src.write_bytes(train_gd.SerializeToString(deterministic=True))
     script = tmp_path / "rewrite.py"
@@ -389,7 +395,8 @@ class Builder:
         prods = self.producers()
         if not prods:
             return None
-        return Tensor(self.draw(st.sampled_from(prods), label), self.draw(st.integers(0, 2), label + " index"))
+        node = self.draw(st.sampled_from(prods), label)
+        return Tensor(node, self.draw(st.integers(0, 2), label + " index"))
 
     def tensors(self, lo, hi, label="tensors"):
         if not self.producers():
@@ -424,7 +431,8 @@ class Builder:
             attrs = {"T": _float_type(), "N": len(inputs)}
         controls = self.some_nodes(0, 2, "control inputs")
         coloc = self.some_nodes(0, 1, "colocation")
-        device = self.draw(st.sampled_from(["", "/device:CPU:0", "/job:worker/task:0/device:GPU:1"]), "device")
+        device = self.draw(st.sampled_from(["", "/device:CPU:0", "/job:worker/task:0/device:GPU:1"]),
+                           "device")
         return self.g.add_node(name, op, inputs=inputs, control_inputs=controls, attrs=attrs,
                                device=device, colocate_with=coloc)
 
@@ -591,7 +599,8 @@ def m_replace_all_uses(b):
     new = b.tensor("replacement")
     if n is None or new is None:
         return
-    old = Tensor(n, b.draw(st.sampled_from(sorted({c.inputs[p].index for c, p in n.consumers()})), "old index"))
+    read = sorted({c.inputs[p].index for c, p in n.consumers()})
+    old = Tensor(n, b.draw(st.sampled_from(read), "old index"))
     only = None
     if b.draw(st.booleans(), "restrict with only="):
         only = set(b.some_nodes(0, 3, "only"))

@@ -14,8 +14,8 @@ from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.context import Options, RewriteContext
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.ir import GraphItem
+from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass, PassManager, PassResult
 from graph_rewriter.verifier import verify
 
@@ -118,7 +118,8 @@ def test_a_pipeline_out_of_order_runs_nothing():
 def test_verifier_runs_before_the_pipeline_and_after_each_pass():
     verifier = CountingVerifier()
     g = small_graph()
-    PassManager([make_pass("one"), make_pass("two"), make_pass("three")], verifier=verifier).run(g, make_ctx())
+    pm = PassManager([make_pass("one"), make_pass("two"), make_pass("three")], verifier=verifier)
+    pm.run(g, make_ctx())
     base = ["a", "b", "c"]
     assert verifier.calls == [base, sorted(base + ["one_node"]), sorted(base + ["one_node", "two_node"]),
                               sorted(base + ["one_node", "two_node", "three_node"])]

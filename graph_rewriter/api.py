@@ -7,7 +7,8 @@ import time
 
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_TIMEOUT_SECONDS, Options, RewriteContext
+from graph_rewriter.context import (DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES,
+                                    DEFAULT_TIMEOUT_SECONDS, Options, RewriteContext)
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.metadata import METADATA_NODE, read_metadata
 from graph_rewriter.pass_manager import PassManager
@@ -75,23 +76,25 @@ class RewriteResult:
 def pipeline(options, cluster):
     """The passes a strategy runs, in order (data: nothing else decides the order)."""
     import passes
-    if options.strategy in ("ps", "hybrid", "auto"):
+    if options.strategy == "auto":
         raise GraphRewriteError(
             f"strategy '{options.strategy}' is not available in this version of graph_rewriter",
             hint="use the allreduce strategy")
-    if cluster.num_workers > 1 or cluster.task is not None:
+    if cluster.task is not None and cluster.task[0] not in ("chief", "worker"):
+        job, index = cluster.task
         raise GraphRewriteError(
-            "rewriting for several workers is not available in this version of graph_rewriter",
-            hint="give a cluster with one worker (or none) and use devices_per_worker")
+            f"task {job}:{index} runs no client graph: between-graph replication builds the graph "
+            "of a chief or worker task", hint="pass a worker task (ps tasks only run a server)")
     return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
             passes.MirrorVariablesPass(), passes.AllReducePass(), passes.AllGatherPass(),
-            passes.PlacePass(), passes.MetadataPass()]
+            passes.AccumulatePass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_worker=1,
             device_type="GPU", task=None, bytes_per_pack=DEFAULT_BYTES_PER_PACK,
             compression=None, sparse_as_dense=False, merge=None, gradients=None,
-            timeout_seconds=DEFAULT_TIMEOUT_SECONDS, verify_each=True, dump_after=(),
+            timeout_seconds=DEFAULT_TIMEOUT_SECONDS, sync=True, staleness=0,
+            ps_shard_bytes=DEFAULT_PS_SHARD_BYTES, verify_each=True, dump_after=(),
             dump_dir=".", log=None):
     """Rewrites a single-device training graph for data-parallel training.
 
@@ -100,7 +103,10 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
     ``compression`` ("fp16"/"bf16": cast before the allreduce, back after),
     ``sparse_as_dense`` (allreduce sparse gradients as dense tensors), ``gradients``
     ({variable: tensor} hints for custom optimizers), ``timeout_seconds`` (a collective
-    waiting longer for a peer fails the step instead of hanging), ``verify_each`` (run
+    waiting longer for a peer fails the step instead of hanging), ``sync`` (parameter
+    servers: False trains asynchronously), ``staleness`` (parameter servers: steps a
+    worker may run ahead of the applied updates), ``ps_shard_bytes`` (parameter-server
+    variables larger than this are split by rows across the ps tasks), ``verify_each`` (run
     the verifier after every pass), ``dump_after`` (pass names; write the graph after
     them into ``dump_dir``), ``log`` (a callable receiving progress lines).
     """
@@ -112,7 +118,8 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
     try:
         return _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
                         bytes_per_pack, compression, sparse_as_dense, merge, gradients,
-                        timeout_seconds, verify_each, dump_after, dump_dir, log)
+                        timeout_seconds, sync, staleness, ps_shard_bytes, verify_each,
+                        dump_after, dump_dir, log)
     finally:
         if collecting:
             gc.enable()
@@ -120,7 +127,7 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
 
 def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
              bytes_per_pack, compression, sparse_as_dense, merge, gradients, timeout_seconds,
-             verify_each, dump_after, dump_dir, log):
+             sync, staleness, ps_shard_bytes, verify_each, dump_after, dump_dir, log):
     started = time.perf_counter()
     plan = None
     if isinstance(strategy, Plan):
@@ -133,6 +140,7 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
         strategy=strategy, devices_per_worker=devices_per_worker, device_type=device_type,
         bytes_per_pack=bytes_per_pack, compression=compression, sparse_as_dense=sparse_as_dense,
         merge=dict(merge or {}), gradients=dict(gradients or {}), timeout_seconds=timeout_seconds,
+        sync=sync, staleness=staleness, ps_shard_bytes=ps_shard_bytes,
         verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir).validate()
     cluster = parse_cluster(cluster_spec, task)
     ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)

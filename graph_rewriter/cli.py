@@ -220,9 +220,13 @@ def cmd_serve(argv):
     server = start_server(args.cluster, args.task, device_type=args.device_type,
                           devices_per_worker=args.devices_per_worker)
     _log(f"serving {args.task} at {server.target} (Ctrl-C to stop)")
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
     try:
-        server.join()
+        # server.join() blocks inside TensorFlow where no Python signal handler runs;
+        # sleeping in Python keeps SIGTERM and Ctrl-C prompt.
+        while not stopping:
+            time.sleep(0.2)
     except KeyboardInterrupt:
         pass
     return 0

@@ -52,6 +52,12 @@ class Cluster:
         job, i = task
         return f"/job:{job}/replica:0/task:{i}/device:{device_type}:{index}"
 
+    def ps_device(self, index):
+        """The device of parameter-server task ``index`` (the host CPU without a cluster)."""
+        if self.is_local or not self.ps_tasks:
+            return "/device:CPU:0"
+        return f"/job:ps/replica:0/task:{index}/device:CPU:0"
+
     def as_dict(self):
         return {job: list(addrs) for job, addrs in self.jobs.items()}
 
@@ -158,6 +164,7 @@ def parse_task(task, cluster):
     job, idx = task[0], task[1]
     if isinstance(idx, str) and idx.isdigit():
         idx = int(idx)
+
     if not isinstance(idx, int) or idx < 0:
         raise GraphRewriteError(f"task {job}:{idx}: the index must be a non-negative integer")
     if job not in cluster.jobs or idx >= len(cluster.jobs[job]):

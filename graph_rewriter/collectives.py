@@ -37,6 +37,12 @@ def sparse_instance_keys(plan, cut_position):
     return first, first + 1, first + 2
 
 
+def init_instance_key(plan, pack_index):
+    """Instance key of the pack_index-th broadcast of initial values (between-graph)."""
+    gathered = sum(1 for c in plan.cuts if c.sync == "allgather")
+    return instance_base(plan) + len(plan.packs) + 3 * gathered + pack_index
+
+
 def _key_inputs(graph, scope, group_size, gkey, ikey, device):
     return [const(graph, f"{scope}/group_size", group_size, "int32", device),
             const(graph, f"{scope}/group_key", gkey, "int32", device),
@@ -50,6 +56,23 @@ def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, timeou
                    attrs={"merge_op": "Add", "final_op": "Div", "communication_hint": "auto",
                           "timeout_seconds": float(timeout)},
                    device=device, control_inputs=control_inputs)
+
+
+def broadcast_send(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):
+    """CollectiveBcastSendV2: ``tensor`` to every other member of the group."""
+    inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device)
+    return make_op(graph, "CollectiveBcastSendV2", f"{scope}/broadcast", inputs,
+                   attrs={"communication_hint": "auto", "timeout_seconds": float(timeout)},
+                   device=device, control_inputs=control_inputs)
+
+
+def broadcast_recv(graph, scope, shape, dtype, group_size, gkey, ikey, device, timeout):
+    """CollectiveBcastRecvV2: the tensor the group's sender broadcasts."""
+    inputs = _key_inputs(graph, scope, group_size, gkey, ikey, device) + [
+        const(graph, f"{scope}/shape", shape, "int64", device)]
+    return make_op(graph, "CollectiveBcastRecvV2", f"{scope}/receive", inputs,
+                   attrs={"communication_hint": "auto", "timeout_seconds": float(timeout)},
+                   type_attrs={"T": dtype}, device=device)
 
 
 def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):

@@ -15,6 +15,7 @@ COMPRESSIONS = (None, "fp16", "bf16")
 MERGES = ("sum", "mean", "concat", "master")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_PS_SHARD_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Options:
     merge: dict = dataclasses.field(default_factory=dict)
     gradients: dict = dataclasses.field(default_factory=dict)
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    sync: bool = True
+    staleness: int = 0
+    ps_shard_bytes: int = DEFAULT_PS_SHARD_BYTES
     verify: bool = True
     dump_after: tuple = ()
     dump_dir: str = "."
@@ -55,6 +59,20 @@ class Options:
         if not (isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds >= 0):
             raise GraphRewriteError(
                 f"timeout_seconds must be a number >= 0 (0 waits forever), got {self.timeout_seconds!r}")
+        if not isinstance(self.sync, bool):
+            raise GraphRewriteError(f"sync must be True or False, got {self.sync!r}")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise GraphRewriteError(f"staleness must be an integer >= 0, got {self.staleness!r}")
+        if self.staleness and not self.sync:
+            raise GraphRewriteError("staleness bounds synchronous training; with sync=False "
+                                    "workers are never held back", hint="drop one of the two options")
+        if (self.staleness or not self.sync) and self.strategy not in ("ps", "hybrid"):
+            raise GraphRewriteError(
+                f"staleness and sync=False apply to parameter servers, not strategy {self.strategy!r}",
+                hint="use strategy='ps' or 'hybrid'")
+        if isinstance(self.ps_shard_bytes, bool) or not isinstance(self.ps_shard_bytes, int) or self.ps_shard_bytes < 0:
+            raise GraphRewriteError(
+                f"ps_shard_bytes must be a non-negative integer (0: never shard), got {self.ps_shard_bytes!r}")
         for name, how in self.merge.items():
             if how not in MERGES:
                 raise GraphRewriteError(

@@ -58,13 +58,14 @@ class Example:
     init: str = "init"
     variables: dict = dataclasses.field(default_factory=dict)  # variable node -> read tensor
     step_counter: typing.Optional[str] = None                  # read tensor of the counter
-    extra_init: list = dataclasses.field(default_factory=list) # ops to run after init (none yet)
+    extra_init: list = dataclasses.field(default_factory=list) # ops to run after init, if any
     tensors: dict = dataclasses.field(default_factory=dict)    # named inner tensors (tests)
     seed: int = 0
     batch_size: typing.Optional[int] = None  # fixed batch of the in-graph input pipeline
 
     def batch(self, step, size=8, seed=0):
-        """The feed dict of training step ``step``: ``size`` rows, seeded by (seed, step).
+        """The feed dict of training step ``step``: ``size`` rows, seeded by (seed, step)
+        (the data seed is independent of the example's weight seed).
 
         Embedding ids come from range(ID_RANGE) and repeat within the batch, across its
         halves and across its quarters, so sparse updates see duplicate rows inside one
@@ -130,6 +131,8 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     unknown = set(kw) - {"control_flow", "batch_size", "learning_rate", "update_ops"}
     if unknown:
         raise TypeError(f"build() got unknown options {sorted(unknown)}")
+    if kw.get("update_ops", "group") not in ("group", "control"):
+        raise ValueError(f"update_ops must be 'group' or 'control', got {kw['update_ops']!r}")
     if keras:
         resource = True
     graph = tf.Graph()
@@ -149,8 +152,8 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
         variables = {v.op.name: _read_tensor_name(v) for v in saver_vars}
         step = b.step_variable
     return Example(
-        graph_def=canonical_function_names(graph.as_graph_def()), model=model, optimizer=optimizer, resource=resource,
-        feeds=list(b.feeds), variables=variables,
+        graph_def=canonical_function_names(graph.as_graph_def()), model=model,
+        optimizer=optimizer, resource=resource, feeds=list(b.feeds), variables=variables,
         step_counter=variables[step.op.name] if step is not None else None,
         tensors=dict(b.tensors), seed=seed, batch_size=b.batch_size)
 
@@ -284,8 +287,9 @@ def canonical_function_names(graph_def):
 def _rename_args(fn, mapping):
     """Arguments named after a function ("cond_39___redundant_placeholder0") follow it."""
     renamed = {}
+    longest_first = sorted(mapping.items(), key=lambda item: -len(item[0]))
     for arg in list(fn.signature.input_arg) + list(fn.signature.output_arg):
-        for old, new in mapping.items():
+        for old, new in longest_first:
             if arg.name.startswith(old + "_"):
                 renamed[arg.name] = new + arg.name[len(old):]
                 arg.name = renamed[arg.name]
@@ -642,7 +646,7 @@ class _KerasBuilder:
 
 def _feed(example, step, batch_size, feeds):
     if feeds is None:
-        return example.batch(step, size=batch_size, seed=example.seed)
+        return example.batch(step, size=batch_size)
     return feeds(step) if callable(feeds) else feeds[step]
 
 
@@ -687,8 +691,9 @@ def run_single(example, steps=3, batch_size=8, feeds=None):
     """Trains the original graph on one device: (losses per step, final variable values).
 
     ``feeds``: None (``example.batch(step, batch_size)``), a list of feed dicts indexed by
-    step, or a callable step -> feed dict. Values are keyed by variable node name and
-    include the step counter.
+    step, or a callable step -> feed dict ("iterator" reads its own batches of
+    ``example.batch_size`` rows and ignores both). Values are keyed by variable node name
+    and include the step counter.
     """
     import tensorflow as tf
     graph = tf.Graph()

@@ -106,3 +106,16 @@ def const(graph, name, value, dtype, device=""):
 
 def out(node, index=0):
     return Tensor(node, index)
+
+
+def dedup_rows(graph, scope, values, indices, device):
+    """(summed values, unique indices): how TensorFlow's optimizers deduplicate the rows
+    of an IndexedSlices gradient (Unique, then UnsortedSegmentSum by position)."""
+    from tensorflow.python.framework import dtypes
+    unique = make_op(graph, "Unique", f"{scope}/unique", [indices], attrs={"out_idx": dtypes.int64},
+                     device=device)
+    count = make_op(graph, "Size", f"{scope}/count", [unique.output(0)], attrs={"out_type": dtypes.int64},
+                    device=device)
+    summed = make_op(graph, "UnsortedSegmentSum", f"{scope}/sum",
+                     [values, unique.output(1), count.output(0)], device=device)
+    return summed.output(0), unique.output(0)

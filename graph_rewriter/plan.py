@@ -14,8 +14,8 @@ from tensorflow.python.framework import dtypes
 from graph_rewriter.errors import GraphRewriteError
 
 PLAN_FORMAT = "graph_rewriter.plan/1"
-DENSE_SYNCS = ("allreduce",)
-SPARSE_SYNCS = ("allgather", "allreduce")  # allreduce on a sparse gradient = sparse_as_dense
+DENSE_SYNCS = ("allreduce", "accumulate")
+SPARSE_SYNCS = ("allgather", "allreduce", "accumulate")  # allreduce on sparse = sparse_as_dense
 
 
 @dataclasses.dataclass
@@ -51,9 +51,12 @@ class VariablePlan:
     dtype: str
     shape: list
     bytes: int
-    placement: str = "mirrored"  # a copy per replica
+    placement: str = "mirrored"  # "mirrored": a copy per replica; "ps": one copy on a ps task
     slot_of: str = None
     initializer: str = None      # the assign that initializes it (replicas copy the master)
+    kind: str = "resource"       # "resource" | "ref"
+    ps_task: int = None          # placement "ps": the task holding it (unsharded)
+    shards: list = None          # placement "ps", sharded: [{"ps_task": k, "rows": n}, ...]
 
 
 @dataclasses.dataclass
@@ -70,6 +73,37 @@ class Plan:
     step_counters: list
     compression: str = None
     fingerprint: str = ""       # of the single-device graph: keeps collective keys apart
+    sync: bool = True           # parameter servers: synchronous (accumulators) or not
+    staleness: int = 0          # parameter servers: steps a worker may run ahead
+    num_ps: int = 0             # parameter-server devices (1 = this machine's host CPU)
+
+    def variable(self, name):
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise GraphRewriteError(f"the plan has no variable '{name}'")
+
+    def group(self, name):
+        """A variable with the optimizer slots that must live with it."""
+        primary = self.variable(name)
+        if primary.slot_of:
+            primary = self.variable(primary.slot_of)
+        return [primary] + [v for v in self.variables if v.slot_of == primary.name]
+
+    def set_placement(self, name, placement, ps_task=None):
+        """Moves a variable (with its slots) to "ps" (task ``ps_task``, default 0) or
+        "mirrored", and its gradient to the matching synchronisation."""
+        if placement not in ("ps", "mirrored"):
+            raise GraphRewriteError(f"placement for '{name}' is {placement!r}", hint="use ps or mirrored")
+        for v in self.group(name):
+            v.placement = placement
+            v.ps_task = (ps_task or 0) if placement == "ps" else None
+            v.shards = None
+        for c in self.cuts:
+            if c.variable in {v.name for v in self.group(name)}:
+                c.sync = "accumulate" if placement == "ps" else (
+                    "allreduce" if c.kind == "dense" else "allgather")
+        return self
 
     def to_dict(self):
         d = dataclasses.asdict(self)
@@ -92,7 +126,8 @@ class Plan:
                 packs=[PackPlan(**p) for p in d["packs"]],
                 batch_inputs=list(d["batch_inputs"]), broadcast_inputs=list(d["broadcast_inputs"]),
                 step_counters=list(d["step_counters"]), compression=d.get("compression"),
-                fingerprint=d.get("fingerprint", ""))
+                fingerprint=d.get("fingerprint", ""), sync=d.get("sync", True),
+                staleness=d.get("staleness", 0), num_ps=d.get("num_ps", 0))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}") from None
 
@@ -115,8 +150,15 @@ def dtype_name(enum):
     return dtypes.as_dtype(enum).base_dtype.name
 
 
-def make_plan(analysis, options, num_replicas):
-    """The default plan for the options' strategy over this analysis."""
+def make_plan(analysis, options, num_replicas, num_ps=0):
+    """The default plan for the options' strategy over this analysis.
+
+    allreduce: every variable mirrored. ps: every variable on the parameter servers
+    (``num_ps`` tasks, or this machine's host CPU when 0), balanced by bytes, a variable
+    travelling with its optimizer slots, variables above ``ps_shard_bytes`` split by rows
+    across all ps tasks. hybrid: variables with sparse gradients (and their slots) on
+    the parameter servers, every other variable mirrored (Parallax's split).
+    """
     cuts = []
     for c in analysis.cuts:
         var = analysis.variables[c.variable]
@@ -128,7 +170,7 @@ def make_plan(analysis, options, num_replicas):
             sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
             variables=list(c.variables)))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
-                              bytes=v.nbytes, slot_of=v.slot_of)
+                              bytes=v.nbytes, slot_of=v.slot_of, kind=v.kind)
                  for v in analysis.variables.values()]
     plan = Plan(
         strategy=options.strategy, num_replicas=num_replicas,
@@ -136,9 +178,53 @@ def make_plan(analysis, options, num_replicas):
         variables=variables, cuts=cuts, packs=[],
         batch_inputs=[t.name for t in analysis.batch_inputs],
         broadcast_inputs=[t.name for t in analysis.broadcast_inputs],
-        step_counters=list(analysis.step_counters), compression=options.compression)
+        step_counters=list(analysis.step_counters), compression=options.compression,
+        sync=options.sync, staleness=options.staleness, num_ps=max(num_ps, 1))
+    if options.strategy in ("ps", "hybrid"):
+        if options.strategy == "ps":
+            chosen = [v.name for v in variables]
+        else:
+            sparse = {c.variable for c in cuts if c.kind == "sparse"}
+            chosen = [v.name for v in variables if v.name in sparse or v.slot_of in sparse]
+        for name in chosen:
+            plan.set_placement(name, "ps")
+        balance_ps(plan, options.ps_shard_bytes)
     assign_packs(plan, options.bytes_per_pack)
     return plan
+
+
+def balance_ps(plan, shard_bytes):
+    """Spreads parameter-server variables over the ps tasks by bytes (largest groups
+    first, each to the least loaded task); a group whose variable exceeds
+    ``shard_bytes`` is split by rows across every task instead (resource variables of
+    rank >= 1 only: ref variables cannot be partitioned behind one name)."""
+    loads = [0] * plan.num_ps
+    groups, seen = [], set()
+    for v in plan.variables:
+        if v.placement != "ps" or v.name in seen:
+            continue
+        group = [g for g in plan.group(v.name) if g.placement == "ps"]
+        seen.update(g.name for g in group)
+        groups.append(group)
+    groups.sort(key=lambda g: -sum(m.bytes or 0 for m in g))
+    for group in groups:
+        primary = group[0]
+        rows = primary.shape[0] if primary.shape else None
+        shardable = (plan.num_ps > 1 and shard_bytes and (primary.bytes or 0) > shard_bytes
+                     and all(m.kind == "resource" and m.shape and m.shape[0] == rows for m in group)
+                     and rows is not None and rows >= plan.num_ps)
+        if shardable:
+            base, extra = divmod(rows, plan.num_ps)
+            shards = [{"ps_task": k, "rows": base + (1 if k < extra else 0)} for k in range(plan.num_ps)]
+            for m in group:
+                m.shards, m.ps_task = [dict(s) for s in shards], None
+            for k, s in enumerate(shards):
+                loads[k] += sum(m.bytes or 0 for m in group) * s["rows"] // rows
+            continue
+        k = min(range(plan.num_ps), key=lambda i: (loads[i], i))
+        for m in group:
+            m.ps_task, m.shards = k, None
+        loads[k] += sum(m.bytes or 0 for m in group)
 
 
 def assign_packs(plan, bytes_per_pack):
@@ -179,6 +265,23 @@ def check_plan(plan, analysis, options, num_replicas):
             raise GraphRewriteError(
                 f"plan: variable '{c.variable}' has sync {c.sync!r}; a {c.kind} gradient "
                 f"allows {', '.join(allowed)}")
+    for c in plan.cuts:
+        placement = plan.variable(c.variable).placement
+        if (c.sync == "accumulate") != (placement == "ps"):
+            raise GraphRewriteError(
+                f"plan: variable '{c.variable}' is {placement} but its gradient sync is "
+                f"{c.sync!r}", hint="parameter-server variables use sync 'accumulate'; use "
+                "Plan.set_placement() to move a variable and its gradient together")
+    for v in plan.variables:
+        if v.placement == "ps":
+            for m in plan.group(v.name):
+                if m.placement != "ps":
+                    raise GraphRewriteError(
+                        f"plan: variable '{v.name}' is on a parameter server but its optimizer "
+                        f"slot '{m.name}' is not", hint="place a variable and its slots together")
+            if v.ps_task is not None and not 0 <= v.ps_task < plan.num_ps:
+                raise GraphRewriteError(
+                    f"plan: variable '{v.name}' is on ps task {v.ps_task}, but there are {plan.num_ps}")
     missing = set(known) - {c.variable for c in plan.cuts}
     if missing:
         raise GraphRewriteError(

@@ -3,6 +3,11 @@
 Replica 0 (the master) keeps the original names, so the saver, the init op and every
 name a user knows keep working; replica i > 0 holds clones named ``prefix_i + name``.
 Nodes that exist once (batch inputs, the input pipeline, the saver) are global.
+
+A graph holds the *local* replicas: all of them in-graph, one task's in between-graph
+replication. ``group_devices`` lists every replica of the synchronisation group (all
+workers), in the order that defines replica ranks; local replica i is group member
+``first_replica + i``.
 """
 
 import dataclasses
@@ -10,15 +15,26 @@ import dataclasses
 
 @dataclasses.dataclass
 class ReplicaMap:
-    prefixes: list          # "" for replica 0, then e.g. "replica_1/"
-    devices: list           # the device each replica computes on
-    hosts: list             # the host CPU of each replica's machine
-    global_device: str      # where global nodes (inputs, saver) live
+    prefixes: list          # "" for local replica 0, then e.g. "replica_1/"
+    devices: list           # the device each local replica computes on
+    hosts: list             # the host CPU of each local replica's machine
+    global_device: str      # where this graph's global nodes (inputs, saver) live
+    group_devices: list = None  # every replica of the group, local or not
+    first_replica: int = 0  # group rank of local replica 0
+    chief: bool = True      # this graph is the chief's (or the only one)
     variant: list = dataclasses.field(default_factory=list)  # original nodes that differ per replica
 
+    def __post_init__(self):
+        if self.group_devices is None:
+            self.group_devices = list(self.devices)
+
     @property
-    def num_replicas(self):
+    def num_local(self):
         return len(self.prefixes)
+
+    @property
+    def group_size(self):
+        return len(self.group_devices)
 
     def name(self, replica, original):
         return self.prefixes[replica] + original
@@ -36,14 +52,14 @@ class ReplicaMap:
         return None if n is None else Tensor(n, index)
 
     def is_cloned(self, graph, original):
-        return self.num_replicas > 1 and (self.prefixes[1] + original) in graph
+        return self.num_local > 1 and (self.prefixes[1] + original) in graph
 
     def replica_of(self, graph, name):
         """The replica a node name belongs to, or None for a global node."""
-        for i in range(self.num_replicas - 1, 0, -1):
+        for i in range(self.num_local - 1, 0, -1):
             if name.startswith(self.prefixes[i]):
                 return i
-        if self.num_replicas == 1 or self.is_cloned(graph, name):
+        if self.num_local == 1 or self.is_cloned(graph, name):
             return 0
         return None
 

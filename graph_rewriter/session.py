@@ -61,11 +61,12 @@ class Session(tf.compat.v1.Session):
         self._variant = set(md["variant"])
         self._merge = {_tensor_key(k): v for k, v in md.get("merge", {}).items()}
         self._batch_inputs = {_tensor_key(n) for n in md["batch_inputs"]}
-        self._num_replicas = md["num_replicas"]
+        self._num_replicas = md.get("local_replicas", md["num_replicas"])
         self._node_names = {n.name for n in self.result.graph_def.node}
 
     @property
     def num_replicas(self):
+        """Replicas this session drives (this worker's, in between-graph replication)."""
         return self._num_replicas
 
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):

@@ -166,7 +166,7 @@ def _check_collectives(graph):
 
 def _check_replica_isolation(graph):
     replicas = getattr(graph, "replicas", None)
-    if replicas is None or replicas.num_replicas < 2:
+    if replicas is None or replicas.num_local < 2:
         return
     frames = {}
     shared = {}

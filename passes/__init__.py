@@ -8,8 +8,9 @@ from passes.split_inputs import SplitInputsPass
 from passes.mirror_variables import MirrorVariablesPass
 from passes.allreduce import AllReducePass
 from passes.allgather import AllGatherPass
+from passes.accumulate import AccumulatePass
 from passes.place import PlacePass
 from passes.metadata import MetadataPass
 
 __all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass",
-           "AllReducePass", "AllGatherPass", "PlacePass", "MetadataPass"]
+           "AllReducePass", "AllGatherPass", "AccumulatePass", "PlacePass", "MetadataPass"]

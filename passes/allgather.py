@@ -17,7 +17,7 @@ An optimizer that did not deduplicate keeps every row, in replica order.
 from tensorflow.python.framework import dtypes
 
 from graph_rewriter.collectives import all_gather, group_key, sparse_instance_keys
-from graph_rewriter.op_builder import const, dtype_of, make_op
+from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
 
 
@@ -29,19 +29,19 @@ class AllGatherPass(Pass):
     def run(self, graph, ctx):
         rm, plan = graph.replicas, ctx.plan
         gathered = [c for c in plan.cuts if c.sync == "allgather"]
-        if rm.num_replicas == 1 or not gathered:
+        if rm.group_size == 1 or not gathered:
             return False
-        gkey = group_key(rm.devices)
+        gkey = group_key(rm.group_devices)
         for k, cut in enumerate(gathered):
             keys = sparse_instance_keys(plan, k)
-            for i in range(rm.num_replicas):
+            for i in range(rm.num_local):
                 self._gather(graph, ctx, i, cut, gkey, keys)
         return True
 
     def _gather(self, graph, ctx, i, cut, gkey, keys):
         rm = graph.replicas
         dev = rm.devices[i]
-        r = rm.num_replicas
+        r = rm.group_size
         timeout = ctx.options.timeout_seconds
         s = f"{rm.prefixes[i]}allgather/{cut.variable}"
         values = rm.tensor(graph, i, cut.values)
@@ -52,10 +52,9 @@ class AllGatherPass(Pass):
         index_readers = [(c, p) for c, p in indices.node.consumers(indices.index)
                          if not _reaches(c, values.node)]
         vdt = dtypes.as_dtype(dtype_of(values))
-        idt = dtypes.as_dtype(dtype_of(indices))
         dedup_after = cut.deduplicated or cut.linear
         if cut.linear and not cut.deduplicated:
-            values, indices = _dedup(graph, f"{s}/local_dedup", values, indices, dev)
+            values, indices = dedup_rows(graph, f"{s}/local_dedup", values, indices, dev)
 
         def c(name, value, dtype):
             return const(graph, f"{s}/{name}", value, dtype, dev)
@@ -93,12 +92,11 @@ class AllGatherPass(Pass):
                        [kept_values.output(0), c("replicas", r, vdt.name)], device=dev).output(0)
         out_indices = kept_indices.output(0)
         if dedup_after:
-            mean, out_indices = _dedup(graph, f"{s}/global_dedup", mean, out_indices, dev)
+            mean, out_indices = dedup_rows(graph, f"{s}/global_dedup", mean, out_indices, dev)
         for node, pos in value_readers:
             node.set_input(pos, mean)
         for node, pos in index_readers:
             node.set_input(pos, out_indices)
-        del idt
 
 
 def _reaches(start, target, limit=32):
@@ -117,12 +115,3 @@ def _reaches(start, target, limit=32):
         if not frontier:
             return False
     return False
-
-
-def _dedup(graph, scope, values, indices, dev):
-    """(summed values, unique indices): how TensorFlow's optimizers deduplicate rows."""
-    unique = make_op(graph, "Unique", f"{scope}/unique", [indices], attrs={"out_idx": dtypes.int64}, device=dev)
-    count = make_op(graph, "Size", f"{scope}/count", [unique.output(0)], attrs={"out_type": dtypes.int64}, device=dev)
-    summed = make_op(graph, "UnsortedSegmentSum", f"{scope}/sum",
-                     [values, unique.output(1), count.output(0)], device=dev)
-    return summed.output(0), unique.output(0)

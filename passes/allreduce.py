@@ -33,12 +33,11 @@ class AllReducePass(Pass):
 
     def run(self, graph, ctx):
         rm, plan = graph.replicas, ctx.plan
-        r = rm.num_replicas
-        if r == 1 or not plan.packs:
+        if rm.group_size == 1 or not plan.packs:
             return False
-        gkey = group_key(rm.devices)
+        gkey = group_key(rm.group_devices)
         cuts = {c.variable: c for c in plan.cuts}
-        for i in range(r):
+        for i in range(rm.num_local):
             previous = None
             for p, pack in enumerate(plan.packs):
                 members = [cuts[v] for v in pack.cuts]
@@ -78,7 +77,7 @@ class AllReducePass(Pass):
             packed = make_op(graph, "Cast", f"{scope}/compress", [packed],
                              attrs={"DstT": dtypes.as_dtype(_COMPRESS[ctx.options.compression])},
                              device=device).output(0)
-        reduced = all_reduce_mean(graph, scope, packed, rm.num_replicas, gkey, ikey, device,
+        reduced = all_reduce_mean(graph, scope, packed, rm.group_size, gkey, ikey, device,
                                   ctx.options.timeout_seconds,
                                   control_inputs=[previous] if previous is not None else [])
         out = reduced.output(0)

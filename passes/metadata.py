@@ -23,7 +23,11 @@ class MetadataPass(Pass):
         opts = ctx.options
         doc = {
             "format": METADATA_FORMAT,
-            "num_replicas": rm.num_replicas,
+            "num_replicas": rm.group_size,
+            "local_replicas": rm.num_local,
+            "group_devices": rm.group_devices,
+            "first_replica": rm.first_replica,
+            "chief": rm.chief,
             "replica_prefixes": rm.prefixes,
             "replica_devices": rm.devices,
             "host_devices": rm.hosts,

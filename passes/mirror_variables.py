@@ -1,17 +1,29 @@
 """mirror_variables: every replica's copy of a variable starts from the master's value.
 
+In-graph (one client, every replica in this graph):
+
     replica_1/w/Assign(replica_1/w, <its own initial value>)
       becomes
-    replica_1/w/Assign(replica_1/w, ReadVariableOp(w))  after ^w/Assign
+    replica_1/w/Assign(replica_1/w, ReadVariableOp(w) after ^w/Assign)
 
-so random initializers are drawn once. A checkpoint restore writes the master copy
-(the Saver keeps the original names); the restore op then also copies the restored
-values into every replica, so restoring never leaves the replicas apart.
+so random initializers are drawn once. Between-graph (each worker runs its own graph),
+the group's replica 0, on the chief, initializes and broadcasts: its initial values are
+packed per dtype and sent with CollectiveBcastSendV2; every other replica of every
+worker receives them (CollectiveBcastRecvV2) as its initial value. Every worker runs
+its init op; the broadcast pairs them up (bounded by the collective timeout).
+
+A checkpoint restore writes the graph's master copy (the Saver keeps the original
+names); the restore op then also copies the restored values into the graph's other
+replicas, so restoring never leaves the replicas apart. Only variables the plan
+mirrors are touched (parameter-server variables exist once).
 """
+
+from tensorflow.python.framework import dtypes
 
 from graph_rewriter import opdefs
 from graph_rewriter.analysis import DENSE_ASSIGNS, PASS_THROUGH
-from graph_rewriter.op_builder import make_op
+from graph_rewriter.collectives import broadcast_recv, broadcast_send, group_key, init_instance_key
+from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
 
 
@@ -22,16 +34,20 @@ class MirrorVariablesPass(Pass):
 
     def run(self, graph, ctx):
         rm = graph.replicas
-        if rm.num_replicas == 1:
+        if rm.group_size == 1:
             return False
+        mirrored = [vp for vp in ctx.plan.variables if vp.placement == "mirrored"]
+        between = ctx.cluster.task is not None
         changed = False
-        for vp in ctx.plan.variables:
-            master = graph.node(vp.name)
+        if between:
+            changed = self._broadcast_initial_values(graph, ctx, mirrored)
+        for vp in mirrored:
             if not rm.is_cloned(graph, vp.name):
                 continue
-            if vp.initializer is not None:
+            master = graph.node(vp.name)
+            if vp.initializer is not None and not between:
                 master_init = graph.node(vp.initializer)
-                for i in range(1, rm.num_replicas):
+                for i in range(1, rm.num_local):
                     init = rm.node(graph, i, vp.initializer)
                     pos = opdefs.input_position(init, "value")
                     value = _read(graph, master, f"{rm.prefixes[i]}{vp.name}/master_value",
@@ -40,7 +56,7 @@ class MirrorVariablesPass(Pass):
                     changed = True
             for restore in _restore_assigns(graph, rm, master):
                 waiting = restore.control_consumers  # e.g. save/restore_all, before we add readers
-                for i in range(1, rm.num_replicas):
+                for i in range(1, rm.num_local):
                     copy = rm.node(graph, i, vp.name)
                     value = _read(graph, master, f"{rm.prefixes[i]}{vp.name}/restored_value",
                                   control_inputs=[restore])
@@ -49,6 +65,71 @@ class MirrorVariablesPass(Pass):
                         c.add_control_input(sync)
                     changed = True
         return changed
+
+    def _broadcast_initial_values(self, graph, ctx, mirrored):
+        rm = graph.replicas
+        timeout = ctx.options.timeout_seconds
+        gkey = group_key(rm.group_devices)
+        packs = {}
+        for vp in mirrored:
+            if vp.initializer is not None:
+                packs.setdefault(vp.dtype, []).append(vp)
+        for k, (dtype, members) in enumerate(packs.items()):
+            ikey = init_instance_key(ctx.plan, k)
+            sizes = [_num_elements(vp) for vp in members]
+            total = sum(sizes)
+            for i in range(rm.num_local):
+                rank = rm.first_replica + i
+                device = rm.devices[i]
+                scope = f"{rm.prefixes[i]}initial_values/{dtype}"
+                inits = [rm.node(graph, i, vp.initializer) for vp in members]
+                if rank == 0:
+                    flats = []
+                    for vp, init in zip(members, inits):
+                        value = _read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value",
+                                      control_inputs=[init])
+                        flats.append(make_op(graph, "Reshape", f"{scope}/flat",
+                                             [value, const(graph, f"{scope}/minus_one", [-1], "int32", device)],
+                                             device=device).output(0))
+                    packed = flats[0] if len(flats) == 1 else make_op(
+                        graph, "ConcatV2", f"{scope}/concat",
+                        [flats, const(graph, f"{scope}/axis", 0, "int32", device)], device=device).output(0)
+                    send = broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey, device, timeout)
+                    for init_op in _init_ops_of(inits):
+                        init_op.add_control_input(send)
+                    continue
+                received = broadcast_recv(graph, scope, [total], dtypes.as_dtype(dtype), rm.group_size,
+                                          gkey, ikey, device, timeout).output(0)
+                parts = [received]
+                if len(members) > 1:
+                    split = make_op(graph, "SplitV", f"{scope}/split",
+                                    [received, const(graph, f"{scope}/sizes", sizes, "int64", device),
+                                     const(graph, f"{scope}/split_axis", 0, "int32", device)],
+                                    attrs={"num_split": len(members)}, device=device)
+                    parts = [split.output(j) for j in range(len(members))]
+                for vp, init, part in zip(members, inits, parts):
+                    shaped = make_op(graph, "Reshape", f"{scope}/{vp.name}/shaped",
+                                     [part, const(graph, f"{scope}/{vp.name}/shape", vp.shape, "int64", device)],
+                                     device=device).output(0)
+                    init.set_input(opdefs.input_position(init, "value"), shaped)
+        return bool(packs)
+
+
+def _num_elements(vp):
+    n = 1
+    for d in vp.shape or []:
+        n *= d
+    return n
+
+
+def _init_ops_of(initializers):
+    """The NoOps that run these initializers (the graph's init op)."""
+    out = {}
+    for init in initializers:
+        for c in init.control_consumers:
+            if c.op == "NoOp":
+                out[c] = None
+    return list(out)
 
 
 def _read(graph, var, name, control_inputs=()):

@@ -42,8 +42,12 @@ class PlanPass(Pass):
                 raise GraphRewriteError(
                     f"merge names '{name}', which is not a tensor of {graph.source}",
                     hint="use the original graph's tensor names, e.g. loss:0") from None
+        if ctx.options.strategy in ("ps", "hybrid") and not ctx.cluster.is_local and not ctx.cluster.ps_tasks:
+            raise GraphRewriteError(
+                f"strategy '{ctx.options.strategy}' needs parameter servers, but the cluster has no "
+                "'ps' tasks", hint="add a \"ps\" job to the cluster spec, or use strategy allreduce")
         if ctx.plan is None:
-            ctx.plan = make_plan(analysis, ctx.options, r)
+            ctx.plan = make_plan(analysis, ctx.options, r, num_ps=len(ctx.cluster.ps_tasks))
         else:
             check_plan(ctx.plan, analysis, ctx.options, r)
         ctx.plan.fingerprint = graph_fingerprint(graph)

@@ -27,20 +27,24 @@ class ReplicatePass(Pass):
 
     def run(self, graph, ctx):
         analysis = analyze(graph, ctx.options.gradients)
-        r = ctx.num_replicas
-        graph.replicas = replica_map(graph, ctx)
-        graph.replicas.variant = sorted(n.name for n in analysis.variant)
-        if r == 1:
-            return False
-        placeholders = {n for n in graph if n.op in PLACEHOLDERS}
-        global_nodes = analysis.saver_nodes | analysis.input_pipeline | placeholders
-        global_nodes = absorb_exclusive_ancestors(global_nodes, keep_out=lambda n: n.op in ("VarHandleOp", "VariableV2"))
+        rm = graph.replicas = replica_map(graph, ctx)
+        rm.variant = sorted(n.name for n in analysis.variant)
+        global_nodes = _global_nodes(graph, analysis, ctx.plan)
         cloned = [n for n in graph if n not in global_nodes]
+        # Devices: the original graph's placement is for one device. Keep only its CPU
+        # pins (as the replica's host CPU); the place pass decides the rest.
+        pinned = {n for n in graph if ctx.options.device_type == "GPU" and "CPU" in n.device.upper()}
+        for n in graph:
+            n.device = (rm.global_device if n in global_nodes else rm.hosts[0]) if n in pinned else ""
+        r = rm.num_local
+        if r == 1:
+            graph._touch()
+            return True
         roots = [n for n in cloned if not n._consumers and not n._control_consumers]
         shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
         for i in range(1, r):
-            prefix = graph.replicas.prefixes[i]
+            prefix = rm.prefixes[i]
             mapping = graph.clone_nodes(cloned, prefix)
             for n in shared_name_nodes:
                 mapping[n].set_attr("shared_name", prefix.encode() + n.attr["shared_name"].s)
@@ -48,22 +52,55 @@ class ReplicatePass(Pass):
                 mapping[n].set_attr("frame_name", prefix.encode() + n.attr["frame_name"].s)
             for n in roots:
                 n.add_control_input(mapping[n])
+            for n in pinned:
+                if n in mapping:
+                    mapping[n].device = rm.hosts[i]
         ctx.info(f"replicate: {len(cloned)} nodes cloned {r - 1} times, "
                  f"{len(global_nodes)} global, {len(roots)} root ops run every replica")
         return True
 
 
+def _global_nodes(graph, analysis, plan):
+    """Nodes that exist once: batch inputs, the tf.data pipeline, the Saver, and for
+    parameter-server variables the variables themselves with the ops that write them
+    (synchronous training applies one update; asynchronous, each replica applies its own
+    but the initializers still run once) and what only those ops read."""
+    placeholders = {n for n in graph if n.op in PLACEHOLDERS}
+    seeds = analysis.saver_nodes | analysis.input_pipeline | placeholders
+    on_ps = [analysis.variables[v.name] for v in plan.variables if v.placement == "ps"]
+    for var in on_ps:
+        seeds.add(var.node)
+        if plan.sync:
+            seeds.update(var.writers)
+        elif var.initializer is not None:
+            seeds.add(var.initializer)
+    mirrored = {analysis.variables[v.name].node for v in plan.variables if v.placement == "mirrored"}
+    variant = analysis.variant
+    return absorb_exclusive_ancestors(
+        seeds, keep_out=lambda n: n in variant or n in mirrored or n.op in ("VarHandleOp", "VariableV2"))
+
+
 def replica_map(graph, ctx):
-    """Names and devices of every replica of this rewrite."""
-    r = ctx.num_replicas
+    """Names and devices of this graph's replicas, and of the whole group.
+
+    In-graph (no task), the graph holds every replica of every worker; between-graph,
+    only the replicas of its own task, which are group members
+    ``task_index * devices_per_worker ...`` (the chief is compute task 0)."""
+    cluster, opts = ctx.cluster, ctx.options
+    dpw = opts.devices_per_worker
+    group, group_hosts = [], []
+    for task in cluster.compute_tasks:
+        for j in range(dpw):
+            group.append(cluster.device(task, opts.device_type, j))
+            group_hosts.append(cluster.device(task, "CPU", 0))
+    if cluster.task is None:
+        first, local = 0, len(group)
+    else:
+        first, local = cluster.compute_tasks.index(cluster.task) * dpw, dpw
     family = next(f for f in _PREFIX_FAMILIES
                   if not any(n.startswith(f) for n in graph._nodes))
-    prefixes = [""] + [f"{family}{i}/" for i in range(1, r)]
-    cluster, opts = ctx.cluster, ctx.options
-    devices, hosts = [], []
-    for i in range(r):
-        task = cluster.compute_tasks[i // opts.devices_per_worker]
-        devices.append(cluster.device(task, opts.device_type, i % opts.devices_per_worker))
-        hosts.append(cluster.device(task, "CPU", 0))
-    rm = ReplicaMap(prefixes=prefixes, devices=devices, hosts=hosts, global_device=hosts[0])
-    return rm
+    prefixes = [""] + [f"{family}{i}/" for i in range(1, local)]
+    devices = group[first:first + local]
+    hosts = group_hosts[first:first + local]
+    return ReplicaMap(prefixes=prefixes, devices=devices, hosts=hosts, global_device=hosts[0],
+                      group_devices=group, first_replica=first, chief=first == 0)

@@ -20,7 +20,7 @@ class SplitInputsPass(Pass):
 
     def run(self, graph, ctx):
         rm = graph.replicas
-        r = rm.num_replicas
+        r = rm.num_local
         if r == 1:
             return False
         for name in ctx.plan.batch_inputs:

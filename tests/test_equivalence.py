@@ -151,7 +151,7 @@ def _steady_ids(example, replicas):
     sparse path (gather, dedup, mean) from how it copes with row counts that change from
     step to step, which the tests above exercise."""
     def feed(step):
-        out = example.batch(step, BATCH, example.seed)
+        out = example.batch(step, BATCH)
         rng = np.random.default_rng([example.seed, step, 31])
         ids = []
         for _ in range(replicas):
@@ -259,7 +259,7 @@ def test_batchnorm_moving_statistics(replicas, resource, update_ops):
     ``update_ops``: UPDATE_OPS grouped with the train op, or minimize() built under
     tf.control_dependencies(UPDATE_OPS) as TF1's docs recommend."""
     ex, initial, _, _ = _reference("batchnorm", "sgd", resource, (("update_ops", update_ops),))
-    feed = ex.batch(0, BATCH, ex.seed)
+    feed = ex.batch(0, BATCH)
     _, single = examples.run_single(ex, steps=1, batch_size=BATCH)
     g = tf.Graph()
     with g.as_default():
@@ -275,7 +275,7 @@ def test_batchnorm_moving_statistics(replicas, resource, update_ops):
 
     result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
     values = _read_replicas(result, ex, ["bn/moving_mean", "bn/moving_variance"], 1,
-                            lambda step: ex.batch(step, BATCH, ex.seed))
+                            lambda step: ex.batch(step, BATCH))
     for prefix in result.metadata["replica_prefixes"]:
         np.testing.assert_allclose(values[(prefix, "bn/moving_mean")], single["bn/moving_mean"],
                                    rtol=RTOL, atol=ATOL, err_msg=f"{prefix}bn/moving_mean")
@@ -290,7 +290,7 @@ def test_batchnorm_replicas_stay_identical(replicas):
     ex, *_ = _reference("batchnorm", "adam", True)
     result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
     names = list(ex.variables)
-    values = _read_replicas(result, ex, names, STEPS, lambda step: ex.batch(step, BATCH, ex.seed))
+    values = _read_replicas(result, ex, names, STEPS, lambda step: ex.batch(step, BATCH))
     prefixes = result.metadata["replica_prefixes"]
     for name in names:
         for prefix in prefixes[1:]:

@@ -1,0 +1,151 @@
+"""accumulate: average parameter-server gradients in accumulators on the variable's ps.
+
+    replica i: grad_i ─> AccumulatorApplyGradient(acc, local_step, grad_i)   (every replica)
+    ps:        AccumulatorTakeGradient(acc, num_required=R) ─> the optimizer's update
+               (once; the original apply op now reads the average)
+
+Dense gradients use a ConditionalAccumulator (reduction MEAN). Sparse gradients use a
+SparseConditionalAccumulator with reduction SUM, fed rows each replica has already
+deduplicated; the take is divided by R. (With MEAN, TensorFlow divides each row by the
+number of replicas that touched it, which is not the mean gradient.)
+
+Accumulators drop gradients whose local step is older than their own: every replica
+tags its gradient with ``graph_rewriter/sync_step``, a counter on the first ps task that
+this pass increments once per applied step, after the updates. Accumulators and the
+counter have shared_names derived from the graph's fingerprint, so every worker's graph
+of a between-graph run uses the same ones.
+
+Asynchronous training (sync=False) uses no accumulator: each replica applies its own
+gradient to the shared variables.
+"""
+
+from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
+from tensorflow.python.framework import dtypes
+
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
+from graph_rewriter.pass_manager import Pass
+from graph_rewriter.ps_state import ACCUMULATORS, COUNTER, INCREMENT, shared_name
+from graph_rewriter.traversal import descendants
+
+
+def _shape_attr(shape):
+    proto = tensor_shape_pb2.TensorShapeProto()
+    if shape is None:
+        proto.unknown_rank = True
+    else:
+        for d in shape:
+            proto.dim.add(size=d)
+    return attr_value_pb2.AttrValue(shape=proto)
+
+
+class AccumulatePass(Pass):
+    name = "accumulate"
+    requires = frozenset({"replicated", "plan"})
+    ensures = frozenset({"ps_synced"})
+
+    def run(self, graph, ctx):
+        plan = ctx.plan
+        cuts = [c for c in plan.cuts if c.sync == "accumulate"]
+        if not cuts or not plan.sync:
+            return False
+        rm = graph.replicas
+        ps0 = ctx.cluster.ps_device(0)
+        counter = make_op(graph, "VarHandleOp", COUNTER, [],
+                          attrs={"dtype": dtypes.int64, "shape": _shape_attr([]),
+                                 "shared_name": shared_name(plan.fingerprint, "sync_step")}, device=ps0)
+        counter_init = make_op(graph, "AssignVariableOp", f"{COUNTER}/initial_value",
+                               [counter.output(0), const(graph, f"{COUNTER}/zero", 0, "int64", ps0)],
+                               device=ps0)
+        for init_op in init_ops(graph, plan):
+            init_op.add_control_input(counter_init)
+        local_step = make_op(graph, "ReadVariableOp", f"{COUNTER}/read", [counter.output(0)],
+                             attrs={"dtype": dtypes.int64}, device=ps0).output(0)
+        takes, updates = [], []
+        for cut in cuts:
+            take, readers = self._accumulate(graph, ctx, cut, local_step)
+            takes.append(take)
+            updates += readers
+        increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
+                            [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
+                            control_inputs=takes + updates, device=ps0)
+        # Run the increment whenever a step runs: with every root that waits for the updates.
+        after = descendants(takes)
+        for n in graph:
+            if n in after and not n._consumers and not n._control_consumers and n is not increment:
+                n.add_control_input(increment)
+        return True
+
+    def _accumulate(self, graph, ctx, cut, local_step):
+        rm, plan = graph.replicas, ctx.plan
+        var = plan.variable(cut.variable)
+        task = var.ps_task if var.ps_task is not None else (var.shards[0]["ps_task"] if var.shards else 0)
+        dev = ctx.cluster.ps_device(task)
+        scope = f"{ACCUMULATORS}/{cut.variable}"
+        dtype = dtypes.as_dtype(cut.dtype)
+        sparse = cut.kind == "sparse"
+        acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
+                      scope, [], device=dev,
+                      attrs={"dtype": dtype, "shape": _shape_attr(cut.shape),
+                             "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients"),
+                             "reduction_type": "SUM" if sparse else "MEAN"})
+        applies = []
+        for i in range(rm.num_local):
+            values = rm.tensor(graph, i, cut.values)
+            s = f"{rm.prefixes[i]}{scope}/apply"
+            if not sparse:
+                applies.append(make_op(graph, "AccumulatorApplyGradient", s,
+                                       [acc.output(0), local_step, values], device=dev))
+                continue
+            indices = rm.tensor(graph, i, cut.indices)
+            if not cut.deduplicated:
+                values, indices = dedup_rows(graph, f"{s}/dedup", values, indices, rm.devices[i])
+            idx64 = make_op(graph, "Cast", f"{s}/indices", [indices], attrs={"DstT": dtypes.int64},
+                            device=rm.devices[i]).output(0)
+            if cut.shape is None or any(d < 0 for d in cut.shape):
+                raise GraphRewriteError(f"variable '{cut.variable}' needs a static shape for a sparse accumulator")
+            applies.append(make_op(graph, "SparseAccumulatorApplyGradient", s,
+                                   [acc.output(0), local_step, idx64, values,
+                                    const(graph, f"{s}/shape", cut.shape, "int64", dev)],
+                                   attrs={"has_known_shape": True}, device=dev))
+        r = const(graph, f"{scope}/num_required", rm.group_size, "int32", dev)
+        master_values = rm.tensor(graph, 0, cut.values)
+        if not sparse:
+            take = make_op(graph, "AccumulatorTakeGradient", f"{scope}/take", [acc.output(0), r],
+                           type_attrs={"dtype": dtype}, control_inputs=applies, device=dev)
+            return take, _rewire(graph, master_values, take.output(0))
+        take = make_op(graph, "SparseAccumulatorTakeGradient", f"{scope}/take", [acc.output(0), r],
+                       type_attrs={"dtype": dtype}, control_inputs=applies, device=dev)
+        mean = make_op(graph, "RealDiv", f"{scope}/mean",
+                       [take.output(1), const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
+                       device=dev).output(0)
+        master_indices = rm.tensor(graph, 0, cut.indices)
+        index_dtype = dtypes.as_dtype(dtype_of(master_indices))
+        indices = take.output(0)
+        if index_dtype != dtypes.int64:
+            indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
+                              device=dev).output(0)
+        return take, _rewire(graph, master_values, mean) + _rewire(graph, master_indices, indices)
+
+
+def _rewire(graph, tensor, replacement):
+    """The global readers of a replica-0 gradient (the optimizer's update) read the
+    accumulated one instead; readers inside the replicas keep their own."""
+    rm = graph.replicas
+    changed = []
+    for c, pos in tensor.node.consumers(tensor.index):
+        if rm.replica_of(graph, c.name) is None and c is not replacement.node:
+            c.set_input(pos, replacement)
+            changed.append(c)
+    return changed
+
+
+def init_ops(graph, plan):
+    """The graph's init NoOps: those running a variable initializer."""
+    out = {}
+    for vp in plan.variables:
+        if vp.initializer and vp.initializer in graph:
+            for c in graph.node(vp.initializer).control_consumers:
+                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) in (0, None):
+                    out[c] = None
+    return list(out)

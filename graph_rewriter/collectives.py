@@ -4,7 +4,13 @@ Keys derive from the plan and the devices alone, so every worker of a between-gr
 run computes the same keys without talking, and two different rewritten graphs on the
 same servers do not reuse each other's instance keys (which TensorFlow would mistake for
 one collective with mismatched shapes). Instances are numbered in one canonical order:
-the dense packs, then three per sparse gradient (sizes, values, indices).
+the dense packs, then a block per sparse gradient, then the initial-value broadcasts.
+
+TensorFlow remembers the shape an instance key first had and fails any later step whose
+shape differs. Sparse rows vary from step to step, so they are padded to a power of two
+and each power has its own instance key: ``SPARSE_BUCKETS`` keys for values and as many
+for indices, one for the row counts, per sparse gradient. A key always sees one shape,
+the key space stays bounded, and padding costs at most a factor of two.
 """
 
 import hashlib
@@ -31,22 +37,30 @@ def dense_instance_key(plan, pack_index):
     return instance_base(plan) + pack_index
 
 
+SPARSE_BUCKETS = 40          # padded row counts 2**0 .. 2**39
+_SPARSE_BLOCK = 1 + 2 * SPARSE_BUCKETS
+
+
 def sparse_instance_keys(plan, cut_position):
-    """(sizes, values, indices) instance keys of the cut_position-th allgathered cut."""
-    first = instance_base(plan) + len(plan.packs) + 3 * cut_position
-    return first, first + 1, first + 2
+    """(sizes key, first values key, first indices key) of the cut_position-th
+    allgathered gradient; bucket b (rows padded to 2**b) adds b to the last two."""
+    first = instance_base(plan) + len(plan.packs) + _SPARSE_BLOCK * cut_position
+    return first, first + 1, first + 1 + SPARSE_BUCKETS
 
 
 def init_instance_key(plan, pack_index):
     """Instance key of the pack_index-th broadcast of initial values (between-graph)."""
     gathered = sum(1 for c in plan.cuts if c.sync == "allgather")
-    return instance_base(plan) + len(plan.packs) + 3 * gathered + pack_index
+    return instance_base(plan) + len(plan.packs) + _SPARSE_BLOCK * gathered + pack_index
 
 
 def _key_inputs(graph, scope, group_size, gkey, ikey, device):
+    """Group size, group key and instance key inputs; ``ikey`` may be a Tensor computed at
+    run time (the sparse buckets) or an int."""
+    from graph_rewriter.ir import Tensor
+    key = ikey if isinstance(ikey, Tensor) else const(graph, f"{scope}/instance_key", ikey, "int32", device)
     return [const(graph, f"{scope}/group_size", group_size, "int32", device),
-            const(graph, f"{scope}/group_key", gkey, "int32", device),
-            const(graph, f"{scope}/instance_key", ikey, "int32", device)]
+            const(graph, f"{scope}/group_key", gkey, "int32", device), key]
 
 
 def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):

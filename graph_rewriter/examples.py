@@ -69,7 +69,8 @@ class Example:
 
         Embedding ids come from range(ID_RANGE) and repeat within the batch, across its
         halves and across its quarters, so sparse updates see duplicate rows inside one
-        replica's shard and between replicas. The "cond" model's ``use_branch`` flag is
+        replica's shard and between replicas; at odd steps each quarter holds one id, so
+        the number of distinct rows per shard changes from step to step. The "cond" model's ``use_branch`` flag is
         not batch data: it alternates with the step. "iterator" reads its own data: {}.
         """
         if self.model == "iterator":
@@ -86,13 +87,13 @@ class Example:
         feed["x:0"] = x.astype(np.float32)
         feed["y:0"] = y.astype(np.float32)
         if "ids:0" in self.feeds:
-            feed["ids:0"] = _ids(rng, size)
+            feed["ids:0"] = _ids(rng, size, step)
         if self.model == "cond":
             feed["use_branch:0"] = np.asarray(step % 2 == 0)
         return feed
 
 
-def _ids(rng, size):
+def _ids(rng, size, step):
     ids = rng.integers(0, ID_RANGE, size=size).astype(np.int32)
     if size >= 4:
         quarter = size // 4
@@ -103,6 +104,14 @@ def _ids(rng, size):
             ids[1] = shared         # and twice inside the first quarter
     elif size >= 2:
         ids[1] = ids[0]
+    if step % 2 and size >= 4:
+        # Odd steps: every quarter holds a single id, [s, s, t, s], so shards have fewer
+        # distinct rows than at even steps (sparse row counts vary from step to step)
+        # while ids still repeat within quarters and across halves and quarters.
+        quarter = size // 4
+        other = (int(ids[0]) + 1 + int(rng.integers(0, ID_RANGE - 1))) % ID_RANGE
+        ids[:] = ids[0]
+        ids[2 * quarter:3 * quarter] = other
     return ids
 
 
@@ -663,9 +672,13 @@ def _train(sess, example, steps, batch_size, feeds):
     return losses, {name: np.asarray(v) for name, v in values.items()}
 
 
-def _replica_copies(sess, example, prefixes):
-    """Every replica's copy of every variable, read through the variable op itself: a
-    copy's own read op may not exist (a read only the Saver uses stays global)."""
+def read_replica_copies(sess, example, prefixes):
+    """{prefix + variable: value} for every replica prefix ("" is the master) and every
+    variable of ``example`` that the session's graph holds under that prefix.
+
+    Reads through the variable op itself: a replica's copy of the variable's read op
+    may not exist (a read that only the Saver uses is not cloned). Works on a plain
+    tf.compat.v1.Session and on graph_rewriter.Session alike."""
     import tensorflow as tf
     graph = sess.graph
     fetches = {}
@@ -714,5 +727,6 @@ def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=Non
     with Session(result, config=config) as sess:
         losses, values = _train(sess, example, steps, batch_size, feeds)
         if replica_copies:
-            values.update(_replica_copies(sess, example, sess.result.metadata["replica_prefixes"][1:]))
+            prefixes = sess.result.metadata["replica_prefixes"][1:]
+            values.update(read_replica_copies(sess, example, prefixes))
         return losses, values

@@ -233,16 +233,20 @@ def assign_packs(plan, bytes_per_pack):
     first are issued first, so communication overlaps the rest of backprop."""
     plan.packs = []
     open_pack = {}
-    for c in plan.cuts:
+    # Batch statistics (BatchNorm moving averages) go first, in packs of their own: with
+    # TF1's control_dependencies(UPDATE_OPS) idiom the gradients wait for those updates.
+    ordered = [c for c in plan.cuts if c.role == "state"] + [c for c in plan.cuts if c.role != "state"]
+    for c in ordered:
         c.pack = None
         if c.sync != "allreduce":
             continue
         size = c.bytes
-        p = open_pack.get(c.dtype)
+        key = (c.dtype, c.role == "state")
+        p = open_pack.get(key)
         if p is None or size is None or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):
             p = PackPlan(dtype=c.dtype, cuts=[], bytes=0)
             plan.packs.append(p)
-            open_pack[c.dtype] = p if size is not None else None
+            open_pack[key] = p if size is not None else None
         p.cuts.append(c.variable)
         p.bytes += size or 0
         c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)

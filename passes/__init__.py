@@ -9,8 +9,10 @@ from passes.mirror_variables import MirrorVariablesPass
 from passes.allreduce import AllReducePass
 from passes.allgather import AllGatherPass
 from passes.accumulate import AccumulatePass
+from passes.sync_queues import SyncQueuesPass
 from passes.place import PlacePass
 from passes.metadata import MetadataPass
 
 __all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass",
-           "AllReducePass", "AllGatherPass", "AccumulatePass", "PlacePass", "MetadataPass"]
+           "AllReducePass", "AllGatherPass", "AccumulatePass", "SyncQueuesPass",
+           "PlacePass", "MetadataPass"]

@@ -61,11 +61,11 @@ class AccumulatePass(Pass):
             init_op.add_control_input(counter_init)
         local_step = make_op(graph, "ReadVariableOp", f"{COUNTER}/read", [counter.output(0)],
                              attrs={"dtype": dtypes.int64}, device=ps0).output(0)
-        takes, updates = [], []
-        for cut in cuts:
-            take, readers = self._accumulate(graph, ctx, cut, local_step)
-            takes.append(take)
-            updates += readers
+        takes = [self._accumulate(graph, ctx, cut, local_step) for cut in cuts]
+        # The step is applied when every global op downstream of the takes has run: the
+        # optimizer's update ops and the optimizer math between (Adam's scatter path
+        # reads the take through a Mul before it writes anything).
+        updates = [n for n in descendants(takes) if rm.replica_of(graph, n.name) is None]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
                             [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
                             control_inputs=takes + updates, device=ps0)
@@ -113,7 +113,8 @@ class AccumulatePass(Pass):
         if not sparse:
             take = make_op(graph, "AccumulatorTakeGradient", f"{scope}/take", [acc.output(0), r],
                            type_attrs={"dtype": dtype}, control_inputs=applies, device=dev)
-            return take, _rewire(graph, master_values, take.output(0))
+            _rewire(graph, master_values, take.output(0))
+            return take
         take = make_op(graph, "SparseAccumulatorTakeGradient", f"{scope}/take", [acc.output(0), r],
                        type_attrs={"dtype": dtype}, control_inputs=applies, device=dev)
         mean = make_op(graph, "RealDiv", f"{scope}/mean",
@@ -125,7 +126,9 @@ class AccumulatePass(Pass):
         if index_dtype != dtypes.int64:
             indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
                               device=dev).output(0)
-        return take, _rewire(graph, master_values, mean) + _rewire(graph, master_indices, indices)
+        _rewire(graph, master_values, mean)
+        _rewire(graph, master_indices, indices)
+        return take
 
 
 def _rewire(graph, tensor, replacement):

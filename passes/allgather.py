@@ -8,7 +8,9 @@ Per replica and sparse gradient (values [n_i, ...], indices [n_i]):
         ─> values / R ─> (global dedup: Unique + UnsortedSegmentSum) ─> the update
 
 Replicas may hold different numbers of rows: CollectiveGatherV2 needs equal shapes, so
-rows are padded to the largest count and the padding dropped after. Duplicate ids across
+rows are padded to the largest count rounded up to a power of two, gathered under the
+instance key of that power (TensorFlow pins each key to the first shape it sees; see
+graph_rewriter.collectives), and the padding is dropped after. Duplicate ids across
 replicas are summed again after the gather when the optimizer had deduplicated (its
 update is not linear: Adagrad, Ftrl, Adam), giving exactly the one-device update.
 An optimizer that did not deduplicate keeps every row, in replica order.
@@ -16,7 +18,7 @@ An optimizer that did not deduplicate keeps every row, in replica order.
 
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.collectives import all_gather, group_key, sparse_instance_keys
+from graph_rewriter.collectives import SPARSE_BUCKETS, all_gather, group_key, sparse_instance_keys
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
 
@@ -63,7 +65,16 @@ class AllGatherPass(Pass):
         count = make_op(graph, "Reshape", f"{s}/rows_vector", [count.output(0), c("one_shape", [1], "int32")], device=dev)
         sizes = all_gather(graph, f"{s}/sizes", count.output(0), r, gkey, keys[0], dev, timeout)
         most = make_op(graph, "Max", f"{s}/max_rows", [sizes.output(0), c("axis0", [0], "int32")], device=dev)
-        missing = make_op(graph, "Sub", f"{s}/pad_rows", [most.output(0), count.output(0)], device=dev)
+        # bucket = how many powers of two lie below the largest count; pad to 2**bucket.
+        powers = [1 << b for b in range(SPARSE_BUCKETS)]
+        above = make_op(graph, "Greater", f"{s}/above_powers", [most.output(0), c("powers", powers, "int64")], device=dev)
+        above = make_op(graph, "Cast", f"{s}/above_powers_int", [above.output(0)], attrs={"DstT": dtypes.int32}, device=dev)
+        bucket = make_op(graph, "Sum", f"{s}/bucket", [above.output(0), c("axis0b", [0], "int32")], device=dev).output(0)
+        capacity = make_op(graph, "GatherV2", f"{s}/padded_rows",
+                           [c("powers_b", powers, "int64"), bucket, c("gaxis0", 0, "int32")], device=dev)
+        value_key = make_op(graph, "AddV2", f"{s}/values_key", [c("values_key0", keys[1], "int32"), bucket], device=dev).output(0)
+        index_key = make_op(graph, "AddV2", f"{s}/indices_key", [c("indices_key0", keys[2], "int32"), bucket], device=dev).output(0)
+        missing = make_op(graph, "Sub", f"{s}/pad_rows", [capacity.output(0), count.output(0)], device=dev)
         pad_row = make_op(graph, "ConcatV2", f"{s}/pad_row",
                           [[c("zero_vec", [0], "int64"), missing.output(0)], c("axis", 0, "int32")], device=dev)
         pad_row = make_op(graph, "Reshape", f"{s}/pad_row_2d", [pad_row.output(0), c("row_shape", [1, 2], "int32")], device=dev)
@@ -73,11 +84,11 @@ class AllGatherPass(Pass):
             [[pad_row.output(0), c("no_pad", [[0, 0]] * (rank - 1), "int64")], c("axis_b", 0, "int32")], device=dev)
         padded_values = make_op(graph, "Pad", f"{s}/pad_values", [values, value_pads.output(0)], device=dev)
         padded_indices = make_op(graph, "Pad", f"{s}/pad_indices", [indices, pad_row.output(0)], device=dev)
-        all_values = all_gather(graph, f"{s}/values", padded_values.output(0), r, gkey, keys[1], dev, timeout)
-        all_indices = all_gather(graph, f"{s}/indices", padded_indices.output(0), r, gkey, keys[2], dev, timeout)
+        all_values = all_gather(graph, f"{s}/values", padded_values.output(0), r, gkey, value_key, dev, timeout)
+        all_indices = all_gather(graph, f"{s}/indices", padded_indices.output(0), r, gkey, index_key, dev, timeout)
         # Rows to keep: row j of replica q is real if j < sizes[q].
         positions = make_op(graph, "Range", f"{s}/positions",
-                            [c("zero", 0, "int64"), most.output(0), c("step", 1, "int64")], device=dev)
+                            [c("zero", 0, "int64"), capacity.output(0), c("step", 1, "int64")], device=dev)
         pos_row = make_op(graph, "ExpandDims", f"{s}/positions_row", [positions.output(0), c("dim0", 0, "int32")], device=dev)
         size_col = make_op(graph, "ExpandDims", f"{s}/sizes_col", [sizes.output(0), c("dim1", 1, "int32")], device=dev)
         real = make_op(graph, "Less", f"{s}/real_rows", [pos_row.output(0), size_col.output(0)], device=dev)

@@ -18,6 +18,7 @@ averaged the same way.
 
 from tensorflow.python.framework import dtypes
 
+from graph_rewriter.analysis import DENSE_ASSIGNS, variable_of
 from graph_rewriter.collectives import all_reduce_mean, dense_instance_key, group_key
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, make_op
@@ -56,6 +57,8 @@ class AllReducePass(Pass):
                 indices = rm.tensor(graph, i, cut.indices)
                 readers.append((values.node.consumers(values.index), indices.node.consumers(indices.index)))
                 values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
+            elif cut.role == "state":
+                readers.append((_update_readers(graph, values, rm.prefixes[i], cut.variables), None))
             else:
                 readers.append((values.node.consumers(values.index), None))
             sources.append(values)
@@ -116,6 +119,30 @@ class AllReducePass(Pass):
         return make_op(graph, "UnsortedSegmentSum", f"{scope}/densify",
                        [values, indices, const(graph, f"{scope}/num_rows", cut.shape[0], "int64", device)],
                        device=device).output(0)
+
+
+def _update_readers(graph, tensor, prefix, variables):
+    """The readers of a batch statistic that lead to the update of its moving average.
+    The forward pass reads the same tensor (BatchNorm normalises with it) and must keep
+    the replica's own statistic."""
+    targets = {prefix + v for v in variables}
+    out = []
+    for c, pos in tensor.node.consumers(tensor.index):
+        frontier, seen, hit = [c], {c}, False
+        while frontier and not hit and len(seen) < 256:
+            n = frontier.pop()
+            if n.op in DENSE_ASSIGNS:
+                var = variable_of(n.inputs[0])
+                if var is not None and var.name in targets:
+                    hit = True
+                    break
+            for d, _ in n._consumers:
+                if d not in seen:
+                    seen.add(d)
+                    frontier.append(d)
+        if hit:
+            out.append((c, pos))
+    return out
 
 
 def _index_dtype(graph, rm, i, cut):

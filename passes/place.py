@@ -66,13 +66,21 @@ class PlacePass(Pass):
             for m in members:
                 if m not in pinned or m is root:
                     placed[m] = target
+        bound = pinned | set(groups) | {m for users in groups.values() for m in users}
         for n in order:  # colocation constraints (_class) follow their target
-            if n._colocate and not isinstance(n._colocate[0], str) and n not in pinned:
+            if n._colocate and not isinstance(n._colocate[0], str) and n not in bound:
                 placed[n] = placed.get(n._colocate[0], placed[n])
         changed = False
         for n in order:
             if n.device != placed[n]:
                 n.device = placed[n]
+                changed = True
+            # TensorFlow's placer treats colocation as a hard constraint. Where a resource
+            # (or a pass) put a node elsewhere than its colocation target, e.g. Adam's
+            # beta powers colocated with a variable now on a parameter server, the
+            # resource wins and the stale hint goes.
+            if n._colocate and any(not isinstance(t, str) and placed.get(t) != placed[n] for t in n._colocate):
+                n.set_colocation([t for t in n._colocate if isinstance(t, str) or placed.get(t) == placed[n]])
                 changed = True
         graph._touch()
         return changed

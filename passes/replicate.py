@@ -14,6 +14,7 @@ gains control edges on its clones, so running it by name runs the whole step.
 """
 
 from graph_rewriter.analysis import PLACEHOLDERS, absorb_exclusive_ancestors, analyze
+from graph_rewriter.traversal import topological_order
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.replicas import ReplicaMap
 
@@ -31,6 +32,12 @@ class ReplicatePass(Pass):
         rm.variant = sorted(n.name for n in analysis.variant)
         global_nodes = _global_nodes(graph, analysis, ctx.plan)
         cloned = [n for n in graph if n not in global_nodes]
+        # Optimizers colocate their non-slot state (Adam's beta powers) with the first
+        # variable; a per-replica copy cannot follow a variable that moved to a ps task.
+        on_ps = {graph.node(v.name) for v in ctx.plan.variables if v.placement == "ps"}
+        for n in cloned:
+            if any(t in on_ps for t in n._colocate):
+                n.set_colocation([t for t in n._colocate if t not in on_ps])
         # Devices: the original graph's placement is for one device. Keep only its CPU
         # pins (as the replica's host CPU); the place pass decides the rest.
         pinned = {n for n in graph if ctx.options.device_type == "GPU" and "CPU" in n.device.upper()}
@@ -64,20 +71,39 @@ def _global_nodes(graph, analysis, plan):
     """Nodes that exist once: batch inputs, the tf.data pipeline, the Saver, and for
     parameter-server variables the variables themselves with the ops that write them
     (synchronous training applies one update; asynchronous, each replica applies its own
-    but the initializers still run once) and what only those ops read."""
+    but the initializers still run once), what only those ops read, and what reads only
+    them (the optimizer's reads-after-writes and groups of its ps updates)."""
     placeholders = {n for n in graph if n.op in PLACEHOLDERS}
-    seeds = analysis.saver_nodes | analysis.input_pipeline | placeholders
+    region = analysis.saver_nodes | analysis.input_pipeline | placeholders
     on_ps = [analysis.variables[v.name] for v in plan.variables if v.placement == "ps"]
+    updates = set()
     for var in on_ps:
-        seeds.add(var.node)
+        region.add(var.node)
         if plan.sync:
-            seeds.update(var.writers)
+            updates.update(var.writers)
         elif var.initializer is not None:
-            seeds.add(var.initializer)
+            updates.add(var.initializer)
+    region |= updates
     mirrored = {analysis.variables[v.name].node for v in plan.variables if v.placement == "mirrored"}
     variant = analysis.variant
-    return absorb_exclusive_ancestors(
-        seeds, keep_out=lambda n: n in variant or n in mirrored or n.op in ("VarHandleOp", "VariableV2"))
+
+    def keep_out(n):
+        return n in variant or n in mirrored or n.op in ("VarHandleOp", "VariableV2")
+
+    order = topological_order(graph) if updates else []
+    while True:
+        region = absorb_exclusive_ancestors(region, keep_out=keep_out)
+        grown = False
+        for n in order:  # forward: ops that only follow ps updates run once with them
+            if n in region or keep_out(n):
+                continue
+            producers = [t.node for t in n._inputs] + list(n._control_inputs)
+            if producers and all(p in region for p in producers) and any(p in updates for p in producers):
+                region.add(n)
+                updates.add(n)
+                grown = True
+        if not grown:
+            return region
 
 
 def replica_map(graph, ctx):

@@ -336,10 +336,31 @@ def _(base, tmp, mp):
     return base.copy(), dict(device_type="TPU")
 
 
-for _strategy in ("ps", "hybrid", "auto"):
-    @case(f"strategy-{_strategy}-not-available", f"'{_strategy}'", "not available")
+@case("strategy-auto-not-available", "'auto'", "not available")
+def _(base, tmp, mp):
+    return base.copy(), dict(strategy="auto")
+
+
+for _strategy in ("ps", "hybrid"):
+    @case(f"strategy-{_strategy}-without-ps-tasks", f"'{_strategy}'", "'ps' tasks")
     def _(base, tmp, mp, _strategy=_strategy):
-        return base.copy(), dict(strategy=_strategy)
+        return base.copy(), dict(strategy=_strategy, cluster_spec={"worker": ["localhost:2222"]})
+
+
+@case("staleness-with-allreduce", "staleness", "allreduce")
+def _(base, tmp, mp):
+    return base.copy(), dict(staleness=2)
+
+
+@case("staleness-negative", "staleness", "-1")
+def _(base, tmp, mp):
+    return base.copy(), dict(strategy="ps", staleness=-1)
+
+
+@case("task-is-a-ps-task", "ps:0", "no client graph")
+def _(base, tmp, mp):
+    return base.copy(), dict(strategy="ps", cluster_spec={"worker": ["localhost:2222"], "ps": ["localhost:2223"]},
+                             task="ps:0")
 
 
 @case("unknown-compression", "compression", "'zip'")
@@ -597,8 +618,10 @@ CLI_CASES = [
                  id="already-rewritten"),
     pytest.param(lambda b, t: b.pb, ["--devices-per-worker", "abc"], False,
                  ["--devices-per-worker", "abc"], id="devices-per-worker-abc"),
-    pytest.param(lambda b, t: b.pb, ["--strategy", "ps"], True, ["'ps'", "not available"],
-                 id="strategy-ps-existing-out"),
+    pytest.param(lambda b, t: b.pb, ["--strategy", "auto"], True, ["'auto'", "not available"],
+                 id="strategy-auto-existing-out"),
+    pytest.param(lambda b, t: b.pb, ["--strategy", "ps", "--cluster", '{"worker": ["localhost:2222"]}'],
+                 False, ["'ps'", "'ps' tasks"], id="ps-without-ps-tasks"),
     pytest.param(lambda b, t: b.pb, ["--cluster", '{"worker": ['], False, ["cluster spec", "JSON"],
                  id="cluster-malformed-json"),
 ]

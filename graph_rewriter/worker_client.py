@@ -1,0 +1,72 @@
+"""One worker's client of a between-graph run: its own rewritten graph, its own batches.
+
+    python -m graph_rewriter.worker_client --graph worker1.pb --target grpc://host:port \\
+        --feeds batches.npz --steps 30 --read w:0 --out result.npz [--timeout 120]
+
+``--feeds`` is an .npz whose keys are "<step>/<tensor name>" (the original feed names);
+the client runs the init op, then ``--steps`` steps of [loss, train op], and writes the
+losses and the values of the ``--read`` tensors to ``--out``. Every session call is
+bounded by ``--timeout`` seconds: a dead peer becomes an error, not a hang. Used by the
+demo and the multi-process tests; also a template for a user's own worker script.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="train_op",
+               init="init", timeout=120.0, delay=0.0, log=None):
+    """Trains ``steps`` steps; returns (losses, {read name: value}, step times)."""
+    import tensorflow as tf
+
+    import graph_rewriter as gr
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout * 1000)) if timeout else None
+    losses, times = [], []
+    with gr.Session(graph, target=target) as sess:
+        sess.run(init, options=options)
+        for step in range(steps):
+            feed = {name.split("/", 1)[1]: value for name, value in feeds.items()
+                    if name.split("/", 1)[0] == str(step)}
+            started = time.perf_counter()
+            value, _ = sess.run([loss, train_op], feed_dict=feed, options=options)
+            times.append(time.perf_counter() - started)
+            losses.append(float(value))
+            if log is not None:
+                log(step, losses[-1])
+            if delay:
+                time.sleep(delay)
+        values = dict(zip(reads, sess.run(list(reads), options=options))) if reads else {}
+    return losses, values, times
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Run one worker of a between-graph training job.")
+    p.add_argument("--graph", required=True, help="this worker's rewritten graph")
+    p.add_argument("--target", required=True, help="grpc://host:port of this worker's server")
+    p.add_argument("--feeds", help=".npz of '<step>/<tensor>' arrays")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--read", action="append", default=[], help="tensor to read after training")
+    p.add_argument("--out", required=True, help=".npz to write losses and read values to")
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on every session call (s)")
+    p.add_argument("--delay", type=float, default=0.0, help="sleep after each step (s): a slow worker")
+    args = p.parse_args(argv)
+    import numpy as np
+    feeds = dict(np.load(args.feeds)) if args.feeds else {}
+    try:
+        losses, values, times = run_worker(args.graph, args.target, feeds, args.steps, args.read,
+                                           timeout=args.timeout, delay=args.delay)
+    except Exception as e:  # reported to the parent through the exit status and stderr
+        sys.stderr.write(f"worker_client: {type(e).__name__}: {' '.join(str(e).split())[:2000]}\n")
+        return 3
+    out = {"losses": np.asarray(losses), "step_seconds": np.asarray(times)}
+    out.update({f"read/{k}": np.asarray(v) for k, v in values.items()})
+    np.savez(args.out, **out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

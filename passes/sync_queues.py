@@ -1,0 +1,153 @@
+"""sync_queues: keep between-graph workers of a parameter-server run in step.
+
+Each worker runs its own graph. Per worker k there is a token queue on the first ps task
+(FIFOQueue, shared_name from the graph's fingerprint):
+
+    every worker:  its replicas' accumulator applies ─> dequeue a token from queue k
+                   (the train op waits for it: the next step reads the new variables)
+    the chief:     take the averaged gradients ─> apply the updates ─> bump the step
+                   counter ─> enqueue one token into every worker's queue
+
+so the chief applies each step once and every worker waits for it. With staleness s,
+each queue starts with s tokens: a worker may run up to s steps ahead of the applied
+updates, never more, and the accumulators accept gradients up to s steps old (after
+each step they are told the oldest step still accepted). Without sync, workers apply
+their own gradients and nobody waits.
+
+Initialization: the chief's init op initializes the shared variables and then puts a
+token per other worker in an init queue; another worker's init op does not initialize
+shared variables (that would overwrite the chief's) but waits for its token. Running
+the original init op is therefore safe, and necessary, on every worker.
+"""
+
+from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
+from tensorflow.python.framework import dtypes
+
+from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.pass_manager import Pass
+from graph_rewriter.ps_state import COUNTER, INCREMENT, INIT_BARRIER, TOKENS, shared_name
+from graph_rewriter.traversal import descendants
+
+_APPLIES = ("AccumulatorApplyGradient", "SparseAccumulatorApplyGradient")
+_TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
+
+
+def _scalar_queue(graph, name, fingerprint, what, device):
+    shapes = attr_value_pb2.AttrValue()
+    shapes.list.shape.add().CopyFrom(tensor_shape_pb2.TensorShapeProto())
+    return make_op(graph, "FIFOQueueV2", name, [], device=device, attrs={
+        "component_types": [dtypes.int64], "shapes": shapes,
+        "shared_name": shared_name(fingerprint, what)})
+
+
+class SyncQueuesPass(Pass):
+    name = "sync_queues"
+    requires = frozenset({"replicated", "plan", "ps_synced"})
+    ensures = frozenset({"workers_synced"})
+
+    def run(self, graph, ctx):
+        plan, cluster = ctx.plan, ctx.cluster
+        on_ps = [v for v in plan.variables if v.placement == "ps"]
+        if cluster.task is None or not on_ps:
+            return False
+        rm = graph.replicas
+        ps0 = cluster.ps_device(0)
+        fp = plan.fingerprint
+        workers = cluster.compute_tasks
+        me = workers.index(cluster.task)
+        ps_initializers = [graph.node(v.initializer) for v in on_ps if v.initializer]
+        if COUNTER in graph:
+            ps_initializers.append(graph.node(f"{COUNTER}/initial_value"))
+        init_ops = {c for i in ps_initializers for c in i.control_consumers if c.op == "NoOp"}
+        barrier = _scalar_queue(graph, INIT_BARRIER, fp, "init_done", ps0)
+        # The train ops: what the user runs each step, i.e. the roots after the updates.
+        after_updates = descendants([n for n in graph if n.op in _TAKES])
+        roots = [n for n in graph if not n._consumers and not n._control_consumers
+                 and n in after_updates]
+        if rm.chief:
+            ready = make_op(graph, "QueueEnqueueManyV2", f"{INIT_BARRIER}/release",
+                            [barrier.output(0), [const(graph, f"{INIT_BARRIER}/tokens", [0] * (len(workers) - 1), "int64", ps0)]],
+                            control_inputs=ps_initializers, device=ps0)
+            for op in init_ops:
+                op.add_control_input(ready)
+        else:
+            wait = make_op(graph, "QueueDequeueV2", f"{INIT_BARRIER}/wait", [barrier.output(0)],
+                           attrs={"component_types": [dtypes.int64]}, device=ps0)
+            for op in init_ops:
+                for init in ps_initializers:
+                    if init in op.control_inputs:
+                        op.remove_control_input(init)
+                op.add_control_input(wait)
+        if not plan.sync or INCREMENT not in graph:
+            return True
+        queues = [_scalar_queue(graph, f"{TOKENS}/worker_{k}", fp, f"tokens/{k}", ps0) for k in range(len(workers))]
+        applies = [n for n in graph if n.op in _APPLIES]
+        if rm.chief:
+            increment = graph.node(INCREMENT)
+            token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
+                            attrs={"dtype": dtypes.int64}, control_inputs=[increment], device=ps0).output(0)
+            enqueues = [make_op(graph, "QueueEnqueueV2", f"{TOKENS}/release_{k}", [q.output(0), [token]], device=ps0)
+                        for k, q in enumerate(queues)]
+            if plan.staleness:
+                self._allow_staleness(graph, ctx, increment, ps0)
+                for k, q in enumerate(queues):
+                    head = make_op(graph, "QueueEnqueueManyV2", f"{TOKENS}/head_start_{k}",
+                                   [q.output(0), [const(graph, f"{TOKENS}/head_start_{k}/tokens",
+                                                        [0] * plan.staleness, "int64", ps0)]],
+                                   control_inputs=ps_initializers, device=ps0)
+                    for op in init_ops:
+                        op.add_control_input(head)
+            before_wait = applies + enqueues
+        else:
+            dropped = self._drop_chief_work(graph)
+            before_wait = applies
+        wait = make_op(graph, "QueueDequeueV2", f"{TOKENS}/wait", [queues[me].output(0)],
+                       attrs={"component_types": [dtypes.int64]}, control_inputs=before_wait, device=ps0)
+        for root in roots:
+            if root.name in graph:
+                root.add_control_input(wait)
+            else:  # a non-chief's train op: it now applies gradients and waits
+                graph.add_node(root.name, "NoOp", control_inputs=[wait] + [
+                    c for c in dropped.get(root.name, []) if c.name in graph])
+        return True
+
+    def _allow_staleness(self, graph, ctx, increment, device):
+        """After each step, accumulators accept gradients up to ``staleness`` steps old."""
+        s = ctx.plan.staleness
+        step = make_op(graph, "ReadVariableOp", f"{COUNTER}/after_increment", [graph.node(COUNTER).output(0)],
+                       attrs={"dtype": dtypes.int64}, control_inputs=[increment], device=device).output(0)
+        oldest = make_op(graph, "Sub", f"{COUNTER}/oldest_accepted",
+                         [step, const(graph, f"{COUNTER}/staleness", s, "int64", device)], device=device).output(0)
+        for take in [n for n in graph if n.op in _TAKES]:
+            acc = take.inputs[0]
+            setter = make_op(graph, "AccumulatorSetGlobalStep", f"{take.name}/accept_from",
+                             [acc, oldest], device=take.device)
+            for c in increment.control_consumers:
+                c.add_control_input(setter)
+
+    def _drop_chief_work(self, graph):
+        """A non-chief worker never takes gradients or applies updates: the chief does.
+        Returns {removed node name: its control inputs} for the removed roots."""
+        rm = graph.replicas
+        takes = [n for n in graph if n.op in _TAKES]
+        chief_only = set(takes)
+        if INCREMENT in graph:
+            chief_only.add(graph.node(INCREMENT))
+        stack = list(chief_only)
+        while stack:
+            n = stack.pop()
+            for c in [c for c, _ in n._consumers] + list(n._control_consumers):
+                if c not in chief_only and rm.replica_of(graph, c.name) is None:
+                    chief_only.add(c)
+                    stack.append(c)
+        for n in graph:
+            if n in chief_only:
+                continue
+            for c in list(n.control_inputs):
+                if c in chief_only:
+                    n.remove_control_input(c)
+        removable = [n for n in chief_only if all(c in chief_only for c, _ in n._consumers)]
+        dropped = {n.name: [c for c in n.control_inputs if c not in chief_only]
+                   for n in removable if not n._consumers and not n._control_consumers}
+        graph.remove_nodes(removable)
+        return dropped

@@ -60,6 +60,19 @@ ELEMENTWISE = frozenset((
     "RealDiv", "Div", "DivNoNan", "AddV2", "Add", "Sub", "Square", "Sqrt", "Rsqrt", "Abs",
     "Sign", "Maximum", "Minimum", "Exp", "Log", "Pow", "Tanh", "Sigmoid", "ClipByValue",
     "SquaredDifference"))
+SHARDABLE_USERS = frozenset((
+    "ReadVariableOp", "ResourceGather", "AssignVariableOp", "AssignAddVariableOp",
+    "AssignSubVariableOp", "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
+    "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMax", "ResourceScatterMin",
+    "VarIsInitializedOp", "VariableShape"))
+
+
+def shardable_user(node):
+    """True if a use of a variable handle can be rewritten for a variable split by rows
+    (passes/shard_variables.py)."""
+    return node.op in SHARDABLE_USERS or node.op.startswith(("ResourceApply", "ResourceSparseApply"))
+
+
 PLACEHOLDERS = frozenset(("Placeholder", "PlaceholderV2", "PlaceholderWithDefault"))
 ITERATOR_GET_NEXT = frozenset(("IteratorGetNext", "IteratorGetNextSync"))
 SAVER_OPS = frozenset(("SaveV2", "RestoreV2", "Save", "Restore", "RestoreSlice", "SaveSlices",

@@ -87,8 +87,8 @@ def pipeline(options, cluster):
             "of a chief or worker task", hint="pass a worker task (ps tasks only run a server)")
     return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
             passes.MirrorVariablesPass(), passes.AllReducePass(), passes.AllGatherPass(),
-            passes.AccumulatePass(), passes.SyncQueuesPass(), passes.PlacePass(),
-            passes.MetadataPass()]
+            passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
+            passes.MergeSummariesPass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_worker=1,

@@ -28,6 +28,7 @@ REWRITE_EXAMPLES = """examples:
   graph-rewrite train.pbtxt out.pb --device-type CPU --devices-per-worker 2 -v
   graph-rewrite train.meta out.meta --devices-per-worker 8 --compression fp16
   graph-rewrite train.pb out.pb --plan plan.json
+  graph-rewrite train.pb worker1.pb --cluster cluster.json --strategy ps --task worker:1
   graph-rewrite train.pb out.pb --dump-after replicate --dump-dir /tmp/dumps
 
 other commands: graph-rewrite {plan,inspect,serve,demo} --help
@@ -65,6 +66,13 @@ def _add_rewrite_options(p):
                         "sparse: VAR=VALUES,INDICES")
     p.add_argument("--merge", action="append", default=[], metavar="TENSOR=HOW",
                    help="how Session merges a fetched tensor across replicas: sum, mean, concat or master")
+    p.add_argument("--async", dest="sync", action="store_false",
+                   help="parameter servers: every replica applies its own gradient, nobody waits")
+    p.add_argument("--staleness", type=int, default=0, metavar="S",
+                   help="parameter servers: a worker may run up to S steps ahead of the applied updates")
+    p.add_argument("--ps-shard-bytes", type=int, default=None, metavar="BYTES",
+                   help="parameter-server variables larger than this are split by rows across the ps tasks "
+                        "(default 64 MiB; 0: never)")
     p.add_argument("--timeout-seconds", type=float, default=None, metavar="S",
                    help="a collective waiting longer than this for a peer fails the step (default 600; 0: never)")
     p.add_argument("-v", "--verbose", action="store_true", help="print progress and per-pass timings")
@@ -137,7 +145,7 @@ def _pairs(items, flag):
 
 
 def _rewrite_kwargs(args):
-    from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_TIMEOUT_SECONDS
+    from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS
     if args.devices_per_worker < 1:
         raise GraphRewriteError(f"--devices-per-worker must be at least 1, got {args.devices_per_worker}")
     if args.device_type not in ("GPU", "CPU"):
@@ -151,7 +159,8 @@ def _rewrite_kwargs(args):
         bytes_per_pack=DEFAULT_BYTES_PER_PACK if args.bytes_per_pack is None else args.bytes_per_pack,
         compression=None if args.compression == "none" else args.compression,
         sparse_as_dense=args.sparse_as_dense, gradients=gradients,
-        merge=_pairs(args.merge, "--merge"),
+        merge=_pairs(args.merge, "--merge"), sync=args.sync, staleness=args.staleness,
+        ps_shard_bytes=DEFAULT_PS_SHARD_BYTES if args.ps_shard_bytes is None else args.ps_shard_bytes,
         timeout_seconds=DEFAULT_TIMEOUT_SECONDS if args.timeout_seconds is None else args.timeout_seconds)
 
 

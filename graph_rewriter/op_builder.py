@@ -104,6 +104,32 @@ def const(graph, name, value, dtype, device=""):
     return Tensor(node, 0)
 
 
+def run_after(graph, root, ops):
+    """Running ``root`` by its name (a train op: nothing reads it) also runs ``ops``, after
+    it: the original moves to ``<name>/before_sync`` and ``<name>`` becomes a NoOp (or, if
+    it had an output, an Identity of it) waiting for both. Returns the new node."""
+    name = root.name
+    graph.rename_node(root, graph.unique_name(f"{name}/before_sync"))
+    if opdefs.num_outputs(root):
+        node = make_op(graph, "Identity", name, [root.output(0)], control_inputs=list(ops))
+    else:
+        node = graph.add_node(name, "NoOp", control_inputs=[root] + list(ops))
+    node.device = root.device
+    return node
+
+
+def shape_attr(shape):
+    """An AttrValue holding a TensorShapeProto (None: unknown rank; -1: unknown dim)."""
+    from tensorflow.core.framework import tensor_shape_pb2
+    proto = tensor_shape_pb2.TensorShapeProto()
+    if shape is None:
+        proto.unknown_rank = True
+    else:
+        for d in shape:
+            proto.dim.add(size=d)
+    return attr_value_pb2.AttrValue(shape=proto)
+
+
 def out(node, index=0):
     return Tensor(node, index)
 

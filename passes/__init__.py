@@ -10,9 +10,11 @@ from passes.allreduce import AllReducePass
 from passes.allgather import AllGatherPass
 from passes.accumulate import AccumulatePass
 from passes.sync_queues import SyncQueuesPass
+from passes.shard_variables import ShardVariablesPass
+from passes.merge_summaries import MergeSummariesPass
 from passes.place import PlacePass
 from passes.metadata import MetadataPass
 
 __all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass",
-           "AllReducePass", "AllGatherPass", "AccumulatePass", "SyncQueuesPass",
+           "AllReducePass", "AllGatherPass", "AccumulatePass", "SyncQueuesPass", "ShardVariablesPass", "MergeSummariesPass",
            "PlacePass", "MetadataPass"]

@@ -6,8 +6,10 @@
 
 Dense gradients use a ConditionalAccumulator (reduction MEAN). Sparse gradients use a
 SparseConditionalAccumulator with reduction SUM, fed rows each replica has already
-deduplicated; the take is divided by R. (With MEAN, TensorFlow divides each row by the
-number of replicas that touched it, which is not the mean gradient.)
+deduplicated and sorted by row id; the take is divided by R. (With MEAN, TensorFlow
+divides each row by the number of replicas that touched it, which is not the mean
+gradient; and it merges the rows of different replicas by a sorted merge, so unsorted
+ids would leave one row twice in the result.)
 
 Accumulators drop gradients whose local step is older than their own: every replica
 tags its gradient with ``graph_rewriter/sync_step``, a counter on the first ps task that
@@ -19,24 +21,13 @@ Asynchronous training (sync=False) uses no accumulator: each replica applies its
 gradient to the shared variables.
 """
 
-from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.framework import dtypes
 
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
+from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import ACCUMULATORS, COUNTER, INCREMENT, shared_name
 from graph_rewriter.traversal import descendants
-
-
-def _shape_attr(shape):
-    proto = tensor_shape_pb2.TensorShapeProto()
-    if shape is None:
-        proto.unknown_rank = True
-    else:
-        for d in shape:
-            proto.dim.add(size=d)
-    return attr_value_pb2.AttrValue(shape=proto)
 
 
 class AccumulatePass(Pass):
@@ -52,7 +43,7 @@ class AccumulatePass(Pass):
         rm = graph.replicas
         ps0 = ctx.cluster.ps_device(0)
         counter = make_op(graph, "VarHandleOp", COUNTER, [],
-                          attrs={"dtype": dtypes.int64, "shape": _shape_attr([]),
+                          attrs={"dtype": dtypes.int64, "shape": shape_attr([]),
                                  "shared_name": shared_name(plan.fingerprint, "sync_step")}, device=ps0)
         counter_init = make_op(graph, "AssignVariableOp", f"{COUNTER}/initial_value",
                                [counter.output(0), const(graph, f"{COUNTER}/zero", 0, "int64", ps0)],
@@ -66,14 +57,14 @@ class AccumulatePass(Pass):
         # optimizer's update ops and the optimizer math between (Adam's scatter path
         # reads the take through a Mul before it writes anything).
         updates = [n for n in descendants(takes) if rm.replica_of(graph, n.name) is None]
+        roots = [n for n in descendants(takes) if not n._consumers and not n._control_consumers]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
                             [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
                             control_inputs=takes + updates, device=ps0)
-        # Run the increment whenever a step runs: with every root that waits for the updates.
-        after = descendants(takes)
-        for n in graph:
-            if n in after and not n._consumers and not n._control_consumers and n is not increment:
-                n.add_control_input(increment)
+        # The train op (a root after the updates) keeps its name and now also bumps the
+        # counter once everything it ran is done.
+        for root in roots:
+            run_after(graph, root, [increment])
         return True
 
     def _accumulate(self, graph, ctx, cut, local_step):
@@ -86,7 +77,7 @@ class AccumulatePass(Pass):
         sparse = cut.kind == "sparse"
         acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
                       scope, [], device=dev,
-                      attrs={"dtype": dtype, "shape": _shape_attr(cut.shape),
+                      attrs={"dtype": dtype, "shape": shape_attr(cut.shape),
                              "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients"),
                              "reduction_type": "SUM" if sparse else "MEAN"})
         applies = []
@@ -102,6 +93,7 @@ class AccumulatePass(Pass):
                 values, indices = dedup_rows(graph, f"{s}/dedup", values, indices, rm.devices[i])
             idx64 = make_op(graph, "Cast", f"{s}/indices", [indices], attrs={"DstT": dtypes.int64},
                             device=rm.devices[i]).output(0)
+            idx64, values = _sorted_rows(graph, f"{s}/sorted", idx64, values, rm.devices[i])
             if cut.shape is None or any(d < 0 for d in cut.shape):
                 raise GraphRewriteError(f"variable '{cut.variable}' needs a static shape for a sparse accumulator")
             applies.append(make_op(graph, "SparseAccumulatorApplyGradient", s,
@@ -129,6 +121,17 @@ class AccumulatePass(Pass):
         _rewire(graph, master_values, mean)
         _rewire(graph, master_indices, indices)
         return take
+
+
+def _sorted_rows(graph, scope, indices, values, dev):
+    """(indices, values) ordered by ascending row id (TopK of the negated ids)."""
+    count = make_op(graph, "Size", f"{scope}/count", [indices], attrs={"out_type": dtypes.int32}, device=dev)
+    negated = make_op(graph, "Neg", f"{scope}/negated", [indices], device=dev)
+    order = make_op(graph, "TopKV2", f"{scope}/order", [negated.output(0), count.output(0)],
+                    attrs={"sorted": True}, device=dev).output(1)
+    axis = const(graph, f"{scope}/axis", 0, "int32", dev)
+    return (make_op(graph, "GatherV2", f"{scope}/indices", [indices, order, axis], device=dev).output(0),
+            make_op(graph, "GatherV2", f"{scope}/values", [values, order, axis], device=dev).output(0))
 
 
 def _rewire(graph, tensor, replacement):

@@ -6,7 +6,7 @@ Rejects graphs that do not train: no variables, or no update that depends on the
 
 import hashlib
 
-from graph_rewriter.analysis import analyze
+from graph_rewriter.analysis import analyze, shardable_user
 from graph_rewriter.graph_io import to_graph_def
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import Pass
@@ -51,6 +51,7 @@ class PlanPass(Pass):
         else:
             check_plan(ctx.plan, analysis, ctx.options, r)
         ctx.plan.fingerprint = graph_fingerprint(graph)
+        self._keep_unshardable_whole(graph, ctx, analysis)
         for v in analysis.variables.values():
             init = v.initializer
             for vp in ctx.plan.variables:
@@ -60,6 +61,20 @@ class PlanPass(Pass):
                  f"({sum(c.kind == 'sparse' for c in ctx.plan.cuts)} sparse), "
                  f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
         return False
+
+
+    def _keep_unshardable_whole(self, graph, ctx, analysis):
+        """A variable is split by rows only if every op using it can be rewritten for
+        parts; otherwise it stays whole on one ps task (and the log says why)."""
+        for vp in ctx.plan.variables:
+            if not vp.shards:
+                continue
+            group = ctx.plan.group(vp.name)
+            blockers = [u for m in group for u, _ in graph.node(m.name).consumers(0) if not shardable_user(u)]
+            if blockers:
+                for m in group:
+                    m.ps_task, m.shards = m.shards[0]["ps_task"] if m.shards else 0, None
+                ctx.info(f"plan: '{vp.name}' stays whole: '{blockers[0].name}' ({blockers[0].op}) cannot use a sharded variable")
 
 
 def graph_fingerprint(graph):

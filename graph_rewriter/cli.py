@@ -120,8 +120,8 @@ def _serve_parser():
                        "  graph-rewrite serve --cluster '{\"worker\": [\"localhost:2222\"]}' --task worker:0 "
                        "--device-type CPU --devices-per-worker 2",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", required=True, metavar="SPEC", help="JSON text or a JSON file")
-    p.add_argument("--task", required=True, metavar="JOB:INDEX", help="this server's task, e.g. worker:0")
+    p.add_argument("--cluster", metavar="SPEC", help="JSON text or a JSON file (default: TF_CONFIG's cluster)")
+    p.add_argument("--task", metavar="JOB:INDEX", help="this server's task, e.g. worker:0 (default: TF_CONFIG's task)")
     p.add_argument("--device-type", default="GPU", metavar="GPU|CPU")
     p.add_argument("--devices-per-worker", type=int, default=1, metavar="N")
     return p
@@ -226,9 +226,11 @@ def cmd_inspect(argv):
 def cmd_serve(argv):
     args = _serve_parser().parse_args(argv)
     from graph_rewriter.server import start_server
+    if (args.cluster is None or args.task is None) and not os.environ.get("TF_CONFIG"):
+        raise GraphRewriteError("serve needs --cluster and --task (or a TF_CONFIG environment variable)")
     server = start_server(args.cluster, args.task, device_type=args.device_type,
                           devices_per_worker=args.devices_per_worker)
-    _log(f"serving {args.task} at {server.target} (Ctrl-C to stop)")
+    _log(f"serving {args.task or 'the TF_CONFIG task'} at {server.target} (Ctrl-C to stop)")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
     try:

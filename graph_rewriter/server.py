@@ -23,7 +23,8 @@ def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1,
     """Starts (and returns) the tf.distribute.Server for ``task`` of ``cluster_spec``."""
     cluster = parse_cluster(cluster_spec, task)
     if cluster.is_local or cluster.task is None:
-        raise GraphRewriteError("start_server needs a cluster spec and a task in it, e.g. worker:0")
+        raise GraphRewriteError("start_server needs a cluster spec and a task in it, e.g. worker:0 "
+                                "(or a TF_CONFIG environment variable naming both)")
     job, index = cluster.task
     try:
         return tf.distribute.Server(

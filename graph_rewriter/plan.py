@@ -277,6 +277,9 @@ def check_plan(plan, analysis, options, num_replicas):
                 f"{c.sync!r}", hint="parameter-server variables use sync 'accumulate'; use "
                 "Plan.set_placement() to move a variable and its gradient together")
     for v in plan.variables:
+        if v.placement not in ("mirrored", "ps"):
+            raise GraphRewriteError(
+                f"plan: variable '{v.name}' has placement {v.placement!r}", hint="use mirrored or ps")
         if v.placement == "ps":
             for m in plan.group(v.name):
                 if m.placement != "ps":

@@ -102,6 +102,34 @@ def ancestors(nodes, data_only=False, stop=None):
     return seen
 
 
+def reaches(start, target, limit=32):
+    """True if ``target`` depends on ``start`` through at most ``limit`` data edges."""
+    frontier, seen = [start], {start}
+    for _ in range(limit):
+        nxt = []
+        for n in frontier:
+            if n is target:
+                return True
+            for c, _ in n._consumers:
+                if c not in seen:
+                    seen.add(c)
+                    nxt.append(c)
+        frontier = nxt
+        if not frontier:
+            return False
+    return False
+
+
+def gradient_readers(values, indices):
+    """The readers of a gradient cut (values, and indices when sparse) that consume it,
+    leaving out those that help compute the values themselves: an optimizer's
+    deduplication reads Shape(unique ids) for its segment count."""
+    out = list(values.node.consumers(values.index))
+    if indices is not None:
+        out += [(c, p) for c, p in indices.node.consumers(indices.index) if not reaches(c, values.node)]
+    return out
+
+
 def descendants(nodes, data_only=False):
     """Every node that depends on some of ``nodes`` through data (and control) edges."""
     seen = set()

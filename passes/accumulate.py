@@ -27,7 +27,7 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import ACCUMULATORS, COUNTER, INCREMENT, shared_name
-from graph_rewriter.traversal import descendants
+from graph_rewriter.traversal import descendants, reaches
 
 
 class AccumulatePass(Pass):
@@ -56,8 +56,9 @@ class AccumulatePass(Pass):
         # The step is applied when every global op downstream of the takes has run: the
         # optimizer's update ops and the optimizer math between (Adam's scatter path
         # reads the take through a Mul before it writes anything).
-        updates = [n for n in descendants(takes) if rm.replica_of(graph, n.name) is None]
-        roots = [n for n in descendants(takes) if not n._consumers and not n._control_consumers]
+        after = descendants(takes)
+        updates = [n for n in graph if n in after and rm.replica_of(graph, n.name) is None]
+        roots = [n for n in graph if n in after and not n._consumers and not n._control_consumers]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
                             [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
                             control_inputs=takes + updates, device=ps0)
@@ -113,13 +114,15 @@ class AccumulatePass(Pass):
                        [take.output(1), const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
                        device=dev).output(0)
         master_indices = rm.tensor(graph, 0, cut.indices)
+        # the deduplication's Shape(unique ids) reads the ids to compute the values: not a reader to move
+        keep = {c for c, _ in master_indices.node.consumers(master_indices.index) if reaches(c, master_values.node)}
         index_dtype = dtypes.as_dtype(dtype_of(master_indices))
         indices = take.output(0)
         if index_dtype != dtypes.int64:
             indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
                               device=dev).output(0)
         _rewire(graph, master_values, mean)
-        _rewire(graph, master_indices, indices)
+        _rewire(graph, master_indices, indices, keep)
         return take
 
 
@@ -134,13 +137,13 @@ def _sorted_rows(graph, scope, indices, values, dev):
             make_op(graph, "GatherV2", f"{scope}/values", [values, order, axis], device=dev).output(0))
 
 
-def _rewire(graph, tensor, replacement):
+def _rewire(graph, tensor, replacement, keep=()):
     """The global readers of a replica-0 gradient (the optimizer's update) read the
     accumulated one instead; readers inside the replicas keep their own."""
     rm = graph.replicas
     changed = []
     for c, pos in tensor.node.consumers(tensor.index):
-        if rm.replica_of(graph, c.name) is None and c is not replacement.node:
+        if rm.replica_of(graph, c.name) is None and c is not replacement.node and c not in keep:
             c.set_input(pos, replacement)
             changed.append(c)
     return changed

@@ -21,6 +21,7 @@ from tensorflow.python.framework import dtypes
 from graph_rewriter.collectives import SPARSE_BUCKETS, all_gather, group_key, sparse_instance_keys
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.traversal import reaches
 
 
 class AllGatherPass(Pass):
@@ -52,7 +53,7 @@ class AllGatherPass(Pass):
         # reads Shape(unique indices) for its segment count) keep the local tensor.
         value_readers = values.node.consumers(values.index)
         index_readers = [(c, p) for c, p in indices.node.consumers(indices.index)
-                         if not _reaches(c, values.node)]
+                         if not reaches(c, values.node)]
         vdt = dtypes.as_dtype(dtype_of(values))
         dedup_after = cut.deduplicated or cut.linear
         if cut.linear and not cut.deduplicated:
@@ -108,21 +109,3 @@ class AllGatherPass(Pass):
             node.set_input(pos, mean)
         for node, pos in index_readers:
             node.set_input(pos, out_indices)
-
-
-def _reaches(start, target, limit=32):
-    """True if ``target`` depends on ``start`` within ``limit`` data edges."""
-    frontier, seen = [start], {start}
-    for _ in range(limit):
-        nxt = []
-        for n in frontier:
-            if n is target:
-                return True
-            for c, _ in n._consumers:
-                if c not in seen:
-                    seen.add(c)
-                    nxt.append(c)
-        frontier = nxt
-        if not frontier:
-            return False
-    return False

@@ -14,7 +14,7 @@ gains control edges on its clones, so running it by name runs the whole step.
 """
 
 from graph_rewriter.analysis import PLACEHOLDERS, absorb_exclusive_ancestors, analyze
-from graph_rewriter.traversal import topological_order
+from graph_rewriter.traversal import gradient_readers, topological_order
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.replicas import ReplicaMap
 
@@ -83,8 +83,25 @@ def _global_nodes(graph, analysis, plan):
             updates.update(var.writers)
         elif var.initializer is not None:
             updates.add(var.initializer)
-    region |= updates
     mirrored = {analysis.variables[v.name].node for v in plan.variables if v.placement == "mirrored"}
+    if plan.sync:
+        # Everything computed from an accumulated gradient is the one update: it reads the
+        # average, never a replica's own gradient (Keras Nadam's sparse update mixes it
+        # with mirrored optimizer state, which alone would make it look per-replica).
+        accumulated = {c.variable for c in plan.cuts if c.sync == "accumulate"}
+        mirrored_writers = {w for v in plan.variables if v.placement == "mirrored"
+                            for w in analysis.variables[v.name].writers}
+        for cut in analysis.cuts:
+            if cut.variable not in accumulated:
+                continue
+            stack = [c for c, _ in gradient_readers(cut.values, cut.indices)]
+            while stack:
+                n = stack.pop()
+                if n in updates or n in analysis.variant or n in mirrored_writers:
+                    continue
+                updates.add(n)
+                stack.extend(c for c, _ in n._consumers)
+    region |= updates
     variant = analysis.variant
 
     def keep_out(n):

@@ -1,0 +1,711 @@
+"""Multi-process tests on real TensorFlow servers on loopback (run with ``pytest -m slow``).
+
+Every server is a ``graph-rewrite serve`` process started by LocalCluster (ports from the
+OS); every between-graph worker is its own client process (``python -m
+graph_rewriter.worker_client``, or the small client loop of this file); every wait is
+bounded (server start, every session call, every process) and every process a test
+starts is ended by its id in a fixture's teardown, whatever happens.
+
+What is held (API.md, "Semantics"; DESIGN.md, "Multi-worker"):
+
+- Equivalence on a real cluster: 2 workers x 1-2 CPU replicas, 0-2 ps tasks, strategies
+  allreduce, ps and hybrid, dense ("mlp") and sparse ("embedding") models, sgd, adam and
+  adagrad, in-graph (one client drives every worker) and between-graph (one client per
+  worker, each feeding its own rows of the global batch). After STEPS steps the final
+  variables (weights, optimizer slots, step counter) equal the single-device run on the
+  concatenated global batches, the loss per step (the mean of the workers' losses)
+  equals the single-device loss, the workers agree with each other, every mirrored
+  replica copy equals the master's, and the step counter equals STEPS.
+- Parameter-server staleness (between-graph): a fast worker runs ahead of the applied
+  updates by at most ``staleness`` steps, does run ahead when allowed to, and both
+  workers finish.
+- Asynchronous parameter servers: training runs to completion and learns.
+- A ps job rerun on the same servers trains like the first run.
+- ``graph-rewrite serve`` (flags and TF_CONFIG) and ``gr.start_server`` in a subprocess
+  listen, serve a rewritten graph, and stop on SIGTERM.
+
+Cost: starting a cluster takes ~5 s and a worker client ~5 s. The equivalence cases share
+one live cluster per shape (ClusterPool: consecutive cases of one shape reuse it; a case
+that fails while running discards it, since a failed collective can poison a server).
+Each case builds its example with its own seed, so no two graphs run on one cluster have
+the same fingerprint (shared names and collective keys derive from it). The staleness,
+async and rerun tests get fresh clusters.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graph_rewriter as gr
+from graph_rewriter import examples
+from graph_rewriter.local_cluster import LocalCluster, free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif("'slow' not in config.getoption('markexpr')",
+                       reason="multi-process cluster test: run with -m slow"),
+    pytest.mark.timeout(480),
+]
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
+GRAPH_REWRITE = os.path.join(os.path.dirname(sys.executable), "graph-rewrite")
+
+STEPS = 3
+BATCH = 8                  # global batch: 2 rows per replica with 2 workers x 2 replicas
+RTOL, ATOL = 1e-4, 1e-6
+AGREE_RTOL, AGREE_ATOL = 1e-6, 1e-7   # two workers' copies of one computation
+START_TIMEOUT = 120.0      # a cluster's servers listening
+CALL_TIMEOUT = 60.0        # any one session call (a dead or missing peer becomes an error)
+PROCESS_TIMEOUT = 300.0    # a worker client process, start to exit
+STOP_TIMEOUT = 30.0        # a server leaving after SIGTERM
+COUNTER_READ = "graph_rewriter/sync_step/read:0"   # the ps's count of applied steps
+
+
+# ----- processes ---------------------------------------------------------------------
+
+def _env(**extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def _tail(path, lines=25):
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+    keep = [line for line in text.splitlines()
+            if not line.startswith(("I0000", "W0000", "WARNING: All log messages"))]
+    return "\n".join(keep[-lines:])
+
+
+class Processes:
+    """The client processes one test starts; ``end_all`` kills what is still running, by
+    process id (each runs in its own session, so its group id is its id)."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+        self.started = []   # (name, Popen, log path)
+
+    def start(self, name, cmd, env=None):
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                    env=env or _env(), start_new_session=True)
+        self.started.append((name, proc, log_path))
+        return proc, log_path
+
+    def wait_all(self, timeout=PROCESS_TIMEOUT):
+        """Waits for every started process (one shared deadline); fails the test naming
+        any that did not exit, or exited non-zero, with its log."""
+        deadline = time.monotonic() + timeout
+        problems = []
+        for name, proc, log_path in self.started:
+            try:
+                rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                problems.append(f"{name}: still running after {timeout:.0f} s\n{_tail(log_path)}")
+                continue
+            if rc != 0:
+                problems.append(f"{name}: exit status {rc}\n{_tail(log_path)}")
+        if problems:
+            pytest.fail("\n\n".join(problems), pytrace=False)
+
+    def end_all(self):
+        for _, proc, _ in self.started:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for _, proc, _ in self.started:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(str(tmp_path))
+    try:
+        yield p
+    finally:
+        p.end_all()
+
+
+def _listening(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _wait_listening(port, proc, log_path, timeout=START_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not _listening(port):
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with status {proc.returncode} before listening on "
+                        f"port {port}\n{_tail(log_path)}", pytrace=False)
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server did not listen on port {port} within {timeout:.0f} s\n"
+                        f"{_tail(log_path)}", pytrace=False)
+        time.sleep(0.2)
+
+
+# ----- clusters ----------------------------------------------------------------------
+
+def _start_cluster(workers, ps, dpw, log_dir):
+    return LocalCluster(workers=workers, ps=ps, device_type="CPU", devices_per_worker=dpw,
+                        start_timeout=START_TIMEOUT, log_dir=log_dir).start()
+
+
+class ClusterPool:
+    """At most one live cluster, reused by consecutive tests that ask for its shape."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.key = None
+        self.cluster = None
+
+    def get(self, workers, ps, dpw):
+        key = (workers, ps, dpw)
+        if self.cluster is not None and (key != self.key or not self._alive()):
+            self.stop()
+        if self.cluster is None:
+            log_dir = str(self.tmp_path_factory.mktemp(f"servers_w{workers}_ps{ps}_d{dpw}"))
+            self.cluster = _start_cluster(workers, ps, dpw, log_dir)
+            self.key = key
+        return self.cluster
+
+    def _alive(self):
+        return all(p.poll() is None for p in self.cluster.processes.values())
+
+    def stop(self):
+        if self.cluster is not None:
+            self.cluster.stop()
+        self.cluster, self.key = None, None
+
+    @contextlib.contextmanager
+    def use(self, workers, ps, dpw):
+        """The shared cluster of this shape; discarded if the block raises (a failed
+        collective or a blocked step can leave a server unusable for the next test)."""
+        cluster = self.get(workers, ps, dpw)
+        try:
+            yield cluster
+        except BaseException:
+            self.stop()
+            raise
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = ClusterPool(tmp_path_factory)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def fresh_cluster(pool, tmp_path):
+    """A factory of clusters of this test's own, stopped at teardown (the shared one is
+    stopped first: two cores do not need idle servers competing)."""
+    started = []
+
+    def make(workers, ps, dpw):
+        pool.stop()
+        log_dir = tmp_path / f"servers_{len(started)}"
+        log_dir.mkdir()
+        started.append(_start_cluster(workers, ps, dpw, str(log_dir)))
+        return started[-1]
+
+    try:
+        yield make
+    finally:
+        for c in started:
+            c.stop()
+
+
+def _compute_tasks(cluster):
+    return [(job, i) for job in ("chief", "worker") for i in range(len(cluster.spec.get(job, [])))]
+
+
+# ----- references and comparisons ----------------------------------------------------
+
+def _build(model, optimizer, seed, **kw):
+    return examples.build(model, optimizer, seed=seed, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model, optimizer, seed, steps=STEPS, batch=BATCH):
+    """(example, global batches, single-device losses, final variables), checked to train."""
+    ex = _build(model, optimizer, seed)
+    batches = [ex.batch(s, size=batch) for s in range(steps)]
+    _, initial = examples.run_single(ex, steps=0, feeds=batches)
+    losses, values = examples.run_single(ex, steps=steps, feeds=batches)
+    moved = [n for n in values if not np.allclose(values[n], initial[n])]
+    assert moved, f"the single-device {model}/{optimizer} reference did not train"
+    counter = _counter_variable(ex)
+    assert int(values[counter]) == steps, "the single-device step counter is not the step count"
+    return ex, batches, losses, values
+
+
+def _counter_variable(ex):
+    return next(name for name, read in ex.variables.items() if read == ex.step_counter)
+
+
+def _assert_matches(what, losses, values, ref_losses, ref_values):
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(ref_losses), rtol=RTOL, atol=ATOL,
+                               err_msg=f"{what}: losses per step differ from one device")
+    assert sorted(values) == sorted(ref_values), f"{what}: not the same variables"
+    for name in sorted(ref_values):
+        np.testing.assert_allclose(values[name], ref_values[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{what}: variable '{name}' differs from one device")
+
+
+def _assert_agree(what, a, b):
+    for name in sorted(a):
+        np.testing.assert_allclose(a[name], b[name], rtol=AGREE_RTOL, atol=AGREE_ATOL,
+                                   err_msg=f"{what}: '{name}' differs between the two")
+
+
+def _ps_tasks_holding_variables(graph_def):
+    tasks = set()
+    for node in graph_def.node:
+        if node.op in ("VarHandleOp", "VariableV2"):
+            m = re.search(r"/job:ps/(?:replica:\d+/)?task:(\d+)", node.device)
+            if m:
+                tasks.add(int(m.group(1)))
+    return tasks
+
+
+def _run_options(timeout=CALL_TIMEOUT):
+    return tf.compat.v1.RunOptions(timeout_in_ms=int(timeout * 1000))
+
+
+# ----- in-graph and between-graph runs -----------------------------------------------
+
+def _run_in_graph(cluster, ex, strategy, dpw, batches, call_timeout=CALL_TIMEOUT, **options):
+    """One client (this process) drives every worker. Returns (result, losses, values,
+    {(replica prefix, variable): copy}, the ps's applied-step count or None)."""
+    result = gr.rewrite(ex.graph_def, cluster.spec, strategy=strategy, device_type="CPU",
+                        devices_per_worker=dpw, **options)
+    assert result.num_replicas == len(_compute_tasks(cluster)) * dpw
+    has_counter = any(n.name == COUNTER_READ.split(":")[0] for n in result.graph_def.node)
+    opts = _run_options(call_timeout)
+    with gr.Session(result, target=cluster.target("worker", 0)) as sess:
+        sess.run(ex.init, options=opts)
+        losses = [float(sess.run([ex.loss, ex.train_op], feed_dict=b, options=opts)[0])
+                  for b in batches]
+        values = {k: np.asarray(v) for k, v in sess.run(dict(ex.variables), options=opts).items()}
+        prefixes = sess.result.metadata["replica_prefixes"][1:]
+        read = examples.read_replica_copies(sess, ex, prefixes)
+        copies = {(prefix, name): read[prefix + name] for prefix in prefixes for name in ex.variables
+                  if prefix + name in read}
+        applied = int(sess.run(COUNTER_READ, options=opts)) if has_counter else None
+    return result, losses, values, copies, applied
+
+
+class Worker:
+    """One between-graph worker: its task, its rewritten graph and its rows of every batch."""
+
+    def __init__(self, index, task, result, graph_path, feeds_path, target):
+        self.index, self.task, self.result = index, task, result
+        self.graph_path, self.feeds_path, self.target = graph_path, feeds_path, target
+
+    @property
+    def name(self):
+        return f"worker{self.index}"
+
+    def has_node(self, tensor):
+        node = tensor.split(":")[0]
+        return any(n.name == node for n in self.result.graph_def.node)
+
+
+def _prepare_workers(cluster, ex, strategy, dpw, batches, tmp_path, **options):
+    """Rewrites the graph once per worker task (task="job:i"), saves it, and writes that
+    worker's rows of every global batch (worker k of W: rows k*B/W .. (k+1)*B/W)."""
+    tasks = _compute_tasks(cluster)
+    n = len(tasks)
+    workers = []
+    for k, (job, i) in enumerate(tasks):
+        result = gr.rewrite(ex.graph_def, cluster.spec, strategy=strategy, device_type="CPU",
+                            devices_per_worker=dpw, task=f"{job}:{i}", **options)
+        assert result.num_replicas == n * dpw, f"{job}:{i}: replicas of the whole group"
+        graph_path = str(tmp_path / f"worker{k}.pb")
+        result.save(graph_path)
+        feeds = {}
+        for step, batch in enumerate(batches):
+            for name, value in batch.items():
+                rows = len(value) // n
+                feeds[f"{step}/{name}"] = value[k * rows:(k + 1) * rows]
+        feeds_path = str(tmp_path / f"worker{k}_feeds.npz")
+        np.savez(feeds_path, **feeds)
+        workers.append(Worker(k, f"{job}:{i}", result, graph_path, feeds_path, cluster.target(job, i)))
+    return workers
+
+
+def _worker_client_cmd(w, steps, reads, out, delay=0.0, timeout=CALL_TIMEOUT):
+    cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", w.graph_path,
+           "--target", w.target, "--feeds", w.feeds_path, "--steps", str(steps),
+           "--out", out, "--timeout", str(timeout)]
+    if delay:
+        cmd += ["--delay", str(delay)]
+    for r in reads:
+        cmd += ["--read", r]
+    return cmd
+
+
+def _run_between(cluster, procs, tmp_path, ex, strategy, dpw, batches, **options):
+    """Every worker's own client process trains on its rows. Returns (workers, outputs):
+    outputs[k] = {"losses": array, "reads": {tensor: value}}."""
+    workers = _prepare_workers(cluster, ex, strategy, dpw, batches, tmp_path, **options)
+    reads = list(ex.variables.values())
+    outs = []
+    for w in workers:
+        these = reads + ([COUNTER_READ] if w.has_node(COUNTER_READ) else [])
+        out = str(tmp_path / f"{w.name}_out.npz")
+        procs.start(w.name, _worker_client_cmd(w, len(batches), these, out))
+        outs.append(out)
+    procs.wait_all()
+    outputs = []
+    for out in outs:
+        with np.load(out) as data:
+            outputs.append({"losses": data["losses"],
+                            "reads": {k[len("read/"):]: data[k] for k in data.files if k.startswith("read/")}})
+    return workers, outputs
+
+
+# ----- equivalence on a real cluster -------------------------------------------------
+# (strategy, model, optimizer, mode, devices per worker, ps tasks, extra rewrite options)
+# Ordered by cluster shape so that each shape's cluster starts once.
+CASES = [
+    # allreduce, no ps: 2 workers with 2 CPU devices each (servers configured for 2; the
+    # 1-device graph uses CPU:0 of each)
+    ("allreduce", "mlp", "adam", "in", 2, 0, {}),
+    ("allreduce", "embedding", "adam", "in", 2, 0, {}),
+    ("allreduce", "embedding", "adagrad", "between", 2, 0, {}),
+    ("allreduce", "mlp", "sgd", "between", 1, 0, {}),
+    # one ps
+    ("ps", "mlp", "adam", "in", 2, 1, {}),
+    ("ps", "embedding", "adam", "in", 2, 1, {}),
+    ("ps", "mlp", "adagrad", "between", 2, 1, {}),
+    ("ps", "embedding", "adagrad", "between", 2, 1, {}),
+    ("ps", "mlp", "sgd", "between", 1, 1, {}),
+    ("hybrid", "embedding", "adagrad", "in", 2, 1, {}),
+    ("hybrid", "embedding", "adam", "between", 2, 1, {}),
+    # two ps, one device per worker
+    ("ps", "mlp", "adagrad", "in", 1, 2, {}),
+    ("ps", "embedding", "adam", "between", 1, 2, {}),
+    ("hybrid", "embedding", "sgd", "between", 1, 2, {}),
+    # the embedding table (20x4 float32 = 320 bytes) split by rows over both ps tasks
+    ("ps", "embedding", "adagrad", "between", 1, 2, {"ps_shard_bytes": 64}),
+]
+
+
+def _case_id(case):
+    strategy, model, optimizer, mode, dpw, ps, options = case
+    extra = "-sharded" if options.get("ps_shard_bytes") else ""
+    return f"{strategy}-{model}-{optimizer}-{mode}-2x{dpw}dev-{ps}ps{extra}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_cluster_training_equals_one_device(case, pool, procs, tmp_path):
+    strategy, model, optimizer, mode, dpw, num_ps, options = case
+    seed = 100 + CASES.index(case)   # a graph (fingerprint) of its own on the shared cluster
+    ex, batches, ref_losses, ref_values = _reference(model, optimizer, seed)
+    counter = _counter_variable(ex)
+    what = _case_id(case)
+    with pool.use(2, num_ps, dpw) as cluster:
+        if mode == "in":
+            result, losses, values, copies, applied = _run_in_graph(
+                cluster, ex, strategy, dpw, batches, **options)
+            results = [result]
+        else:
+            workers, outputs = _run_between(cluster, procs, tmp_path, ex, strategy, dpw, batches,
+                                            **options)
+            results = [w.result for w in workers]
+    if mode == "in":
+        _assert_matches(what, losses, values, ref_losses, ref_values)
+        # every mirrored variable's copy on every replica of every worker equals the master's
+        for (prefix, name), value in sorted(copies.items()):
+            np.testing.assert_allclose(value, values[name], rtol=AGREE_RTOL, atol=AGREE_ATOL,
+                                       err_msg=f"{what}: '{prefix}{name}' differs from the master's")
+        if strategy == "allreduce":
+            assert copies, f"{what}: no replica copies of mirrored variables were found"
+        assert int(values[counter]) == STEPS, f"{what}: step counter {values[counter]}, not {STEPS}"
+        if applied is not None:
+            assert applied == STEPS, f"{what}: the ps applied {applied} steps, not {STEPS}"
+    else:
+        reads = [{name: o["reads"][t] for name, t in ex.variables.items()} for o in outputs]
+        for o in outputs:
+            assert len(o["losses"]) == STEPS
+        # equal shards: the mean of the workers' mean losses is the global mean loss
+        losses = np.mean([o["losses"] for o in outputs], axis=0)
+        _assert_matches(f"{what} (chief)", losses, reads[0], ref_losses, ref_values)
+        _assert_agree(f"{what}: worker 0 and worker 1", reads[0], reads[1])
+        for k, r in enumerate(reads):
+            assert int(r[counter]) == STEPS, f"{what}: worker {k} step counter {r[counter]}, not {STEPS}"
+        for k, o in enumerate(outputs):
+            if COUNTER_READ in o["reads"]:
+                assert int(o["reads"][COUNTER_READ]) == STEPS, \
+                    f"{what}: worker {k} sees {o['reads'][COUNTER_READ]} applied steps, not {STEPS}"
+    if strategy in ("ps", "hybrid"):
+        assert all(_ps_tasks_holding_variables(r.graph_def) for r in results), \
+            f"{what}: no variable is on a ps task"
+    if strategy == "ps" and num_ps == 2:
+        for r in results:
+            assert _ps_tasks_holding_variables(r.graph_def) == {0, 1}, \
+                f"{what}: variables are not spread over both ps tasks"
+    if options.get("ps_shard_bytes"):
+        for r in results:
+            assert r.plan.variable("embedding").shards, f"{what}: the embedding table was not sharded"
+
+
+# ----- staleness ---------------------------------------------------------------------
+
+def _lead_client(argv):
+    """A between-graph worker that records, after every step, how many steps the ps has
+    applied. Run in a subprocess (see _lead_client_cmd); writes JSON to OUT:
+    {"completed": [1, 2, ...], "applied": [...], "losses": [...], "error": null|str}."""
+    graph, target, feeds_path, steps, out, timeout = argv
+    steps, timeout = int(steps), float(timeout)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    record = {"completed": [], "applied": [], "losses": [], "error": None}
+    try:
+        options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout * 1000))
+        with np.load(feeds_path) as data:
+            feeds = {k: data[k] for k in data.files}
+        with gr.Session(graph, target=target) as sess:
+            sess.run("init", options=options)
+            for step in range(steps):
+                feed = {k.split("/", 1)[1]: v for k, v in feeds.items()
+                        if k.split("/", 1)[0] == str(step)}
+                loss, _ = sess.run(["loss:0", "train_op"], feed_dict=feed, options=options)
+                applied = int(sess.run(COUNTER_READ, options=options))
+                record["completed"].append(step + 1)
+                record["applied"].append(applied)
+                record["losses"].append(float(loss))
+    except Exception as e:  # reported through the JSON and the exit status
+        record["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:1500]}"
+    with open(out, "w") as f:
+        json.dump(record, f)
+    return 0 if record["error"] is None else 3
+
+
+def _lead_client_cmd(w, steps, out, timeout):
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cluster; "
+            "sys.exit(test_cluster._lead_client(sys.argv[2:]))")
+    return [sys.executable, "-c", code, TESTS_DIR, w.graph_path, w.target, w.feeds_path,
+            str(steps), out, str(timeout)]
+
+
+STALE_STEPS = 8
+SLOW_DELAY = 0.5
+STALE_CALL_TIMEOUT = 40.0
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_staleness_bounds_how_far_a_fast_worker_runs_ahead(staleness, fresh_cluster, procs, tmp_path):
+    """strategy="ps", between-graph, 2 workers x 2 devices: worker 0 (the chief) sleeps
+    SLOW_DELAY after every step, worker 1 runs as fast as it may and records, after each
+    of its steps, completed steps minus the ps's applied steps (graph_rewriter/sync_step).
+
+    The slow one is the chief because only a non-chief can lead: the chief's own train op
+    takes the averaged gradients, applies them and bumps the counter, so when a chief's
+    step returns its step is applied. A worker's lead is bounded by the tokens it can
+    take (s at the start, one per applied step), and the counter is read after the step
+    (it only grows), so the measured lead never exceeds s; with s > 0 the fast worker
+    must actually use some of it, or the test could not tell staleness from lockstep."""
+    ex = _build("mlp", "sgd", seed=200 + staleness)
+    batches = [ex.batch(s, size=BATCH) for s in range(STALE_STEPS)]
+    cluster = fresh_cluster(2, 1, 2)
+    workers = _prepare_workers(cluster, ex, "ps", 2, batches, tmp_path, staleness=staleness)
+    chief, fast = workers
+    chief_out = str(tmp_path / "chief_out.npz")
+    fast_out = str(tmp_path / "fast_out.json")
+    procs.start("chief", _worker_client_cmd(chief, STALE_STEPS, [COUNTER_READ, ex.step_counter],
+                                            chief_out, delay=SLOW_DELAY, timeout=STALE_CALL_TIMEOUT))
+    procs.start("fast", _lead_client_cmd(fast, STALE_STEPS, fast_out, STALE_CALL_TIMEOUT))
+    procs.wait_all()                                   # both finish
+    with open(fast_out) as f:
+        record = json.load(f)
+    leads = [c - a for c, a in zip(record["completed"], record["applied"])]
+    assert record["completed"] == list(range(1, STALE_STEPS + 1)), record
+    assert max(leads) <= staleness, \
+        f"staleness {staleness}: the fast worker ran {max(leads)} steps ahead (per step: {leads})"
+    if staleness:
+        assert max(leads) > 0, f"staleness {staleness}: the fast worker never ran ahead ({leads})"
+    with np.load(chief_out) as data:
+        assert int(data[f"read/{COUNTER_READ}"]) == STALE_STEPS
+        assert int(data[f"read/{ex.step_counter}"]) == STALE_STEPS
+        losses = list(data["losses"]) + record["losses"]
+    assert np.all(np.isfinite(losses))
+
+
+# ----- asynchronous parameter servers ------------------------------------------------
+
+ASYNC_STEPS = 30
+ASYNC_BATCH = 32
+
+
+def _mean_loss_at(ex, values, batches):
+    """The original graph's mean loss over ``batches`` with its variables set to ``values``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(ex.graph_def, name="")
+        assigns = []
+        for name, value in values.items():
+            op = graph.get_operation_by_name(name)
+            if op.type == "VarHandleOp":
+                assigns.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value))
+            else:
+                assigns.append(tf.compat.v1.assign(op.outputs[0], value))
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(ex.init)
+        sess.run(assigns)
+        return float(np.mean([sess.run(ex.loss, feed_dict=b) for b in batches]))
+
+
+def test_async_ps_training_runs_to_completion_and_learns(fresh_cluster, procs, tmp_path):
+    """sync=False, between-graph, 2 workers x 1 device: no accumulators and nobody waits;
+    each worker trains ASYNC_STEPS steps on its rows of two fixed global batches. Both
+    finish, the step counter counts every replica's update, and the model learned: its
+    loss on the training data with the final variables (read by the worker that finished
+    last, after every update) is well below the loss with the initial ones. (The workers'
+    own step losses are a poor measure: worker 1 starts after the chief's init, when the
+    chief has already trained a few steps.)"""
+    ex = _build("mlp", "sgd", seed=300, learning_rate=0.1)
+    data = [ex.batch(s, size=ASYNC_BATCH) for s in range(2)]
+    batches = [data[s % 2] for s in range(ASYNC_STEPS)]
+    _, initial = examples.run_single(ex, steps=0, feeds=batches)
+    cluster = fresh_cluster(2, 1, 1)
+    workers = _prepare_workers(cluster, ex, "ps", 1, batches, tmp_path, sync=False)
+    for w in workers:
+        ops = {n.op for n in w.result.graph_def.node}
+        assert not ops & {"ConditionalAccumulator", "AccumulatorTakeGradient"}, \
+            f"{w.task}: an asynchronous graph has accumulators"
+    outs = []
+    for w in workers:
+        out = str(tmp_path / f"{w.name}_out.npz")
+        procs.start(w.name, _worker_client_cmd(w, ASYNC_STEPS, list(ex.variables.values()), out))
+        outs.append(out)
+    procs.wait_all()                                   # both finish
+    finals = []
+    for k, out in enumerate(outs):
+        with np.load(out) as d:
+            assert len(d["losses"]) == ASYNC_STEPS and np.all(np.isfinite(d["losses"])), k
+            finals.append({name: d[f"read/{t}"] for name, t in ex.variables.items()})
+    counter = _counter_variable(ex)
+    counts = [int(f[counter]) for f in finals]
+    # asynchronous: the step counter counts updates, one per replica step
+    # (docs/strategies.md); the worker that finished last read it after every update
+    assert max(counts) == ASYNC_STEPS * len(workers), counts
+    last = finals[int(np.argmax(counts))]
+    before, after = _mean_loss_at(ex, initial, data), _mean_loss_at(ex, last, data)
+    assert after < 0.75 * before, f"loss on the training data {before:.4f} before, {after:.4f} after"
+
+
+# ----- rerunning a job on the same servers -------------------------------------------
+
+def test_ps_job_rerun_on_the_same_servers_trains_like_the_first_run(fresh_cluster):
+    """Servers outlive clients (`graph-rewrite serve` pods): a client that runs the same
+    rewritten graph again, init op first, must train from scratch again and get the same
+    numbers, not block on accumulators or counters left over from the first run."""
+    ex, batches, ref_losses, ref_values = _reference("mlp", "adam", 400)
+    cluster = fresh_cluster(2, 1, 1)
+    for run in (1, 2):
+        try:
+            _, losses, values, _, applied = _run_in_graph(cluster, ex, "ps", 1, batches, call_timeout=20)
+        except tf.errors.DeadlineExceededError:
+            pytest.fail(f"run {run} of the same graph on the same servers blocked (no step "
+                        f"finished within 20 s)", pytrace=False)
+        _assert_matches(f"run {run}", losses, values, ref_losses, ref_values)
+        assert applied == STEPS
+
+
+# ----- servers -----------------------------------------------------------------------
+
+def _assert_serves_rewritten_graph(spec, target, seed):
+    """The server at ``target`` lists 2 CPU devices and trains a rewritten graph (one
+    worker, 2 CPU replicas, allreduce) like one device."""
+    with tf.compat.v1.Session(target, graph=tf.Graph()) as sess:
+        cpus = [d.name for d in sess.list_devices()
+                if d.device_type == "CPU" and "/job:worker/replica:0/task:0/" in d.name]
+    assert len(cpus) == 2, f"the server has CPU devices {cpus}, not 2"
+    ex, batches, ref_losses, ref_values = _reference("mlp", "sgd", seed)
+    result = gr.rewrite(ex.graph_def, spec, strategy="allreduce", device_type="CPU",
+                        devices_per_worker=2)
+    opts = _run_options()
+    with gr.Session(result, target=target) as sess:
+        sess.run(ex.init, options=opts)
+        losses = [float(sess.run([ex.loss, ex.train_op], feed_dict=b, options=opts)[0])
+                  for b in batches]
+        values = {k: np.asarray(v) for k, v in sess.run(dict(ex.variables), options=opts).items()}
+    _assert_matches("served graph", losses, values, ref_losses, ref_values)
+
+
+@pytest.mark.parametrize("how", ["flags", "tf_config"])
+def test_serve_console_script_listens_serves_and_stops_on_sigterm(how, procs, pool):
+    pool.stop()
+    port = free_port()
+    spec = {"worker": [f"localhost:{port}"]}
+    cmd = [GRAPH_REWRITE, "serve", "--device-type", "CPU", "--devices-per-worker", "2"]
+    env = _env()
+    if how == "flags":
+        cmd += ["--cluster", json.dumps(spec), "--task", "worker:0"]
+    else:
+        env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": "worker", "index": 0}})
+    proc, log_path = procs.start(f"serve_{how}", cmd, env=env)
+    _wait_listening(port, proc, log_path)
+    _assert_serves_rewritten_graph(spec, f"grpc://localhost:{port}", 500 + (how == "tf_config"))
+    assert proc.poll() is None, f"the server exited while serving\n{_tail(log_path)}"
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"graph-rewrite serve still running {STOP_TIMEOUT:.0f} s after SIGTERM\n"
+                    f"{_tail(log_path)}", pytrace=False)
+    assert rc == 0, f"exit status {rc} after SIGTERM\n{_tail(log_path)}"
+    log = _tail(log_path, 200)
+    assert "serving" in log and "Traceback" not in log, log
+
+
+def test_start_server_in_a_subprocess_serves_rewritten_graphs(procs, pool):
+    pool.stop()
+    port = free_port()
+    spec = {"worker": [f"localhost:{port}"]}
+    code = ("import json, sys, time\n"
+            "import graph_rewriter as gr\n"
+            "server = gr.start_server(json.loads(sys.argv[1]), sys.argv[2], device_type='CPU', "
+            "devices_per_worker=2)\n"
+            "print('started', server.target, flush=True)\n"
+            "time.sleep(3600)\n")
+    proc, log_path = procs.start("start_server", [sys.executable, "-c", code, json.dumps(spec), "worker:0"])
+    _wait_listening(port, proc, log_path)
+    _assert_serves_rewritten_graph(spec, f"grpc://localhost:{port}", 502)
+    assert f"started grpc://localhost:{port}" in _tail(log_path, 200)
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the start_server process still running {STOP_TIMEOUT:.0f} s after SIGTERM",
+                    pytrace=False)

@@ -484,13 +484,17 @@ class _Analyzer:
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
             primary = self.variables[cut.variable]
-            forward_read = _read_by_variant(primary.node, variant)
-            if forward_read or cut.source != "assign-walk":
-                primary.role, primary.trainable = "trainable", True
-                cut.role = "gradient"
-            else:
+            # A plain assign of one variable from batch data, with no optimizer slots, is
+            # state (BatchNorm's moving statistics), even when the forward pass reads it
+            # (Keras BatchNorm behind a learning-phase cond reads it in inference mode).
+            # An optimizer written in plain ops (Keras Nadam) updates slots from the same cut.
+            if cut.source == "assign-walk" and len(cut.variables) == 1 and (
+                    self.declared_trainable is None or cut.variable not in self.declared_trainable):
                 primary.role = "state"
                 cut.role = "state"
+            else:
+                primary.role, primary.trainable = "trainable", True
+                cut.role = "gradient"
             for name in cut.variables:
                 other = self.variables[name]
                 if name != cut.variable and other.role == "other":

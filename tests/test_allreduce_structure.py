@@ -186,3 +186,30 @@ def test_one_replica_is_the_identity_plus_placement():
     for n in gd.node:
         assert list(out[n.name].input) == list(n.input), n.name
         assert out[n.name].device in ("/device:GPU:0", "/device:CPU:0")
+
+
+def test_keras_batchnorm_behind_the_learning_phase_cond():
+    """tf_keras BatchNormalization in graph mode computes its statistics inside a cond on
+    the learning-phase placeholder, and the forward pass reads the moving averages in its
+    inference branch: they are still state (own packs, first), and the backward pass keeps
+    reading the replica's own statistics (rewiring it would make a cycle)."""
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        inp = tf_keras.Input(shape=(4,))
+        h = tf_keras.layers.Dense(8)(inp)
+        h = tf_keras.layers.BatchNormalization()(h)
+        out = tf_keras.layers.Dense(1)(h)
+        model = tf_keras.Model(inp, out)
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        loss = tf.identity(tf.reduce_mean(tf.square(model.output - y)), name="loss")
+        opt = tf_keras.optimizers.legacy.SGD(0.1)
+        tf.group(*opt.get_updates(loss, model.trainable_weights), *model.updates, name="train_op")
+        tf1.variables_initializer(tf1.global_variables() + opt.variables(), name="init")
+    result = gr.rewrite(g.as_graph_def(), devices_per_worker=2, device_type="GPU")
+    plan = result.plan
+    state = [c for c in plan.cuts if c.role == "state"]
+    assert len(state) == 2 and all("moving" in c.variable for c in state)
+    first = plan.packs[0].cuts
+    assert set(first) == {c.variable for c in state}

@@ -1,4 +1,4 @@
-"""Multi-process tests on real TensorFlow servers on loopback (run with ``pytest -m slow``).
+"""Multi-process tests on real TensorFlow servers on loopback (all marked slow).
 
 Every server is a ``graph-rewrite serve`` process started by LocalCluster (ports from the
 OS); every between-graph worker is its own client process (``python -m
@@ -51,12 +51,8 @@ import graph_rewriter as gr
 from graph_rewriter import examples
 from graph_rewriter.local_cluster import LocalCluster, free_port
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif("'slow' not in config.getoption('markexpr')",
-                       reason="multi-process cluster test: run with -m slow"),
-    pytest.mark.timeout(480),
-]
+# Slow: part of the full run, left out of the quick one (pytest -m "not slow").
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)

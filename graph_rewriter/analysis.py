@@ -398,9 +398,21 @@ class _Analyzer:
         cut_tensors = {t for key in cuts for t in key if t is not None}
         variant_mid = variant_nodes(batch, cut_tensors)
         for n, var, pos in self.writes:
-            if n in explained or n not in variant_mid or n.op not in DENSE_ASSIGNS:
+            if n in explained or n not in variant_mid:
                 continue
-            value = n._inputs[opdefs.input_position(n, "value")]
+            if n.op in DENSE_ASSIGNS:
+                value = n._inputs[opdefs.input_position(n, "value")]
+            elif n.op in FUNCTION_CALLS or opdefs.op_def(n.op) is None:
+                # A conditional update (Keras BatchNorm's smart_cond around its moving
+                # averages): the batch reaches the body through one data input.
+                dts = opdefs.input_dtypes(n)
+                live = [t for i, t in enumerate(n._inputs)
+                        if dts[i] != opdefs.DT_RESOURCE and (t.node in variant_mid or t in batch)]
+                if len(live) != 1:
+                    continue  # left for the final check to report
+                value = live[0]
+            else:
+                continue
             if value.node not in variant_mid and value not in batch:
                 continue
             grad = _walk_to_gradient(value, variant_mid, batch)

@@ -18,7 +18,7 @@ averaged the same way.
 
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.analysis import DENSE_ASSIGNS, variable_of
+from graph_rewriter.analysis import DENSE_ASSIGNS, FUNCTION_CALLS, variable_of
 from graph_rewriter.collectives import all_reduce_mean, dense_instance_key, group_key
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, make_op
@@ -131,9 +131,9 @@ def _update_readers(graph, tensor, prefix, variables):
         frontier, seen, hit = [c], {c}, False
         while frontier and not hit and len(seen) < 256:
             n = frontier.pop()
-            if n.op in DENSE_ASSIGNS:
-                var = variable_of(n.inputs[0])
-                if var is not None and var.name in targets:
+            if n.op in DENSE_ASSIGNS or n.op in FUNCTION_CALLS:
+                vars_ = [variable_of(t) for t in n.inputs]
+                if any(v is not None and v.name in targets for v in vars_):
                     hit = True
                     break
             for d, _ in n._consumers:

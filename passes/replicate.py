@@ -47,6 +47,7 @@ class ReplicatePass(Pass):
         if r == 1:
             graph._touch()
             return True
+        _drop_outer_colocation_in_functions(graph)
         roots = [n for n in cloned if not n._consumers and not n._control_consumers]
         shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
@@ -121,6 +122,21 @@ def _global_nodes(graph, analysis, plan):
                 grown = True
         if not grown:
             return region
+
+
+def _drop_outer_colocation_in_functions(graph):
+    """Function bodies (v2 cond/while branches) are shared by every replica's call, but
+    their nodes may carry colocation groups (Keras BatchNorm's moving-average update
+    names one after the variable). When TensorFlow inlines the calls, every replica's
+    copy joins the same group and would have to sit on one device: it refuses. Resource
+    ops are colocated with their resource anyway, so the hints go."""
+    if graph.library is None:
+        return
+    for fn in graph.library.function:
+        for nd in fn.node_def:
+            if "_class" in nd.attr:
+                del nd.attr["_class"]
+    graph._touch()
 
 
 def replica_map(graph, ctx):

@@ -213,3 +213,29 @@ def test_keras_batchnorm_behind_the_learning_phase_cond():
     assert len(state) == 2 and all("moving" in c.variable for c in state)
     first = plan.packs[0].cuts
     assert set(first) == {c.variable for c in state}
+    # Numerics: one step on CPU replicas; with equal shards the moving mean is the
+    # one-device moving mean (the mean of the shards' means is the batch mean).
+    import numpy as np
+    gd = g.as_graph_def()
+    cpu = gr.rewrite(gd, devices_per_worker=2, device_type="CPU")
+    rng = np.random.default_rng(0)
+    feed = {"input_1:0": rng.normal(size=(8, 4)).astype(np.float32),
+            "y:0": rng.normal(size=(8, 1)).astype(np.float32), "keras_learning_phase:0": True}
+    mean_var = next(v.name for v in plan.variables if v.name.endswith("moving_mean"))
+    single = tf.Graph()
+    with single.as_default():
+        tf1.import_graph_def(gd, name="")
+        read = tf1.raw_ops.ReadVariableOp(resource=single.get_tensor_by_name(mean_var + ":0"), dtype=tf.float32)
+    with tf1.Session(graph=single) as s:
+        s.run("init")
+        s.run("train_op", feed)
+        want = s.run(read)
+    with gr.Session(cpu) as s:
+        with s.graph.as_default():
+            reads = [tf1.raw_ops.ReadVariableOp(resource=s.graph.get_tensor_by_name(p + mean_var + ":0"), dtype=tf.float32)
+                     for p in ("", "replica_1/")]
+        s.run("init")
+        s.run("train_op", feed)
+        got = s.run(reads)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], want, rtol=1e-5, atol=1e-6)

@@ -391,11 +391,12 @@ def _run_between(cluster, procs, tmp_path, ex, strategy, dpw, batches, **options
 
 
 # ----- equivalence on a real cluster -------------------------------------------------
-# (strategy, model, optimizer, mode, devices per worker, ps tasks, extra rewrite options)
-# Ordered by cluster shape so that each shape's cluster starts once.
+# (strategy, model, optimizer, mode, devices per worker, ps tasks, extra rewrite options).
+# Every cluster has 2 workers whose servers have SERVER_DEVICES CPU devices; a graph with
+# 1 device per worker uses CPU:0 of each. Ordered by cluster so that each starts once.
+SERVER_DEVICES = 2
 CASES = [
-    # allreduce, no ps: 2 workers with 2 CPU devices each (servers configured for 2; the
-    # 1-device graph uses CPU:0 of each)
+    # allreduce, no ps
     ("allreduce", "mlp", "adam", "in", 2, 0, {}),
     ("allreduce", "embedding", "adam", "in", 2, 0, {}),
     ("allreduce", "embedding", "adagrad", "between", 2, 0, {}),
@@ -408,12 +409,13 @@ CASES = [
     ("ps", "mlp", "sgd", "between", 1, 1, {}),
     ("hybrid", "embedding", "adagrad", "in", 2, 1, {}),
     ("hybrid", "embedding", "adam", "between", 2, 1, {}),
-    # two ps, one device per worker
+    # two ps: variables spread over both
     ("ps", "mlp", "adagrad", "in", 1, 2, {}),
-    ("ps", "embedding", "adam", "between", 1, 2, {}),
-    ("hybrid", "embedding", "sgd", "between", 1, 2, {}),
+    ("ps", "embedding", "adam", "between", 2, 2, {}),
+    ("hybrid", "embedding", "sgd", "between", 2, 2, {}),
+    ("hybrid", "embedding", "adagrad", "between", 1, 2, {}),
     # the embedding table (20x4 float32 = 320 bytes) split by rows over both ps tasks
-    ("ps", "embedding", "adagrad", "between", 1, 2, {"ps_shard_bytes": 64}),
+    ("ps", "embedding", "adagrad", "between", 2, 2, {"ps_shard_bytes": 64}),
 ]
 
 
@@ -430,7 +432,7 @@ def test_cluster_training_equals_one_device(case, pool, procs, tmp_path):
     ex, batches, ref_losses, ref_values = _reference(model, optimizer, seed)
     counter = _counter_variable(ex)
     what = _case_id(case)
-    with pool.use(2, num_ps, dpw) as cluster:
+    with pool.use(2, num_ps, SERVER_DEVICES) as cluster:
         if mode == "in":
             result, losses, values, copies, applied = _run_in_graph(
                 cluster, ex, strategy, dpw, batches, **options)
@@ -519,42 +521,53 @@ SLOW_DELAY = 0.5
 STALE_CALL_TIMEOUT = 40.0
 
 
-@pytest.mark.parametrize("staleness", [0, 2])
-def test_staleness_bounds_how_far_a_fast_worker_runs_ahead(staleness, fresh_cluster, procs, tmp_path):
-    """strategy="ps", between-graph, 2 workers x 2 devices: worker 0 (the chief) sleeps
-    SLOW_DELAY after every step, worker 1 runs as fast as it may and records, after each
-    of its steps, completed steps minus the ps's applied steps (graph_rewriter/sync_step).
+@pytest.mark.parametrize("staleness, slow", [(0, 0), (2, 0), (2, 1)],
+                         ids=["s0-slow-chief", "s2-slow-chief", "s2-slow-worker1"])
+def test_staleness_bounds_how_far_a_fast_worker_runs_ahead(staleness, slow, fresh_cluster, procs,
+                                                           tmp_path):
+    """strategy="ps", between-graph, 2 workers x 2 devices, STALE_STEPS steps: worker
+    ``slow`` (graph_rewriter.worker_client --delay) sleeps SLOW_DELAY after every step;
+    the other runs as fast as it may and records, after each of its steps, its completed
+    steps minus the steps the ps has applied (graph_rewriter/sync_step). Both must finish,
+    and the chief must see every step applied once.
 
-    The slow one is the chief because only a non-chief can lead: the chief's own train op
-    takes the averaged gradients, applies them and bumps the counter, so when a chief's
-    step returns its step is applied. A worker's lead is bounded by the tokens it can
-    take (s at the start, one per applied step), and the counter is read after the step
-    (it only grows), so the measured lead never exceeds s; with s > 0 the fast worker
-    must actually use some of it, or the test could not tell staleness from lockstep."""
-    ex = _build("mlp", "sgd", seed=200 + staleness)
+    A worker's lead is bounded by the tokens it can take (s at the start, one per applied
+    step); the counter is read after the step and only grows, so the measured lead never
+    exceeds s. Only a non-chief can lead: the chief's own train op takes the averaged
+    gradients, applies them and bumps the counter, so a chief's step is applied when it
+    returns. Hence the case that shows staleness at work is a slow chief and a fast
+    worker 1, which must use some of its allowance (else staleness could not be told
+    from lockstep); a slow worker 1 behind a fast chief must merely not break the run."""
+    fast = 1 - slow
+    ex = _build("mlp", "sgd", seed=200 + 10 * staleness + slow)
     batches = [ex.batch(s, size=BATCH) for s in range(STALE_STEPS)]
     cluster = fresh_cluster(2, 1, 2)
     workers = _prepare_workers(cluster, ex, "ps", 2, batches, tmp_path, staleness=staleness)
-    chief, fast = workers
-    chief_out = str(tmp_path / "chief_out.npz")
+    slow_out = str(tmp_path / "slow_out.npz")
     fast_out = str(tmp_path / "fast_out.json")
-    procs.start("chief", _worker_client_cmd(chief, STALE_STEPS, [COUNTER_READ, ex.step_counter],
-                                            chief_out, delay=SLOW_DELAY, timeout=STALE_CALL_TIMEOUT))
-    procs.start("fast", _lead_client_cmd(fast, STALE_STEPS, fast_out, STALE_CALL_TIMEOUT))
+    procs.start(f"slow_worker{slow}", _worker_client_cmd(
+        workers[slow], STALE_STEPS, [COUNTER_READ, ex.step_counter], slow_out, delay=SLOW_DELAY,
+        timeout=STALE_CALL_TIMEOUT))
+    procs.start(f"fast_worker{fast}", _lead_client_cmd(workers[fast], STALE_STEPS, fast_out,
+                                                       STALE_CALL_TIMEOUT))
     procs.wait_all()                                   # both finish
     with open(fast_out) as f:
         record = json.load(f)
-    leads = [c - a for c, a in zip(record["completed"], record["applied"])]
     assert record["completed"] == list(range(1, STALE_STEPS + 1)), record
+    leads = [c - a for c, a in zip(record["completed"], record["applied"])]
     assert max(leads) <= staleness, \
-        f"staleness {staleness}: the fast worker ran {max(leads)} steps ahead (per step: {leads})"
-    if staleness:
-        assert max(leads) > 0, f"staleness {staleness}: the fast worker never ran ahead ({leads})"
-    with np.load(chief_out) as data:
-        assert int(data[f"read/{COUNTER_READ}"]) == STALE_STEPS
-        assert int(data[f"read/{ex.step_counter}"]) == STALE_STEPS
-        losses = list(data["losses"]) + record["losses"]
-    assert np.all(np.isfinite(losses))
+        f"staleness {staleness}: worker {fast} ran {max(leads)} steps ahead (per step: {leads})"
+    if staleness and fast != 0:
+        assert max(leads) > 0, f"staleness {staleness}: worker {fast} never ran ahead ({leads})"
+    with np.load(slow_out) as data:
+        slow_losses = list(data["losses"])
+        slow_reads = (int(data[f"read/{COUNTER_READ}"]), int(data[f"read/{ex.step_counter}"]))
+    # the chief's view when it is done: every step applied once, the step counter with it
+    chief_applied = slow_reads[0] if slow == 0 else record["applied"][-1]
+    assert chief_applied == STALE_STEPS, f"the chief saw {chief_applied} applied steps"
+    if slow == 0:
+        assert slow_reads[1] == STALE_STEPS, f"global_step {slow_reads[1]} after {STALE_STEPS} steps"
+    assert len(slow_losses) == STALE_STEPS and np.all(np.isfinite(slow_losses + record["losses"]))
 
 
 # ----- asynchronous parameter servers ------------------------------------------------

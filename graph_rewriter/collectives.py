@@ -30,7 +30,12 @@ def group_key(devices):
 
 
 def instance_base(plan):
-    return (_digest("instances|" + plan.to_json()) % (1 << 17)) * _INSTANCE_SLOTS + 1
+    """The first instance key of this rewrite: from the graph's fingerprint and what sets
+    the collectives' shapes (packs, gathered gradients, replica count)."""
+    shape = "|".join([plan.fingerprint, plan.strategy, str(plan.num_replicas), str(plan.compression)]
+                     + [f"{p.dtype}:{p.bytes}:{','.join(p.cuts)}" for p in plan.packs]
+                     + [f"{c.variable}:{c.sync}" for c in plan.cuts])
+    return (_digest("instances|" + shape) % (1 << 17)) * _INSTANCE_SLOTS + 1
 
 
 def dense_instance_key(plan, pack_index):

@@ -29,6 +29,8 @@ Tensor.__repr__ = lambda self: f"Tensor({self.node.name}:{self.index})"
 Tensor.name = property(lambda self: f"{self.node.name}:{self.index}")
 
 COLOCATION_ATTR = "_class"
+UNKNOWN_REPLICA = -1   # Node.replica before replication, and for nodes passes add later
+GLOBAL = -2            # Node.replica of a node that exists once (inputs, saver, ps updates)
 
 
 class Node:
@@ -37,7 +39,7 @@ class Node:
 
     __slots__ = ("graph", "_name", "op", "device", "_def", "_shared_def",
                  "_inputs", "_control_inputs", "_consumers", "_control_consumers",
-                 "_colocate", "__weakref__")
+                 "_colocate", "replica", "_arg_info", "__weakref__")
 
     def __init__(self, graph, name, op, device, node_def, shared_def=False):
         self.graph = graph
@@ -51,6 +53,8 @@ class Node:
         self._consumers = {}          # (consumer Node, input position) -> None, ordered
         self._control_consumers = {}  # consumer Node -> None, ordered
         self._colocate = []           # Node references (or unresolved names, flagged by the verifier)
+        self.replica = UNKNOWN_REPLICA  # set by replication: the replica index, or GLOBAL
+        self._arg_info = None         # OpDef argument facts for this node's attrs (opdefs cache)
 
     def __repr__(self):
         return f"<Node {self._name} ({self.op})>"
@@ -66,6 +70,7 @@ class Node:
         return self._def.attr
 
     def _own_def(self):
+        self._arg_info = None
         if self._shared_def:
             own = type(self._def)()
             own.CopyFrom(self._def)
@@ -186,6 +191,7 @@ class GraphItem:
         self.replicas = None         # a ReplicaMap once the graph is replicated
         self.version = 0             # bumped by every mutation; keys cached analyses
         self._cache = {}
+        self._suffixes = {}          # unique_name's last suffix per base name
 
     def _touch(self):
         self.version += 1
@@ -229,11 +235,14 @@ class GraphItem:
         return Tensor(self.node(op_name), index)
 
     def unique_name(self, base):
+        """``base``, or ``base_<i>`` with the first free i (remembered per base, so a pass
+        creating thousands of same-named nodes does not probe from 1 each time)."""
         if base not in self._nodes:
             return base
-        i = 1
+        i = self._suffixes.get(base, 0) + 1
         while f"{base}_{i}" in self._nodes:
             i += 1
+        self._suffixes[base] = i
         return f"{base}_{i}"
 
     # ----- mutation ---------------------------------------------------------------
@@ -281,6 +290,7 @@ class GraphItem:
             name = prefix + n._name
             n._shared_def = True
             c = Node(self, name, n.op, n.device, n._def, shared_def=True)
+            c._arg_info = n._arg_info
             table[name] = c
             mapping[n] = c
         get = mapping.get

@@ -94,13 +94,29 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     return node
 
 
+_CONSTS = {}
+
+
+def _const_attrs(value, dtype):
+    """The (dtype, value) AttrValues of a constant, made once per distinct constant:
+    passes create the same shape and axis constants for every replica."""
+    dt = dtypes.as_dtype(dtype)
+    key = (dt.as_datatype_enum, repr(value))
+    hit = _CONSTS.get(key)
+    if hit is None:
+        proto = tensor_util.make_tensor_proto(np.asarray(value, dtype=dt.as_numpy_dtype), dtype=dt)
+        hit = _CONSTS[key] = (_attr_value(dt), attr_value_pb2.AttrValue(tensor=proto))
+        if len(_CONSTS) > 100000:
+            _CONSTS.clear()
+    return hit
+
+
 def const(graph, name, value, dtype, device=""):
     """A Const node holding ``value`` (anything numpy converts) as ``dtype``; returns its Tensor."""
-    dt = dtypes.as_dtype(dtype)
-    proto = tensor_util.make_tensor_proto(np.asarray(value, dtype=dt.as_numpy_dtype), dtype=dt)
+    dtype_attr, value_attr = _const_attrs(value, dtype)
     node = graph.add_node(graph.unique_name(name), "Const", device=device)
-    node.set_attr("dtype", _attr_value(dt))
-    node.set_attr("value", attr_value_pb2.AttrValue(tensor=proto))
+    node.set_attr("dtype", dtype_attr)
+    node.set_attr("value", value_attr)
     return Tensor(node, 0)
 
 

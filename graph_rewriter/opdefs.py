@@ -64,9 +64,10 @@ def _arg_dtypes(arg, attrs):
 class _ArgInfo:
     """Per-signature facts about an op's arguments (cached: computed once per op and
     type attributes, not once per node)."""
-    __slots__ = ("slices", "names", "refs", "in_dtypes", "out_dtypes")
+    __slots__ = ("slices", "names", "refs", "in_dtypes", "out_dtypes", "kernels")
 
     def __init__(self, od, attrs):
+        self.kernels = {}  # device type -> has a kernel (filled by has_kernel)
         self.slices, self.names, self.refs, self.in_dtypes = {}, [], [], []
         pos = 0
         for arg in od.input_arg:
@@ -90,6 +91,9 @@ def _signature_attrs(op):
         for a in (arg.number_attr, arg.type_attr, arg.type_list_attr):
             if a:
                 names.add(a)
+    for a in od.attr:  # every type attr: kernels are registered per dtype (VarHandleOp's dtype)
+        if a.type in ("type", "list(type)"):
+            names.add(a.name)
     return tuple(sorted(names))
 
 
@@ -108,6 +112,14 @@ _INFO_CACHE = {}
 
 
 def _info(node):
+    info = node._arg_info
+    if info is not None:
+        return info
+    info = node._arg_info = _compute_info(node)
+    return info
+
+
+def _compute_info(node):
     if op_def_registry.get(node.op) is None:
         return _ArgInfo(require_op_def(node), node.attr)
     attrs = node.attr
@@ -191,5 +203,9 @@ def has_kernel(node, device_type):
     kernel's dtype constraints). Function calls run wherever their caller runs."""
     if op_def_registry.get(node.op) is None:
         return True  # a library function: its body's ops are placed when it runs
-    attr_items = tuple(sorted((k, v.type) for k, v in node.attr.items() if v.WhichOneof("value") == "type"))
-    return _has_device_kernel(node.op, device_type, attr_items)
+    info = _info(node)  # one per op and dtype attrs: shared by clones and equal nodes
+    known = info.kernels.get(device_type)
+    if known is None:
+        attr_items = tuple(sorted((k, v.type) for k, v in node.attr.items() if v.WhichOneof("value") == "type"))
+        known = info.kernels[device_type] = _has_device_kernel(node.op, device_type, attr_items)
+    return known

@@ -12,6 +12,8 @@ workers), in the order that defines replica ranks; local replica i is group memb
 
 import dataclasses
 
+from graph_rewriter.ir import GLOBAL, UNKNOWN_REPLICA
+
 
 @dataclasses.dataclass
 class ReplicaMap:
@@ -56,6 +58,9 @@ class ReplicaMap:
 
     def replica_of(self, graph, name):
         """The replica a node name belongs to, or None for a global node."""
+        node = graph.get(name)
+        if node is not None and node.replica != UNKNOWN_REPLICA:
+            return None if node.replica == GLOBAL else node.replica
         for i in range(self.num_local - 1, 0, -1):
             if name.startswith(self.prefixes[i]):
                 return i

@@ -31,22 +31,28 @@ def topological_order(graph):
     Raises GraphRewriteError on a cycle that is not a loop."""
     nodes = list(graph._nodes.values())
     index = {n: i for i, n in enumerate(nodes)}
-    indeg = [len(set(_forward_inputs(n))) for n in nodes]
+    indeg = [0] * len(nodes)
+    successors = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        preds = {t.node for t in n._inputs}
+        if n._control_inputs:
+            preds.update(n._control_inputs)
+        if n.op in _MERGES:
+            preds = {p for p in preds if p.op not in _BACK_EDGE_SOURCES}
+        indeg[i] = len(preds)
+        for p in preds:
+            successors[index[p]].append(i)
     ready = [i for i, d in enumerate(indeg) if d == 0]
     heapq.heapify(ready)
     order = []
+    push, pop = heapq.heappush, heapq.heappop
     while ready:
-        n = nodes[heapq.heappop(ready)]
-        order.append(n)
-        outs = dict.fromkeys([c for c, _ in n._consumers])
-        outs.update(dict.fromkeys(n._control_consumers))
-        for c in outs:
-            if is_back_edge(n, c):
-                continue
-            j = index[c]
+        i = pop(ready)
+        order.append(nodes[i])
+        for j in successors[i]:
             indeg[j] -= 1
             if indeg[j] == 0:
-                heapq.heappush(ready, j)
+                push(ready, j)
     if len(order) != len(nodes):
         cycle = find_cycle(graph)
         names = " -> ".join(n.name for n in cycle[:8]) if cycle else "unknown"

@@ -72,8 +72,8 @@ def _check_devices(graph, cluster, options):
         dev = n.device
         if not dev:
             continue
-        ok = seen.get(dev)
-        if ok is None:
+        ok = seen.get(dev, False)
+        if ok is False:
             ok = seen[dev] = _device_problem(dev, cluster, options)
         if ok:
             raise GraphRewriteError(f"node '{n.name}' has device '{dev}': {ok}")

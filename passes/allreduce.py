@@ -38,6 +38,7 @@ class AllReducePass(Pass):
             return False
         gkey = group_key(rm.group_devices)
         cuts = {c.variable: c for c in plan.cuts}
+        self._state_readers = {}
         for i in range(rm.num_local):
             previous = None
             for p, pack in enumerate(plan.packs):
@@ -58,7 +59,13 @@ class AllReducePass(Pass):
                 readers.append((values.node.consumers(values.index), indices.node.consumers(indices.index)))
                 values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
             elif cut.role == "state":
-                readers.append((_update_readers(graph, values, rm.prefixes[i], cut.variables), None))
+                # found on replica 0, mapped to replica i's clones (the same structure)
+                master = self._state_readers.get(cut.variable)
+                if master is None:
+                    master_values = rm.tensor(graph, 0, cut.values)
+                    master = self._state_readers[cut.variable] = [
+                        (c.name, p) for c, p in _update_readers(graph, master_values, "", cut.variables)]
+                readers.append(([(rm.node(graph, i, name), p) for name, p in master], None))
             else:
                 readers.append((values.node.consumers(values.index), None))
             sources.append(values)

@@ -15,6 +15,7 @@ gains control edges on its clones, so running it by name runs the whole step.
 
 from graph_rewriter.analysis import PLACEHOLDERS, absorb_exclusive_ancestors, analyze
 from graph_rewriter.traversal import gradient_readers, topological_order
+from graph_rewriter.ir import GLOBAL
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.replicas import ReplicaMap
 
@@ -44,6 +45,8 @@ class ReplicatePass(Pass):
         for n in graph:
             n.device = (rm.global_device if n in global_nodes else rm.hosts[0]) if n in pinned else ""
         r = rm.num_local
+        for n in graph:
+            n.replica = GLOBAL if n in global_nodes else 0
         if r == 1:
             graph._touch()
             return True
@@ -63,6 +66,8 @@ class ReplicatePass(Pass):
             for n in pinned:
                 if n in mapping:
                     mapping[n].device = rm.hosts[i]
+            for c in mapping.values():
+                c.replica = i
         ctx.info(f"replicate: {len(cloned)} nodes cloned {r - 1} times, "
                  f"{len(global_nodes)} global, {len(roots)} root ops run every replica")
         return True

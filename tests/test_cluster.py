@@ -16,20 +16,23 @@ What is held (API.md, "Semantics"; DESIGN.md, "Multi-worker"):
   concatenated global batches, the loss per step (the mean of the workers' losses)
   equals the single-device loss, the workers agree with each other, every mirrored
   replica copy equals the master's, and the step counter equals STEPS.
-- Parameter-server staleness (between-graph): a fast worker runs ahead of the applied
-  updates by at most ``staleness`` steps, does run ahead when allowed to, and both
-  workers finish.
-- Asynchronous parameter servers: training runs to completion and learns.
+- Parameter-server staleness (between-graph, one worker slowed down): a fast worker runs
+  ahead of the applied updates by at most ``staleness`` steps, a fast non-chief does run
+  ahead when allowed to, both workers finish, and every step is applied once.
+- Asynchronous parameter servers: training runs to completion, the step counter counts
+  every replica's update, and the model learns.
 - A ps job rerun on the same servers trains like the first run.
 - ``graph-rewrite serve`` (flags and TF_CONFIG) and ``gr.start_server`` in a subprocess
-  listen, serve a rewritten graph, and stop on SIGTERM.
+  listen, have the configured CPU devices, serve a rewritten graph (trained like one
+  device), and exit on SIGTERM.
 
-Cost: starting a cluster takes ~5 s and a worker client ~5 s. The equivalence cases share
-one live cluster per shape (ClusterPool: consecutive cases of one shape reuse it; a case
-that fails while running discards it, since a failed collective can poison a server).
-Each case builds its example with its own seed, so no two graphs run on one cluster have
-the same fingerprint (shared names and collective keys derive from it). The staleness,
-async and rerun tests get fresh clusters.
+Cost: about 4 minutes on two cores. Starting a cluster takes ~5 s and a worker client
+~5 s. The equivalence cases share one live cluster per number of ps tasks (ClusterPool:
+consecutive cases reuse it; a case that fails while running discards it, since a failed
+collective or a blocked step can poison a server). Each case builds its example with its
+own seed, so no two graphs run on one cluster have the same fingerprint (shared names and
+collective keys derive from it; running one graph twice on the same servers is the
+rerun test's subject). The staleness, async and rerun tests get fresh clusters.
 """
 
 import contextlib
@@ -206,6 +209,8 @@ class ClusterPool:
         cluster = self.get(workers, ps, dpw)
         try:
             yield cluster
+        except gr.GraphRewriteError:
+            raise            # rejected before anything ran on the cluster: it is still good
         except BaseException:
             self.stop()
             raise
@@ -656,7 +661,8 @@ def test_ps_job_rerun_on_the_same_servers_trains_like_the_first_run(fresh_cluste
 def _assert_serves_rewritten_graph(spec, target, seed):
     """The server at ``target`` lists 2 CPU devices and trains a rewritten graph (one
     worker, 2 CPU replicas, allreduce) like one device."""
-    with tf.compat.v1.Session(target, graph=tf.Graph()) as sess:
+    config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=int(CALL_TIMEOUT * 1000))
+    with tf.compat.v1.Session(target, graph=tf.Graph(), config=config) as sess:
         cpus = [d.name for d in sess.list_devices()
                 if d.device_type == "CPU" and "/job:worker/replica:0/task:0/" in d.name]
     assert len(cpus) == 2, f"the server has CPU devices {cpus}, not 2"

@@ -11,7 +11,7 @@ import tempfile
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from graph_rewriter.errors import GraphRewriteError
@@ -194,27 +194,85 @@ def _colocation_names(attr_value):
 # ----- writing ------------------------------------------------------------------------
 
 def to_graph_def(item):
-    """The GraphDef of ``item``: nodes in the item's order, edge strings printed."""
-    gd = graph_pb2.GraphDef()
-    if item.versions is not None:
-        gd.versions.CopyFrom(item.versions)
-    if item.library is not None:
-        gd.library.CopyFrom(item.library)
-    out_nodes = gd.node
+    """The GraphDef of ``item``: nodes in the item's order, edge strings printed.
+
+    Built as serialized bytes and parsed once (protobuf's C code does the object
+    building): each node's attributes are serialized once per attr proto, which clones
+    share, so exporting sixteen replicas costs little more than the strings that differ.
+    """
+    return graph_pb2.GraphDef.FromString(graph_def_bytes(item))
+
+
+_VARINTS = [bytes([i]) for i in range(128)]
+
+
+def _varint(n):
+    if n < 128:
+        return _VARINTS[n]
+    out = bytearray()
+    while n >= 128:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _string_field(tag, text):
+    data = text.encode("utf-8")
+    return tag + _varint(len(data)) + data
+
+
+def graph_def_bytes(item):
+    """The serialized GraphDef of ``item`` (deterministic: same item, same bytes)."""
+    from tensorflow.core.framework import node_def_pb2
+    attr_bytes = {}     # id(attr proto) -> (serialized attrs, the proto kept alive)
+    op_bytes, device_bytes = {}, {}
+    chunks = []
     for node in item._nodes.values():
-        nd = out_nodes.add()
-        nd.CopyFrom(node._def)
-        nd.name = node._name
-        nd.op = node.op
-        nd.device = node.device
-        names = [t.node._name if t.index == 0 else f"{t.node._name}:{t.index}" for t in node._inputs]
-        names += ["^" + c._name for c in node._control_inputs]
-        if names:
-            nd.input.extend(names)
+        d = node._def
+        cached = attr_bytes.get(id(d))
+        if cached is None or cached[1] is not d:
+            rest = node_def_pb2.NodeDef()
+            rest.CopyFrom(d)
+            rest.ClearField("name")
+            rest.ClearField("op")
+            rest.ClearField("device")
+            rest.ClearField("input")
+            cached = attr_bytes[id(d)] = (rest.SerializeToString(deterministic=True), d)
+        op = op_bytes.get(node.op)
+        if op is None:
+            op = op_bytes[node.op] = _string_field(b"\x12", node.op)
+        dev = device_bytes.get(node.device)
+        if dev is None:
+            dev = device_bytes[node.device] = _string_field(b"\x22", node.device) if node.device else b""
+        body = [_string_field(b"\x0a", node._name), op]
+        for t in node._inputs:
+            body.append(_string_field(b"\x1a", t.node._name if t.index == 0 else f"{t.node._name}:{t.index}"))
+        for c in node._control_inputs:
+            body.append(_string_field(b"\x1a", "^" + c._name))
+        body.append(dev)
+        body.append(cached[0])
         if node._colocate:
-            nd.attr[COLOCATION_ATTR].list.s.extend(
-                ("loc:@" + (t._name if isinstance(t, Node) else t)).encode() for t in node._colocate)
-    return gd
+            body.append(_colocation_entry(node._colocate))
+        data = b"".join(body)
+        chunks.append(b"\x0a" + _varint(len(data)) + data)
+    if item.library is not None:
+        lib = item.library.SerializeToString(deterministic=True)
+        chunks.append(b"\x12" + _varint(len(lib)) + lib)
+    if item.versions is not None:
+        ver = item.versions.SerializeToString(deterministic=True)
+        chunks.append(b"\x22" + _varint(len(ver)) + ver)
+    return b"".join(chunks)
+
+
+def _colocation_entry(targets):
+    """The attr map entry ``_class: {list {s: "loc:@name" ...}}`` as NodeDef field 5."""
+    value = attr_value_pb2.AttrValue()
+    value.list.s.extend(("loc:@" + (t._name if isinstance(t, Node) else t)).encode() for t in targets)
+    entry = _string_field(b"\x0a", COLOCATION_ATTR)
+    v = value.SerializeToString(deterministic=True)
+    entry += b"\x12" + _varint(len(v)) + v
+    return b"\x2a" + _varint(len(entry)) + entry
 
 
 def to_meta_graph_def(item):

@@ -261,8 +261,18 @@ class GraphItem:
         for c in control_inputs:
             node.add_control_input(c)
         node._colocate = list(colocate_with)
+        if self.replicas is not None:
+            node.replica = _replica_from_producers(node)
         self._touch()
         return node
+
+    def mark_new_global(self, names_before):
+        """Nodes added since ``names_before`` (a set of names) whose replica is still
+        unknown become global: for passes that add ops existing once (a parameter
+        server's accumulator take, token queues) that read replicas' values."""
+        for n in self._nodes.values():
+            if n.replica == UNKNOWN_REPLICA and n._name not in names_before:
+                n.replica = GLOBAL
 
     def clone_node(self, node, name, device=None):
         """A copy of ``node`` (op, attrs, device, colocation) with no edges; it shares
@@ -373,6 +383,20 @@ class GraphItem:
                 consumer.add_control_input(new)
             changed.append(consumer)
         return changed
+
+
+def _replica_from_producers(node):
+    """A node a pass adds after replication belongs where its data inputs do: to their
+    replica if any belongs to one, else it is global if any is; else unknown (a Const).
+    Passes that add global ops reading replicas (an accumulator's take) say so themselves."""
+    seen_global = False
+    for t in node._inputs:
+        r = t.node.replica
+        if r >= 0:
+            return r
+        if r == GLOBAL:
+            seen_global = True
+    return GLOBAL if seen_global else UNKNOWN_REPLICA
 
 
 def split_tensor_name(name):

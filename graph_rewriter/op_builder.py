@@ -49,11 +49,13 @@ def _attr_value(value):
 
 
 def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inputs=(),
-            colocate_with=(), type_attrs=None):
+            colocate_with=(), type_attrs=None, replica=None):
     """A new node of ``op_type`` named ``graph.unique_name(name)``.
 
     ``type_attrs`` gives dtype enums for type attrs that cannot be read off inputs
     (an op's output type); everything else comes from the inputs or the OpDef defaults.
+    ``replica`` (an index, or ir.GLOBAL) says which replica the node belongs to when its
+    inputs do not tell.
     """
     od = op_def_registry.get(op_type)
     if od is None:
@@ -91,6 +93,8 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
         if k.startswith("_"):
             node.set_attr(k, _attr_value(v))
+    if replica is not None:
+        node.replica = replica
     return node
 
 
@@ -111,10 +115,12 @@ def _const_attrs(value, dtype):
     return hit
 
 
-def const(graph, name, value, dtype, device=""):
+def const(graph, name, value, dtype, device="", replica=None):
     """A Const node holding ``value`` (anything numpy converts) as ``dtype``; returns its Tensor."""
     dtype_attr, value_attr = _const_attrs(value, dtype)
     node = graph.add_node(graph.unique_name(name), "Const", device=device)
+    if replica is not None:
+        node.replica = replica
     node.set_attr("dtype", dtype_attr)
     node.set_attr("value", value_attr)
     return Tensor(node, 0)

@@ -6,6 +6,8 @@ INCREMENT = COUNTER + "/increment"                 # bumps it after a step's upd
 ACCUMULATORS = "graph_rewriter/accumulators"       # scope of one accumulator per gradient
 TOKENS = "graph_rewriter/tokens"                   # scope of the per-worker token queues
 INIT_BARRIER = "graph_rewriter/init_done"          # queue: the chief initialized the ps
+APPLIED = "graph_rewriter/gradients_applied"       # per replica: its gradients are in
+WORKER_STEP = "graph_rewriter/worker_step"         # with staleness: this worker's own steps
 
 
 def shared_name(fingerprint, what):

@@ -1,6 +1,6 @@
 """accumulate: average parameter-server gradients in accumulators on the variable's ps.
 
-    replica i: grad_i ─> AccumulatorApplyGradient(acc, local_step, grad_i)   (every replica)
+    replica i: grad_i ─> AccumulatorApplyGradient(acc, step, grad_i)   (every replica)
     ps:        AccumulatorTakeGradient(acc, num_required=R) ─> the optimizer's update
                (once; the original apply op now reads the average)
 
@@ -11,14 +11,25 @@ divides each row by the number of replicas that touched it, which is not the mea
 gradient; and it merges the rows of different replicas by a sorted merge, so unsorted
 ids would leave one row twice in the result.)
 
-Accumulators drop gradients whose local step is older than their own: every replica
-tags its gradient with ``graph_rewriter/sync_step``, a counter on the first ps task that
-this pass increments once per applied step, after the updates. Accumulators and the
-counter have shared_names derived from the graph's fingerprint, so every worker's graph
-of a between-graph run uses the same ones.
+Accumulators drop gradients whose step tag is older than their own step. Replicas tag
+gradients with ``graph_rewriter/sync_step``, a counter on the first ps task that this pass
+increments once per applied step, after the updates; the init op resets it and every
+accumulator's step, so a second run on the same servers starts clean. Accumulators and
+the counter have shared_names derived from the graph's fingerprint, so every worker's
+graph of a between-graph run uses the same ones.
 
-Asynchronous training (sync=False) uses no accumulator: each replica applies its own
-gradient to the shared variables.
+With staleness s (between-graph), workers run up to s steps ahead of the applied
+updates, so gradients of s + 1 different steps can be in flight. A take averages every
+gradient its accumulator holds, so one accumulator would mix steps and over-count; each
+gradient therefore has s + 1 accumulators, and a worker's step-t gradient goes to
+accumulator t mod (s + 1) (a Switch on the step picks the apply, a Merge joins them),
+tagged with the worker's own step count (``graph_rewriter/worker_step/<k>``); the chief's
+take for applied step t reads accumulator t mod (s + 1). Each take then averages exactly
+the R gradients of one step.
+
+Each replica's applies are joined in one marker node (``<prefix>graph_rewriter/
+gradients_applied``), which the sync_queues pass makes the worker wait for. Asynchronous
+training (sync=False) uses no accumulator: each replica applies its own gradient.
 """
 
 from tensorflow.python.framework import dtypes
@@ -26,7 +37,8 @@ from tensorflow.python.framework import dtypes
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.ps_state import ACCUMULATORS, COUNTER, INCREMENT, shared_name
+from graph_rewriter.ps_state import (ACCUMULATORS, APPLIED, COUNTER, INCREMENT, WORKER_STEP,
+                                     shared_name)
 from graph_rewriter.traversal import descendants, reaches
 
 
@@ -41,22 +53,43 @@ class AccumulatePass(Pass):
         if not cuts or not plan.sync:
             return False
         rm = graph.replicas
+        before = set(graph._nodes)
         ps0 = ctx.cluster.ps_device(0)
-        counter = make_op(graph, "VarHandleOp", COUNTER, [],
-                          attrs={"dtype": dtypes.int64, "shape": shape_attr([]),
-                                 "shared_name": shared_name(plan.fingerprint, "sync_step")}, device=ps0)
-        counter_init = make_op(graph, "AssignVariableOp", f"{COUNTER}/initial_value",
-                               [counter.output(0), const(graph, f"{COUNTER}/zero", 0, "int64", ps0)],
-                               device=ps0)
-        for init_op in init_ops(graph, plan):
-            init_op.add_control_input(counter_init)
-        local_step = make_op(graph, "ReadVariableOp", f"{COUNTER}/read", [counter.output(0)],
-                             attrs={"dtype": dtypes.int64}, device=ps0).output(0)
-        takes = [self._accumulate(graph, ctx, cut, local_step) for cut in cuts]
+        inits = init_ops(graph, plan)
+        counter = _int_variable(graph, COUNTER, shared_name(plan.fingerprint, "sync_step"), ps0, inits)
+        applied = make_op(graph, "ReadVariableOp", f"{COUNTER}/read", [counter.output(0)],
+                          attrs={"dtype": dtypes.int64}, device=ps0).output(0)
+        self.slots = plan.staleness + 1
+        if self.slots > 1:
+            me = ctx.cluster.compute_tasks.index(ctx.cluster.task)
+            wstep = _int_variable(graph, WORKER_STEP, shared_name(plan.fingerprint, f"worker_step/{me}"),
+                                  ps0, inits)
+            self.tag = make_op(graph, "ReadVariableOp", f"{WORKER_STEP}/read", [wstep.output(0)],
+                               attrs={"dtype": dtypes.int64}, device=ps0).output(0)
+            self.apply_slot = _slot(graph, f"{WORKER_STEP}/slot", self.tag, self.slots, ps0)
+            self.take_slot = _slot(graph, f"{COUNTER}/slot", applied, self.slots, ps0)
+        else:
+            self.tag = applied
+        per_replica = [[] for _ in range(rm.num_local)]
+        takes = []
+        for cut in cuts:
+            accs = self._accumulators(graph, ctx, cut, inits)
+            for i in range(rm.num_local):
+                per_replica[i].append(self._apply(graph, ctx, cut, accs, i))
+            takes.append(self._take(graph, ctx, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
+        markers = [graph.add_node(graph.unique_name(rm.prefixes[i] + APPLIED), "NoOp", control_inputs=done)
+                   for i, done in enumerate(per_replica)]
+        for i, m in enumerate(markers):
+            m.replica = i
+        if self.slots > 1:
+            make_op(graph, "AssignAddVariableOp", f"{WORKER_STEP}/increment",
+                    [wstep.output(0), const(graph, f"{WORKER_STEP}/one", 1, "int64", ps0)],
+                    control_inputs=markers, device=ps0)
         # The step is applied when every global op downstream of the takes has run: the
         # optimizer's update ops and the optimizer math between (Adam's scatter path
         # reads the take through a Mul before it writes anything).
         after = descendants(takes)
+        graph.mark_new_global(before)
         updates = [n for n in graph if n in after and rm.replica_of(graph, n.name) is None]
         roots = [n for n in graph if n in after and not n._consumers and not n._control_consumers]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
@@ -66,64 +99,139 @@ class AccumulatePass(Pass):
         # counter once everything it ran is done.
         for root in roots:
             run_after(graph, root, [increment])
+        graph.mark_new_global(before)
         return True
 
-    def _accumulate(self, graph, ctx, cut, local_step):
-        rm, plan = graph.replicas, ctx.plan
+    def _accumulators(self, graph, ctx, cut, inits):
+        """The cut's accumulators (one per staleness slot) on its variable's ps; the init
+        op resets their steps to 0."""
+        plan = ctx.plan
         var = plan.variable(cut.variable)
         task = var.ps_task if var.ps_task is not None else (var.shards[0]["ps_task"] if var.shards else 0)
         dev = ctx.cluster.ps_device(task)
-        scope = f"{ACCUMULATORS}/{cut.variable}"
-        dtype = dtypes.as_dtype(cut.dtype)
         sparse = cut.kind == "sparse"
-        acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
-                      scope, [], device=dev,
-                      attrs={"dtype": dtype, "shape": shape_attr(cut.shape),
-                             "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients"),
-                             "reduction_type": "SUM" if sparse else "MEAN"})
-        applies = []
-        for i in range(rm.num_local):
-            values = rm.tensor(graph, i, cut.values)
-            s = f"{rm.prefixes[i]}{scope}/apply"
-            if not sparse:
-                applies.append(make_op(graph, "AccumulatorApplyGradient", s,
-                                       [acc.output(0), local_step, values], device=dev))
-                continue
+        if sparse and (cut.shape is None or any(d < 0 for d in cut.shape)):
+            raise GraphRewriteError(f"variable '{cut.variable}' needs a static shape for a sparse accumulator")
+        accs = []
+        for j in range(self.slots):
+            suffix = "" if self.slots == 1 else f"_{j}"
+            acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
+                          f"{ACCUMULATORS}/{cut.variable}{suffix}", [], device=dev,
+                          attrs={"dtype": dtypes.as_dtype(cut.dtype), "shape": shape_attr(cut.shape),
+                                 "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients{suffix}"),
+                                 "reduction_type": "SUM" if sparse else "MEAN"})
+            reset = make_op(graph, "AccumulatorSetGlobalStep", f"{acc.name}/reset",
+                            [acc.output(0), const(graph, f"{acc.name}/zero", 0, "int64", dev)], device=dev)
+            for op in inits:
+                op.add_control_input(reset)
+            accs.append(acc)
+        return accs
+
+    def _apply(self, graph, ctx, cut, accs, i):
+        """Replica i's contribution: an apply (or, with slots, the apply of the slot its
+        step picks); returns a node that runs when the contribution is made."""
+        rm = graph.replicas
+        dev = accs[0].device
+        s = f"{rm.prefixes[i]}{ACCUMULATORS}/{cut.variable}/apply"
+        values = rm.tensor(graph, i, cut.values)
+        inputs = [values]
+        if cut.kind == "sparse":
             indices = rm.tensor(graph, i, cut.indices)
             if not cut.deduplicated:
                 values, indices = dedup_rows(graph, f"{s}/dedup", values, indices, rm.devices[i])
             idx64 = make_op(graph, "Cast", f"{s}/indices", [indices], attrs={"DstT": dtypes.int64},
                             device=rm.devices[i]).output(0)
             idx64, values = _sorted_rows(graph, f"{s}/sorted", idx64, values, rm.devices[i])
-            if cut.shape is None or any(d < 0 for d in cut.shape):
-                raise GraphRewriteError(f"variable '{cut.variable}' needs a static shape for a sparse accumulator")
-            applies.append(make_op(graph, "SparseAccumulatorApplyGradient", s,
-                                   [acc.output(0), local_step, idx64, values,
-                                    const(graph, f"{s}/shape", cut.shape, "int64", dev)],
-                                   attrs={"has_known_shape": True}, device=dev))
+            inputs = [idx64, values]
+        shape = const(graph, f"{s}/shape", cut.shape, "int64", dev) if cut.kind == "sparse" else None
+
+        def apply(acc, tag, args, name):
+            if cut.kind == "sparse":
+                return make_op(graph, "SparseAccumulatorApplyGradient", name,
+                               [acc.output(0), tag, args[0], args[1], shape],
+                               attrs={"has_known_shape": True}, device=dev, replica=i)
+            return make_op(graph, "AccumulatorApplyGradient", name, [acc.output(0), tag, args[0]],
+                           device=dev, replica=i)
+
+        if self.slots == 1:
+            return apply(accs[0], self.tag, inputs, s)
+        alive = []
+        for j, acc in enumerate(accs):
+            pred = self.apply_slot[j]
+            tag = _taken_if(graph, f"{s}_{j}/step", self.tag, pred, dev)
+            args = [_taken_if(graph, f"{s}_{j}/arg{k}", t, pred, dev) for k, t in enumerate(inputs)]
+            op = apply(acc, tag, args, f"{s}_{j}")
+            alive.append(make_op(graph, "Identity", f"{s}_{j}/done", [tag], control_inputs=[op], device=dev).output(0))
+        return make_op(graph, "Merge", f"{s}/done", [alive], device=dev, replica=i)
+
+    def _take(self, graph, ctx, cut, accs, local_applies):
+        """The averaged gradient (from the slot of the applied step, with slots), wired
+        into the optimizer's update in place of replica 0's own gradient."""
+        rm = graph.replicas
+        dev = accs[0].device
+        scope = f"{ACCUMULATORS}/{cut.variable}"
+        dtype = dtypes.as_dtype(cut.dtype)
+        sparse = cut.kind == "sparse"
+        op = "SparseAccumulatorTakeGradient" if sparse else "AccumulatorTakeGradient"
         r = const(graph, f"{scope}/num_required", rm.group_size, "int32", dev)
+        n_out = 2 if sparse else 1
+        if self.slots == 1:
+            # In-graph, the take follows this graph's applies; between-graph it also
+            # blocks until the other workers' gradients arrive.
+            take = make_op(graph, op, f"{scope}/take", [accs[0].output(0), r], type_attrs={"dtype": dtype},
+                           control_inputs=local_applies, device=dev)
+            outs = [take.output(k) for k in range(n_out)]
+        else:
+            taken = []
+            for j, acc in enumerate(accs):
+                needed = _taken_if(graph, f"{scope}/take_{j}/num_required", r, self.take_slot[j], dev)
+                taken.append(make_op(graph, op, f"{scope}/take_{j}", [acc.output(0), needed],
+                                     type_attrs={"dtype": dtype}, device=dev))
+            outs = [make_op(graph, "Merge", f"{scope}/take_{k}", [[t.output(k) for t in taken]],
+                            device=dev).output(0) for k in range(n_out)]
+            take = outs[0].node
         master_values = rm.tensor(graph, 0, cut.values)
         if not sparse:
-            take = make_op(graph, "AccumulatorTakeGradient", f"{scope}/take", [acc.output(0), r],
-                           type_attrs={"dtype": dtype}, control_inputs=applies, device=dev)
-            _rewire(graph, master_values, take.output(0))
+            _rewire(graph, master_values, outs[0])
             return take
-        take = make_op(graph, "SparseAccumulatorTakeGradient", f"{scope}/take", [acc.output(0), r],
-                       type_attrs={"dtype": dtype}, control_inputs=applies, device=dev)
         mean = make_op(graph, "RealDiv", f"{scope}/mean",
-                       [take.output(1), const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
+                       [outs[1], const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
                        device=dev).output(0)
         master_indices = rm.tensor(graph, 0, cut.indices)
         # the deduplication's Shape(unique ids) reads the ids to compute the values: not a reader to move
         keep = {c for c, _ in master_indices.node.consumers(master_indices.index) if reaches(c, master_values.node)}
         index_dtype = dtypes.as_dtype(dtype_of(master_indices))
-        indices = take.output(0)
+        indices = outs[0]
         if index_dtype != dtypes.int64:
             indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
                               device=dev).output(0)
         _rewire(graph, master_values, mean)
         _rewire(graph, master_indices, indices, keep)
         return take
+
+
+def _int_variable(graph, name, shared, device, inits):
+    """An int64 scalar resource variable set to 0 by the init ops."""
+    var = make_op(graph, "VarHandleOp", name, [], device=device,
+                  attrs={"dtype": dtypes.int64, "shape": shape_attr([]), "shared_name": shared})
+    init = make_op(graph, "AssignVariableOp", f"{name}/initial_value",
+                   [var.output(0), const(graph, f"{name}/zero", 0, "int64", device)], device=device)
+    for op in inits:
+        op.add_control_input(init)
+    return var
+
+
+def _slot(graph, name, step, slots, device):
+    """[pred_j] for j < slots: step mod slots == j."""
+    k = make_op(graph, "FloorMod", name, [step, const(graph, f"{name}/slots", slots, "int64", device)],
+                device=device).output(0)
+    return [make_op(graph, "Equal", f"{name}/is_{j}", [k, const(graph, f"{name}/value_{j}", j, "int64", device)],
+                    device=device).output(0) for j in range(slots)]
+
+
+def _taken_if(graph, name, tensor, pred, device):
+    """``tensor`` where ``pred`` holds; a dead tensor (its readers do not run) elsewhere."""
+    return make_op(graph, "Switch", name, [tensor, pred], device=device).output(1)
 
 
 def _sorted_rows(graph, scope, indices, values, dev):

@@ -46,6 +46,11 @@ class PlanPass(Pass):
             raise GraphRewriteError(
                 f"strategy '{ctx.options.strategy}' needs parameter servers, but the cluster has no "
                 "'ps' tasks", hint="add a \"ps\" job to the cluster spec, or use strategy allreduce")
+        if ctx.options.staleness and ctx.cluster.task is None:
+            raise GraphRewriteError(
+                "staleness bounds how far between-graph workers run ahead of each other; with "
+                "one client driving every replica (no task) no worker can run ahead",
+                hint="pass task='worker:I' (--task) for each worker's graph, or drop staleness")
         if ctx.plan is None:
             ctx.plan = make_plan(analysis, ctx.options, r, num_ps=len(ctx.cluster.ps_tasks))
         else:

@@ -10,9 +10,10 @@ Each worker runs its own graph. Per worker k there is a token queue on the first
 
 so the chief applies each step once and every worker waits for it. With staleness s,
 each queue starts with s tokens: a worker may run up to s steps ahead of the applied
-updates, never more, and the accumulators accept gradients up to s steps old (after
-each step they are told the oldest step still accepted). Without sync, workers apply
-their own gradients and nobody waits.
+updates, never more (the accumulate pass keeps one accumulator per step in flight, so
+every step still averages exactly its own gradients). The chief's init op drains what an
+earlier run left in the queues. Without sync, workers apply their own gradients and
+nobody waits.
 
 Initialization: the chief's init op initializes the shared variables and then puts a
 token per other worker in an init queue; another worker's init op does not initialize
@@ -23,12 +24,13 @@ the original init op is therefore safe, and necessary, on every worker.
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.framework import dtypes
 
+from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.ps_state import COUNTER, INCREMENT, INIT_BARRIER, TOKENS, shared_name
+from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, TOKENS, WORKER_STEP,
+                                     shared_name)
 from graph_rewriter.traversal import descendants
 
-_APPLIES = ("AccumulatorApplyGradient", "SparseAccumulatorApplyGradient")
 _TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
 
 
@@ -51,6 +53,7 @@ class SyncQueuesPass(Pass):
         if cluster.task is None or not on_ps:
             return False
         rm = graph.replicas
+        before = set(graph._nodes)
         ps0 = cluster.ps_device(0)
         fp = plan.fingerprint
         workers = cluster.compute_tasks
@@ -59,6 +62,8 @@ class SyncQueuesPass(Pass):
         if COUNTER in graph:
             ps_initializers.append(graph.node(f"{COUNTER}/initial_value"))
         init_ops = {c for i in ps_initializers for c in i.control_consumers if c.op == "NoOp"}
+        # shared state the chief's init resets too: the accumulators' steps
+        ps_initializers += [c for op in init_ops for c in op.control_inputs if c.op == "AccumulatorSetGlobalStep"]
         barrier = _scalar_queue(graph, INIT_BARRIER, fp, "init_done", ps0)
         # The train ops: what the user runs each step, i.e. the roots after the updates.
         after_updates = descendants([n for n in graph if n.op in _TAKES])
@@ -79,30 +84,40 @@ class SyncQueuesPass(Pass):
                         op.remove_control_input(init)
                 op.add_control_input(wait)
         if not plan.sync or INCREMENT not in graph:
+            graph.mark_new_global(before)
             return True
         queues = [_scalar_queue(graph, f"{TOKENS}/worker_{k}", fp, f"tokens/{k}", ps0) for k in range(len(workers))]
-        applies = [n for n in graph if n.op in _APPLIES]
+        applies = [rm.node(graph, i, APPLIED) for i in range(rm.num_local)]
+        if f"{WORKER_STEP}/increment" in graph:
+            applies.append(graph.node(f"{WORKER_STEP}/increment"))
+        graph.mark_new_global(before)
         if rm.chief:
             increment = graph.node(INCREMENT)
             token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
                             attrs={"dtype": dtypes.int64}, control_inputs=[increment], device=ps0).output(0)
             enqueues = [make_op(graph, "QueueEnqueueV2", f"{TOKENS}/release_{k}", [q.output(0), [token]], device=ps0)
                         for k, q in enumerate(queues)]
-            if plan.staleness:
-                self._allow_staleness(graph, ctx, increment, ps0)
-                for k, q in enumerate(queues):
-                    head = make_op(graph, "QueueEnqueueManyV2", f"{TOKENS}/head_start_{k}",
-                                   [q.output(0), [const(graph, f"{TOKENS}/head_start_{k}/tokens",
-                                                        [0] * plan.staleness, "int64", ps0)]],
-                                   control_inputs=ps_initializers, device=ps0)
-                    for op in init_ops:
-                        op.add_control_input(head)
+            for k, q in enumerate(queues):
+                # A new run starts with exactly `staleness` tokens per worker: drain what an
+                # earlier run on the same servers left, then give the head start.
+                size = make_op(graph, "QueueSizeV2", f"{TOKENS}/worker_{k}/left", [q.output(0)], device=ps0)
+                drain = make_op(graph, "QueueDequeueUpToV2", f"{TOKENS}/worker_{k}/drain",
+                                [q.output(0), size.output(0)], attrs={"component_types": [dtypes.int64]}, device=ps0)
+                ready = drain
+                if plan.staleness:
+                    ready = make_op(graph, "QueueEnqueueManyV2", f"{TOKENS}/head_start_{k}",
+                                    [q.output(0), [const(graph, f"{TOKENS}/head_start_{k}/tokens",
+                                                         [0] * plan.staleness, "int64", ps0)]],
+                                    control_inputs=[drain] + ps_initializers, device=ps0)
+                for op in init_ops:
+                    op.add_control_input(ready)
             before_wait = applies + enqueues
         else:
             dropped = self._drop_chief_work(graph)
             before_wait = applies
         wait = make_op(graph, "QueueDequeueV2", f"{TOKENS}/wait", [queues[me].output(0)],
-                       attrs={"component_types": [dtypes.int64]}, control_inputs=before_wait, device=ps0)
+                       attrs={"component_types": [dtypes.int64]}, control_inputs=before_wait, device=ps0,
+                       replica=GLOBAL)
         for root in roots:
             if root.name in graph:
                 root.add_control_input(wait)
@@ -110,20 +125,6 @@ class SyncQueuesPass(Pass):
                 graph.add_node(root.name, "NoOp", control_inputs=[wait] + [
                     c for c in dropped.get(root.name, []) if c.name in graph])
         return True
-
-    def _allow_staleness(self, graph, ctx, increment, device):
-        """After each step, accumulators accept gradients up to ``staleness`` steps old."""
-        s = ctx.plan.staleness
-        step = make_op(graph, "ReadVariableOp", f"{COUNTER}/after_increment", [graph.node(COUNTER).output(0)],
-                       attrs={"dtype": dtypes.int64}, control_inputs=[increment], device=device).output(0)
-        oldest = make_op(graph, "Sub", f"{COUNTER}/oldest_accepted",
-                         [step, const(graph, f"{COUNTER}/staleness", s, "int64", device)], device=device).output(0)
-        for take in [n for n in graph if n.op in _TAKES]:
-            acc = take.inputs[0]
-            setter = make_op(graph, "AccumulatorSetGlobalStep", f"{take.name}/accept_from",
-                             [acc, oldest], device=take.device)
-            for c in increment.control_consumers:
-                c.add_control_input(setter)
 
     def _drop_chief_work(self, graph):
         """A non-chief worker never takes gradients or applies updates: the chief does.

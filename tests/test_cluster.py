@@ -724,3 +724,48 @@ def test_start_server_in_a_subprocess_serves_rewritten_graphs(procs, pool):
     except subprocess.TimeoutExpired:
         pytest.fail(f"the start_server process still running {STOP_TIMEOUT:.0f} s after SIGTERM",
                     pytrace=False)
+
+
+def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pool, procs, tmp_path):
+    """The "iterator" model reads batches from an in-graph tf.data pipeline. Between-graph,
+    worker k's graph shards the data before batching (elements k, k+2, ...), so one step
+    of the two workers trains on the concatenation of their batches: the same as the
+    "mlp" model (same layers and seeds) fed those rows on one device."""
+    seed, per_worker, steps = 7, 4, 3
+    it = _build("iterator", "sgd", seed, batch_size=per_worker)
+    mlp = _build("mlp", "sgd", seed)
+    # the two models start from the same weights (so the comparison below means something)
+    _, start_it = examples.run_single(it, steps=0)
+    _, start_mlp = examples.run_single(mlp, steps=0)
+    for name in start_mlp:
+        np.testing.assert_array_equal(start_it[name], start_mlp[name], err_msg=name)
+    rng = np.random.default_rng([seed, 4099])   # the pipeline's data, as examples.py makes it
+    xs = rng.normal(size=(examples.ITERATOR_ROWS, examples.FEATURES)).astype(np.float32)
+    ys = (np.sin(xs.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(examples.ITERATOR_ROWS, 1))).astype(np.float32)
+    shards = [(xs[k::2], ys[k::2]) for k in range(2)]
+    batches = [{"x:0": np.concatenate([s[0][t * per_worker:(t + 1) * per_worker] for s in shards]),
+                "y:0": np.concatenate([s[1][t * per_worker:(t + 1) * per_worker] for s in shards])}
+               for t in range(steps)]
+    ref_losses, ref_values = examples.run_single(mlp, steps=steps, feeds=batches)
+    with pool.use(2, 0, SERVER_DEVICES) as cluster:
+        outs = []
+        for k in range(2):
+            result = gr.rewrite(it.graph_def, cluster.spec, device_type="CPU", devices_per_worker=1,
+                                task=f"worker:{k}")
+            shard = [n for n in result.graph_def.node if n.op == "ShardDataset"]
+            assert len(shard) == 1, "one shard before the one batching op"
+            path = str(tmp_path / f"it{k}.pb")
+            result.save(path)
+            out = str(tmp_path / f"it{k}.npz")
+            cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
+                   "--target", cluster.target("worker", k), "--steps", str(steps), "--out", out,
+                   "--timeout", str(CALL_TIMEOUT)] + sum((["--read", t] for t in it.variables.values()), [])
+            procs.start(f"it{k}", cmd)
+            outs.append(out)
+        procs.wait_all()
+    with np.load(outs[0]) as data:
+        losses = data["losses"]
+        values = {name: data[f"read/{t}"] for name, t in it.variables.items()}
+    with np.load(outs[1]) as data:
+        losses = (losses + data["losses"]) / 2
+    _assert_matches("iterator between-graph", losses, values, ref_losses, ref_values)

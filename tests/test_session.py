@@ -225,3 +225,29 @@ def test_non_batch_placeholder_is_fed_to_every_replica():
     losses1, v1 = examples.run_single(example, steps=4)
     losses2, v2 = examples.run_rewritten(result, example, steps=4)
     np.testing.assert_allclose(losses2, losses1, rtol=1e-4)
+
+
+def test_scalar_summaries_report_the_mean_over_replicas():
+    """A tf.summary.scalar of the loss reports the replicas' mean loss (the global batch's
+    loss), not replica 0's loss on its own half of the batch."""
+    from tensorflow.core.framework import summary_pb2
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        w = tf1.get_variable("w", [2, 1], initializer=tf1.constant_initializer(0.5), use_resource=True)
+        loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w))), name="loss")
+        tf1.summary.scalar("loss_summary", loss)
+        merged = tf1.summary.merge_all()
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf1.global_variables_initializer().name  # noqa: B018
+    feed = {"x:0": np.array([[1, 0], [0, 1], [3, 3], [4, 4]], np.float32)}
+    result = gr.rewrite(g.as_graph_def(), devices_per_worker=2, device_type="CPU")
+    with gr.Session(result) as s:
+        s.run("init")
+        serialized, loss_value = s.run([merged.name, "loss:0"], feed)
+    summary = summary_pb2.Summary.FromString(serialized)
+    reported = summary.value[0].simple_value
+    first_half = np.mean(np.square(feed["x:0"][:2] @ np.full((2, 1), 0.5)))
+    np.testing.assert_allclose(reported, loss_value, rtol=1e-6)
+    np.testing.assert_allclose(reported, np.mean(np.square(feed["x:0"] @ np.full((2, 1), 0.5))), rtol=1e-6)
+    assert abs(reported - first_half) > 1.0   # replica 0's own value would be far off

@@ -71,6 +71,7 @@ class PassManager:
         changed = False
         for p in self.passes:
             start = time.perf_counter()
+            version = graph.version
             try:
                 modified = p.run(graph, ctx)
             except GraphRewriteError as e:
@@ -86,8 +87,8 @@ class PassManager:
             ctx.timings.append((p.name, seconds, bool(modified)))
             ctx.info(f"pass {p.name:<18} {seconds * 1000:9.1f} ms  "
                      f"{'changed' if modified else 'unchanged':9}  {len(graph)} nodes")
-            if self.verifier is not None and self.verify_each:
-                self._verify(graph, ctx, p, done)
+            if self.verifier is not None and self.verify_each and graph.version != version:
+                self._verify(graph, ctx, p, done)  # (a pass that changed nothing needs none)
             if p.name in self.dump_after or "all" in self.dump_after:
                 self._dump(graph, ctx, p)
         if self.verifier is not None and not self.verify_each:

@@ -125,6 +125,15 @@ def test_verifier_runs_before_the_pipeline_and_after_each_pass():
                               sorted(base + ["one_node", "two_node", "three_node"])]
 
 
+def test_a_pass_that_leaves_the_graph_alone_is_not_verified_again():
+    verifier = CountingVerifier()
+    idle = make_pass("idle", run=lambda graph, ctx: False)
+    pm = PassManager([make_pass("one"), idle, make_pass("two")], verifier=verifier)
+    pm.run(small_graph(), make_ctx())
+    base = ["a", "b", "c"]
+    assert verifier.calls == [base, sorted(base + ["one_node"]), sorted(base + ["one_node", "two_node"])]
+
+
 def test_without_verify_each_the_verifier_runs_once_at_the_end():
     verifier = CountingVerifier()
     PassManager([make_pass("one"), make_pass("two")], verifier=verifier,

@@ -10,20 +10,37 @@ from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.context import (DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES,
                                     DEFAULT_TIMEOUT_SECONDS, Options, RewriteContext)
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.metadata import METADATA_NODE, read_metadata
+from graph_rewriter.metadata import METADATA_NODE, read_metadata, read_metadata_of
 from graph_rewriter.pass_manager import PassManager
 from graph_rewriter.plan import Plan
-from graph_rewriter.verifier import verify
+from graph_rewriter.verifier import verify, verify_changes
 
 
 class RewriteResult:
     """What ``rewrite`` returns and ``load`` reads back."""
 
-    def __init__(self, graph_def, metadata, meta_graph=None, timings=None):
-        self.graph_def = graph_def
+    def __init__(self, graph_def=None, metadata=None, meta_graph=None, timings=None, serialized=None):
+        self._graph_def = graph_def
+        self._serialized = serialized     # the exported bytes, while graph_def is untouched
         self.metadata = metadata
         self.meta_graph = meta_graph      # MetaGraphDef parts of the input, if it was one
         self.timings = timings or []      # (step, seconds, modified)
+
+    @property
+    def graph_def(self):
+        """The rewritten tf.compat.v1.GraphDef (parsed on first use; after that, save()
+        writes this object, with any change made to it)."""
+        if self._graph_def is None:
+            from tensorflow.core.framework import graph_pb2
+            self._graph_def = graph_pb2.GraphDef.FromString(self._serialized)
+        self._serialized = None
+        return self._graph_def
+
+    def serialized(self):
+        """The binary GraphDef, deterministic: the same input and options give the same bytes."""
+        if self._serialized is not None:
+            return self._serialized
+        return self._graph_def.SerializeToString(deterministic=True)
 
     @property
     def num_replicas(self):
@@ -32,6 +49,10 @@ class RewriteResult:
     @property
     def plan(self):
         return Plan.from_dict(self.metadata["plan"])
+
+    @property
+    def num_nodes(self):
+        return self.metadata.get("num_nodes") or len(self.graph_def.node)
 
     @property
     def devices(self):
@@ -46,10 +67,12 @@ class RewriteResult:
             if self.meta_graph is not None:
                 mg.CopyFrom(self.meta_graph)
             mg.graph_def.CopyFrom(self.graph_def)
-            message = mg
+            data = graph_io.serialize(mg, path)
+        elif os.path.splitext(path)[1].lower() in graph_io.TEXT_SUFFIXES:
+            data = graph_io.serialize(self.graph_def, path)
         else:
-            message = self.graph_def
-        graph_io.write_atomic(path, graph_io.serialize(message, path))
+            data = self.serialized()
+        graph_io.write_atomic(path, data)
         return path
 
     def summary(self):
@@ -58,13 +81,17 @@ class RewriteResult:
         cuts = plan["cuts"]
         dense = [c for c in cuts if c["sync"] == "allreduce"]
         sparse = [c for c in cuts if c["sync"] == "allgather"]
+        accumulated = [c for c in cuts if c["sync"] == "accumulate"]
+        on_ps = sum(v["placement"] == "ps" for v in plan["variables"])
         lines = [
             f"strategy {plan['strategy']}: {self.num_replicas} replica(s) on "
             f"{', '.join(self.devices)}",
-            f"variables: {len(plan['variables'])} ({sum(v['role'] == 'trainable' for v in plan['variables'])} trainable), "
-            f"gradients: {len(dense)} allreduced in {len(plan['packs'])} pack(s), {len(sparse)} allgathered",
+            f"variables: {len(plan['variables'])} ({sum(v['role'] == 'trainable' for v in plan['variables'])} trainable"
+            + (f", {on_ps} on parameter servers" if on_ps else "") + "), "
+            f"gradients: {len(dense)} allreduced in {len(plan['packs'])} pack(s), {len(sparse)} allgathered"
+            + (f", {len(accumulated)} accumulated on parameter servers" if accumulated else ""),
             f"batch inputs split across replicas: {', '.join(plan['batch_inputs']) or 'none'}",
-            f"nodes: {len(self.graph_def.node)}",
+            f"nodes: {self.num_nodes}",
         ]
         total = sum(s for name, s, _ in self.timings if name != "verify")
         if self.timings:
@@ -154,15 +181,16 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
             hint="rewrite the original single-device graph")
     ctx.timings.append(("load", time.perf_counter() - t0, False))
     ctx.info(f"loaded {graph.source}: {len(graph)} nodes in {(time.perf_counter() - t0) * 1000:.1f} ms")
-    manager = PassManager(passes, verifier=verify, verify_each=options.verify,
-                          dump_after=options.dump_after, dump_dir=options.dump_dir)
+    manager = PassManager(passes, verifier=verify, verify_changes=verify_changes,
+                          verify_each=options.verify, dump_after=options.dump_after,
+                          dump_dir=options.dump_dir)
     manager.run(graph, ctx)
     t0 = time.perf_counter()
-    out = graph_io.to_graph_def(graph)
+    data = graph_io.graph_def_bytes(graph)
     ctx.timings.append(("export", time.perf_counter() - t0, False))
-    metadata = read_metadata(out)
-    ctx.info(f"rewrite done: {len(out.node)} nodes in {(time.perf_counter() - started) * 1000:.1f} ms")
-    return RewriteResult(out, metadata, meta_graph=graph.meta_graph, timings=ctx.timings)
+    metadata = read_metadata_of(graph)
+    ctx.info(f"rewrite done: {len(graph)} nodes in {(time.perf_counter() - started) * 1000:.1f} ms")
+    return RewriteResult(None, metadata, meta_graph=graph.meta_graph, timings=ctx.timings, serialized=data)
 
 
 def load(path):

@@ -48,7 +48,7 @@ def _add_rewrite_options(p):
                    help="cluster spec: JSON text or a JSON file {\"worker\": [\"host:port\", ...], \"ps\": [...]}; "
                         "default: this machine only (or TF_CONFIG when set)")
     p.add_argument("--strategy", default="allreduce", metavar="S",
-                   help="allreduce (default), ps, hybrid or auto")
+                   help="allreduce (default), ps or hybrid (see docs/strategies.md)")
     p.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
                    help="replicas per machine: its GPUs, or CPU replicas with --device-type CPU (default 1)")
     p.add_argument("--device-type", default="GPU", metavar="GPU|CPU",
@@ -98,7 +98,7 @@ def _plan_parser():
                 epilog="example:\n  graph-rewrite plan train.pb --devices-per-worker 4 > plan.json\n"
                        "  (edit plan.json, then) graph-rewrite train.pb out.pb --devices-per-worker 4 --plan plan.json",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", metavar="IN")
+    p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef) or .meta (MetaGraphDef)")
     _add_rewrite_options(p)
     return p
 
@@ -106,10 +106,19 @@ def _plan_parser():
 def _inspect_parser():
     p = _Parser(prog=f"{PROG} inspect", description="Describe a rewritten graph: replicas, devices, "
                 "per-variable plan, collectives, bytes moved per step.",
-                epilog="example:\n  graph-rewrite inspect out.pb\n  graph-rewrite inspect out.pb --json",
+                epilog="example:\n  graph-rewrite inspect out.pb\n  graph-rewrite inspect out.pb --json\n"
+                       "  graph-rewrite inspect out.pb --batch-size 4096   # sparse bytes per step\n"
+                       "  graph-rewrite inspect out.pb --dot out.dot --tensorboard logs/",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", metavar="FILE", help="a graph written by graph-rewrite or result.save()")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--batch-size", type=int, metavar="N",
+                   help="the global batch size: sparse gradients' bytes per step instead of per example")
+    p.add_argument("--dot", metavar="FILE",
+                   help="also write a Graphviz picture of the replicas, variables and communication "
+                        "(render with: dot -Tsvg FILE -o out.svg)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the graph as a TensorBoard event file in DIR (tensorboard --logdir DIR)")
     return p
 
 
@@ -122,16 +131,23 @@ def _serve_parser():
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", metavar="SPEC", help="JSON text or a JSON file (default: TF_CONFIG's cluster)")
     p.add_argument("--task", metavar="JOB:INDEX", help="this server's task, e.g. worker:0 (default: TF_CONFIG's task)")
-    p.add_argument("--device-type", default="GPU", metavar="GPU|CPU")
-    p.add_argument("--devices-per-worker", type=int, default=1, metavar="N")
+    p.add_argument("--device-type", default="GPU", metavar="GPU|CPU",
+                   help="the replicas' device type the graphs will use (CPU: the server gets N CPU devices)")
+    p.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
+                   help="replicas per worker, as given to the rewrite (default 1)")
     return p
 
 
 def _demo_parser():
-    return _Parser(prog=f"{PROG} demo", description="Build a small model, rewrite it for 2 CPU replicas, "
-                   "train it and compare the loss with single-device training.",
-                   epilog="example:\n  graph-rewrite demo",
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=f"{PROG} demo", description="Build a small model, train it on one device, start a "
+                "local cluster (1 ps + 2 worker servers on loopback, 2 CPU devices each), rewrite the "
+                "model per worker, train it there and print both losses side by side.",
+                epilog="examples:\n  graph-rewrite demo\n  graph-rewrite demo --strategy hybrid --steps 50",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", choices=("ps", "hybrid", "allreduce"), default="ps",
+                   help="how the workers share the variables (default: ps)")
+    p.add_argument("--steps", type=int, default=30, metavar="N", help="training steps (default: 30)")
+    return p
 
 
 def _pairs(items, flag):
@@ -191,7 +207,7 @@ def cmd_rewrite(argv):
         for line in result.summary().splitlines():
             _log(line)
     print(f"{PROG}: wrote {args.output}: {result.metadata['plan']['strategy']}, "
-          f"{result.num_replicas} replica(s), {len(result.graph_def.node)} nodes, "
+          f"{result.num_replicas} replica(s), {result.num_nodes} nodes, "
           f"{time.perf_counter() - started:.2f} s")
     return 0
 
@@ -214,7 +230,21 @@ def cmd_inspect(argv):
     args = _inspect_parser().parse_args(argv)
     from graph_rewriter.api import load
     from graph_rewriter.inspect_report import format_report, report
-    rep = report(load(args.file))
+    if args.batch_size is not None and args.batch_size < 1:
+        raise GraphRewriteError(f"--batch-size must be a positive number of examples, got {args.batch_size}")
+    result = load(args.file)
+    rep = report(result, batch_size=args.batch_size)
+    if args.dot:
+        from graph_rewriter.graph_io import write_atomic
+        from graph_rewriter.inspect_report import to_dot
+        write_atomic(args.dot, to_dot(rep).encode())
+    if args.tensorboard:
+        from graph_rewriter.inspect_report import write_tensorboard
+        try:
+            os.makedirs(args.tensorboard, exist_ok=True)
+        except OSError as e:
+            raise GraphRewriteError(f"--tensorboard {args.tensorboard}: cannot create the directory ({e.strerror})")
+        write_tensorboard(result.graph_def, args.tensorboard)
     if args.json:
         import json
         sys.stdout.write(json.dumps(rep, indent=2) + "\n")
@@ -244,9 +274,11 @@ def cmd_serve(argv):
 
 
 def cmd_demo(argv):
-    _demo_parser().parse_args(argv)
+    args = _demo_parser().parse_args(argv)
+    if args.steps < 1:
+        raise GraphRewriteError(f"--steps must be at least 1, got {args.steps}")
     from graph_rewriter.demo import run_demo
-    return run_demo(log=print)
+    return run_demo(log=lambda line: print(line, flush=True), steps=args.steps, strategy=args.strategy)
 
 
 def import_tensorflow_quietly():

@@ -14,6 +14,7 @@ the key space stays bounded, and padding costs at most a factor of two.
 """
 
 import hashlib
+from graph_rewriter.errors import GraphRewriteError
 
 from graph_rewriter.op_builder import const, make_op
 
@@ -57,6 +58,17 @@ def init_instance_key(plan, pack_index):
     """Instance key of the pack_index-th broadcast of initial values (between-graph)."""
     gathered = sum(1 for c in plan.cuts if c.sync == "allgather")
     return instance_base(plan) + len(plan.packs) + _SPARSE_BLOCK * gathered + pack_index
+
+
+_BARRIERS = 32               # per kind: ops the user runs that end with a workers' barrier
+
+
+def barrier_instance_key(plan, kind, index):
+    """Instance key of the workers' barrier ending the index-th train op ("step") or init
+    op ("init") in name order: the last slots of this rewrite's block."""
+    if index >= _BARRIERS:
+        raise GraphRewriteError(f"more than {_BARRIERS} {kind} ops need a barrier between workers")
+    return instance_base(plan) + _INSTANCE_SLOTS - 1 - index - (_BARRIERS if kind == "init" else 0)
 
 
 def _key_inputs(graph, scope, group_size, gkey, ikey, device):

@@ -1,83 +1,158 @@
 """`graph-rewrite demo`: the whole path on this machine, with nothing to prepare.
 
-Builds a small single-device training graph (an MLP trained with Momentum), rewrites it
-for two CPU replicas, trains both the original and the rewritten graph on the same
-batches, and prints their losses side by side. The rewritten graph runs each step as two
-replicas that each see half of the batch and average their gradients with TensorFlow's
-collective all-reduce; the losses and the final weights match the one-device run.
+1. Builds a small single-device training graph (an embedding table and a dense layer,
+   Adagrad) and trains it on one device for a few dozen steps.
+2. Starts a local cluster: one parameter server and two worker servers, each its own
+   process on loopback (the `graph-rewrite serve` a real deployment runs per machine),
+   every worker with two CPU devices.
+3. Rewrites the graph once per worker (between-graph, strategy ps by default): four
+   replicas in all, the variables on the ps, gradients averaged by its accumulators.
+4. Runs both workers' clients side by side, each on its half of every batch, and prints
+   the distributed loss beside the one-device loss of the same global batch.
+5. Compares the final variables with the one-device run, shuts every process down, and
+   exits 0 when they agree.
 """
 
+import threading
 import time
 
 import numpy as np
 
 STEPS = 30
-BATCH = 64
-REPLICAS = 2
+BATCH = 16            # global batch: 4 rows per replica on 2 workers x 2 devices
+WORKERS = 2
+DEVICES_PER_WORKER = 2
+CALL_TIMEOUT = 60.0   # any one session call: a dead peer becomes an error, not a hang
+TOLERANCE = 1e-4
 
 
-def run_demo(log=print, steps=STEPS, batch_size=BATCH, replicas=REPLICAS):
-    """Returns 0 when the rewritten graph trained like the original, 1 otherwise."""
+def run_demo(log=print, steps=STEPS, batch_size=BATCH, strategy="ps", model="embedding",
+             optimizer="adagrad"):
+    """Returns 0 when the cluster trained like one device, 1 otherwise."""
     import tensorflow as tf
 
     import graph_rewriter as gr
     from graph_rewriter import examples
+    from graph_rewriter.local_cluster import LocalCluster
 
     tf.compat.v1.disable_eager_execution()
+    tf.get_logger().setLevel("ERROR")   # TensorFlow's deprecation notes are not the demo's
     started = time.perf_counter()
-    example = examples.build("mlp", "momentum", seed=0)
-    log(f"1. built a single-device training graph: {len(example.graph_def.node)} nodes, "
-        f"{len(example.variables)} variables, optimizer Momentum")
-    result = gr.rewrite(example.graph_def, devices_per_worker=replicas, device_type="CPU")
-    log(f"2. rewrote it for {replicas} CPU replicas: {len(result.graph_def.node)} nodes")
-    for line in result.summary().splitlines():
-        log(f"     {line}")
-    log(f"3. training {steps} steps on batches of {batch_size}, each split across the replicas")
-    log(f"     {'step':>4}  {'one device':>12}  {'rewritten':>12}  {'difference':>10}")
-    single = _Trainer(example, tf.compat.v1.Session(graph=_import(example.graph_def)))
-    rewritten = _Trainer(example, gr.Session(result))
-    worst = 0.0
-    try:
+    example = examples.build(model, optimizer, seed=0)
+    batches = [example.batch(step, batch_size) for step in range(steps)]
+    log(f"1. built a single-device training graph ({model}, {optimizer}): {len(example.graph_def.node)} "
+        f"nodes, {len(example.variables)} variables; training it on one device ...")
+    one_losses, one_values = _train_one_device(example, batches)
+    log(f"   {steps} steps on batches of {batch_size}: loss {one_losses[0]:.4f} -> {one_losses[-1]:.4f}")
+
+    log(f"2. starting a local cluster: 1 ps + {WORKERS} workers x {DEVICES_PER_WORKER} CPU devices, "
+        "one server process each on loopback ...")
+    with LocalCluster(workers=WORKERS, ps=1, device_type="CPU",
+                      devices_per_worker=DEVICES_PER_WORKER) as cluster:
+        for job, i in cluster.tasks():
+            log(f"   {job}:{i}  {cluster.spec[job][i]}  (pid {cluster.processes[f'{job}:{i}'].pid})")
+        results = [gr.rewrite(example.graph_def, cluster.spec, strategy=strategy, task=f"worker:{k}",
+                              devices_per_worker=DEVICES_PER_WORKER, device_type="CPU",
+                              timeout_seconds=CALL_TIMEOUT) for k in range(WORKERS)]
+        log(f"3. rewrote it per worker (strategy {strategy}, between-graph): "
+            f"{results[0].num_replicas} replicas, {results[0].num_nodes} nodes in worker 0's graph")
+        for line in results[0].summary().splitlines()[1:3]:
+            log(f"     {line}")
+        log(f"4. training: each worker's client feeds its half of every batch of {batch_size}")
+        log(f"     {'step':>4}  {'one device':>12}  {'cluster':>12}  {'difference':>10}")
+        clients = [_Client(example, results[k], cluster.target("worker", k),
+                           [_shard(b, results[k], k) for b in batches]) for k in range(WORKERS)]
+        for c in clients:
+            c.start()
+        worst = 0.0
         for step in range(steps):
-            feed = example.batch(step, batch_size)
-            a = single.step(feed)
-            b = rewritten.step(feed)
-            worst = max(worst, abs(a - b))
+            losses = [c.loss(step) for c in clients]
+            if any(loss is None for loss in losses):
+                break
+            loss = float(np.mean(losses))   # equal shards: the mean of means is the batch mean
+            worst = max(worst, abs(loss - one_losses[step]))
             if step % 5 == 0 or step == steps - 1:
-                log(f"     {step:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>10.2e}")
-        diff = max(float(np.max(np.abs(single.values()[k] - rewritten.values()[k])))
-                   for k in example.variables)
-    finally:
-        single.close()
-        rewritten.close()
-    ok = worst <= 1e-4 and diff <= 1e-4
-    log(f"4. largest loss difference {worst:.2e}, largest weight difference {diff:.2e}: "
-        f"{'the same training, on ' + str(replicas) + ' replicas' if ok else 'MISMATCH'} "
-        f"({time.perf_counter() - started:.1f} s)")
+                log(f"     {step:>4}  {one_losses[step]:>12.6f}  {loss:>12.6f}  "
+                    f"{abs(loss - one_losses[step]):>10.2e}")
+        for c in clients:
+            c.join(CALL_TIMEOUT * 2)
+        errors = [f"worker {k}: {c.error}" for k, c in enumerate(clients) if c.error]
+        log("5. stopping the cluster's processes")
+    if errors:
+        for e in errors:
+            log(f"   {e}")
+        log("demo failed: a worker's client did not finish")
+        return 1
+    values = clients[0].values
+    diff = max(float(np.max(np.abs(values[k] - one_values[k]))) for k in one_values)
+    ok = worst <= TOLERANCE and diff <= TOLERANCE
+    log(f"   largest loss difference {worst:.2e}, largest variable difference {diff:.2e}: "
+        + (f"the same training, on {results[0].num_replicas} replicas in {WORKERS} processes"
+           if ok else "MISMATCH")
+        + f" ({time.perf_counter() - started:.1f} s)")
     return 0 if ok else 1
 
 
-def _import(graph_def):
+def _train_one_device(example, batches):
     import tensorflow as tf
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.import_graph_def(graph_def, name="")
-    return graph
+        tf.compat.v1.import_graph_def(example.graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(example.init)
+        losses = [float(sess.run([example.loss, example.train_op], feed_dict=b)[0]) for b in batches]
+        names = list(example.variables)
+        values = dict(zip(names, sess.run([example.variables[n] for n in names])))
+    return losses, {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
 
 
-class _Trainer:
-    def __init__(self, example, session):
-        self.example, self.session = example, session
-        session.run(example.init)
+def _shard(feed, result, k):
+    """Worker k's rows of a global batch (batch inputs split evenly; others whole)."""
+    split = set(result.plan.batch_inputs)
+    out = {}
+    for name, value in feed.items():
+        if name in split:
+            rows = len(value) // WORKERS
+            value = value[k * rows:(k + 1) * rows]
+        out[name] = value
+    return out
 
-    def step(self, feed):
-        loss, _ = self.session.run([self.example.loss, self.example.train_op], feed_dict=feed)
-        return float(loss)
 
-    def values(self):
-        names = list(self.example.variables)
-        vals = self.session.run([self.example.variables[n] for n in names])
-        return dict(zip(names, [np.asarray(v, dtype=np.float64) for v in vals]))
+class _Client(threading.Thread):
+    """One worker's client: init, then a step per batch; losses as they come."""
 
-    def close(self):
-        self.session.close()
+    def __init__(self, example, result, target, feeds):
+        super().__init__(daemon=True)
+        self.example, self.result, self.target, self.feeds = example, result, target, feeds
+        self.losses, self.values, self.error = [], None, None
+        self._progress = threading.Condition()
+
+    def run(self):
+        import tensorflow as tf
+
+        import graph_rewriter as gr
+        options = tf.compat.v1.RunOptions(timeout_in_ms=int(CALL_TIMEOUT * 1000))
+        try:
+            with gr.Session(self.result, target=self.target) as sess:
+                sess.run(self.example.init, options=options)
+                for feed in self.feeds:
+                    loss, _ = sess.run([self.example.loss, self.example.train_op], feed_dict=feed,
+                                       options=options)
+                    with self._progress:
+                        self.losses.append(float(loss))
+                        self._progress.notify_all()
+                names = list(self.example.variables)
+                vals = sess.run([self.example.variables[n] for n in names], options=options)
+                self.values = {n: np.asarray(v, dtype=np.float64) for n, v in zip(names, vals)}
+        except Exception as e:  # reported by the demo, which then exits 1
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        finally:
+            with self._progress:
+                self._progress.notify_all()
+
+    def loss(self, step):
+        """This worker's loss at ``step``, waiting for it (bounded); None if it failed."""
+        with self._progress:
+            self._progress.wait_for(lambda: len(self.losses) > step or self.error or not self.is_alive(),
+                                    timeout=CALL_TIMEOUT * 2)
+            return self.losses[step] if len(self.losses) > step else None

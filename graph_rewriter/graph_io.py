@@ -180,6 +180,12 @@ def graph_item_from_graph_def(gd, source="<GraphDef>"):
         if COLOCATION_ATTR in nd.attr:
             node._colocate = [nodes.get(n, n) for n in _colocation_names(nd.attr[COLOCATION_ATTR])]
             del nd.attr[COLOCATION_ATTR]
+    from graph_rewriter.traversal import topological_order
+    try:
+        item.reset_order(topological_order(item))
+    except GraphRewriteError:
+        item._order_ok = False   # a cycle: the verifier will name it
+    item.clean()
     return item
 
 
@@ -227,7 +233,11 @@ def graph_def_bytes(item):
     from tensorflow.core.framework import node_def_pb2
     attr_bytes = {}     # id(attr proto) -> (serialized attrs, the proto kept alive)
     op_bytes, device_bytes = {}, {}
+    inputs = {}         # Tensor -> its serialized input field (a tensor is read many times)
+    controls = {}       # Node -> its serialized "^name" input field
+    colocations = {}    # tuple of targets -> the serialized _class attr entry
     chunks = []
+    append = chunks.append
     for node in item._nodes.values():
         d = node._def
         cached = attr_bytes.get(id(d))
@@ -247,15 +257,25 @@ def graph_def_bytes(item):
             dev = device_bytes[node.device] = _string_field(b"\x22", node.device) if node.device else b""
         body = [_string_field(b"\x0a", node._name), op]
         for t in node._inputs:
-            body.append(_string_field(b"\x1a", t.node._name if t.index == 0 else f"{t.node._name}:{t.index}"))
+            field = inputs.get(t)
+            if field is None:
+                field = inputs[t] = _string_field(b"\x1a", t.node._name if t.index == 0 else f"{t.node._name}:{t.index}")
+            body.append(field)
         for c in node._control_inputs:
-            body.append(_string_field(b"\x1a", "^" + c._name))
+            field = controls.get(c)
+            if field is None:
+                field = controls[c] = _string_field(b"\x1a", "^" + c._name)
+            body.append(field)
         body.append(dev)
         body.append(cached[0])
         if node._colocate:
-            body.append(_colocation_entry(node._colocate))
+            key = tuple(node._colocate)
+            entry = colocations.get(key)
+            if entry is None:
+                entry = colocations[key] = _colocation_entry(key)
+            body.append(entry)
         data = b"".join(body)
-        chunks.append(b"\x0a" + _varint(len(data)) + data)
+        append(b"\x0a" + _varint(len(data)) + data)
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)
         chunks.append(b"\x12" + _varint(len(lib)) + lib)

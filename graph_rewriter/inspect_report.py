@@ -4,9 +4,37 @@ Everything comes from the graph itself: its metadata node (replicas, plan, passe
 its nodes (devices of variables, the collectives and their keys).
 """
 
+import os
+
 from graph_rewriter.verifier import COLLECTIVES
 
-_ROW_BYTES_NOTE = "per step: rows touched x row bytes"
+_INDEX_BYTES = {"int32": 4, "int64": 8}
+_ACCUMULATORS = ("ConditionalAccumulator", "SparseConditionalAccumulator")
+_QUEUES = ("FIFOQueueV2", "FIFOQueue", "PaddingFIFOQueueV2", "RandomShuffleQueueV2", "PriorityQueueV2")
+
+
+def _row_bytes(cut):
+    """Bytes of one gathered row: its values and its index."""
+    return cut["bytes"] // max(cut["shape"][0], 1) + _INDEX_BYTES.get(cut.get("index_dtype"), 8)
+
+
+def sparse_gather_bytes(cut, num_replicas, batch_size):
+    """Bytes one replica receives per step gathering a sparse gradient for a global
+    batch of ``batch_size`` examples: every replica's rows (before deduplication) padded
+    to a power of two (see passes/allgather.py), values and indices, plus the row counts.
+    None when the rows per example are not fixed or the batch size is not given."""
+    if cut.get("rows_per_example") is None or not cut.get("shape") or not batch_size:
+        return None
+    rows = -(-batch_size // num_replicas) * cut["rows_per_example"]   # one replica's rows
+    padded = 1 << max(rows - 1, 0).bit_length()
+    return num_replicas * (padded * _row_bytes(cut) + 8)
+
+
+def _sparse_entry(cut, num_replicas, batch_size):
+    per_example = (cut["rows_per_example"] * _row_bytes(cut)
+                   if cut.get("rows_per_example") is not None and cut.get("shape") else None)
+    return {"bytes": sparse_gather_bytes(cut, num_replicas, batch_size),
+            "bytes_per_example": per_example, "rows_per_example": cut.get("rows_per_example")}
 
 
 def _const_value(nodes, name):
@@ -18,8 +46,9 @@ def _const_value(nodes, name):
     return vals[0] if vals else None
 
 
-def report(result):
-    """A dict describing ``result`` (a RewriteResult)."""
+def report(result, batch_size=None):
+    """A dict describing ``result`` (a RewriteResult); ``batch_size`` (the global batch)
+    turns sparse gradients' bytes per example into bytes per step."""
     md = result.metadata
     plan = md["plan"]
     nodes = {n.name: n for n in result.graph_def.node}
@@ -28,17 +57,28 @@ def report(result):
     variables = []
     for v in plan["variables"]:
         cut = cuts.get(v["name"])
+        on_ps = v.get("placement") == "ps"
         if cut is None:
-            sync = "local (same update on every replica)" if v["role"] != "trainable" else "none"
+            sync = ("on the ps (updated once per step, by the chief)" if on_ps
+                    else "local (same update on every replica)" if v["role"] != "trainable" else "none")
         elif cut["sync"] == "allreduce":
             sync = f"allreduce pack {cut['pack']}"
+        elif cut["sync"] == "accumulate":
+            sync = f"ps accumulator ({cut['kind']})"
         else:
             sync = "allgather rows"
         copies = [p + v["name"] for p in prefixes if (p + v["name"]) in nodes]
+        shards = v.get("shards") or []
+        if shards:
+            parts = [f"{v['name']}/part_{k}" for k in range(len(shards))]
+            device = ", ".join(nodes[p].device for p in parts if p in nodes) or "?"
+        else:
+            device = nodes[v["name"]].device if v["name"] in nodes else ""
         variables.append({
             "name": v["name"], "role": v["role"], "dtype": v["dtype"], "shape": v["shape"],
-            "bytes": v["bytes"], "sync": sync, "device": nodes[v["name"]].device if v["name"] in nodes else "",
-            "copies": len(copies)})
+            "bytes": v["bytes"], "placement": v.get("placement", "mirrored"), "sync": sync,
+            "device": device, "copies": len(copies),
+            "shards": [{"ps_task": s["ps_task"], "rows": s["rows"]} for s in shards]})
     collectives = []
     for n in result.graph_def.node:
         if n.op not in COLLECTIVES or any(n.name.startswith(p) for p in prefixes[1:]):
@@ -47,12 +87,18 @@ def report(result):
             "name": n.name, "op": n.op, "device": n.device,
             "group_size": _const_value(nodes, n.input[1]), "group_key": _const_value(nodes, n.input[2]),
             "instance_key": _const_value(nodes, n.input[3])})
+    accumulators = [{"name": n.name, "op": n.op, "device": n.device,
+                     "shared_name": n.attr["shared_name"].s.decode()}
+                    for n in result.graph_def.node if n.op in _ACCUMULATORS]
+    queues = [{"name": n.name, "device": n.device, "shared_name": n.attr["shared_name"].s.decode()}
+              for n in result.graph_def.node if n.op in _QUEUES]
     compression = plan.get("compression")
     wire = {None: 1.0, "fp16": 0.5, "bf16": 0.5}.get(compression, 1.0)
     r = md["num_replicas"]
     dense_bytes = sum(int(p["bytes"] * (wire if p["dtype"] in ("float32", "float64") else 1.0))
                       for p in plan["packs"])
-    sparse = [c["variable"] for c in plan["cuts"] if c["sync"] == "allgather"]
+    sparse = {c["variable"]: _sparse_entry(c, r, batch_size) for c in plan["cuts"] if c["sync"] == "allgather"}
+    ps_cuts = [c for c in plan["cuts"] if c["sync"] == "accumulate"]
     return {
         "strategy": plan["strategy"], "num_replicas": r,
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
@@ -61,10 +107,18 @@ def report(result):
         "packs": [{"index": i, "dtype": p["dtype"], "bytes": p["bytes"], "gradients": p["cuts"]}
                   for i, p in enumerate(plan["packs"])],
         "collectives": collectives,
+        "accumulators": accumulators,
+        "queues": queues,
         "bytes_per_step_per_replica": {
             "dense_payload": dense_bytes if r > 1 else 0,
             "dense_ring_traffic": int(2 * (r - 1) / r * dense_bytes) if r > 1 else 0,
-            "sparse": {v: _ROW_BYTES_NOTE for v in sparse} if r > 1 else {},
+            "sparse": sparse if r > 1 else {},
+            "batch_size": batch_size,
+            # parameter servers: each replica pushes its gradients to the accumulators and
+            # reads the variables it uses (sparse ones: the rows of its examples)
+            "ps_dense_gradients": sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense"),
+            "ps_dense_reads": sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense"),
+            "ps_sparse": {c["variable"]: _sparse_entry(c, r, batch_size) for c in ps_cuts if c["kind"] == "sparse"},
         },
         "compression": compression,
         "passes": md["passes"],
@@ -98,6 +152,14 @@ def format_report(rep):
     lines.append(f"packs ({len(rep['packs'])}):")
     for p in rep["packs"]:
         lines.append(f"  pack {p['index']}: {p['dtype']}, {_size(p['bytes'])}, {len(p['gradients'])} gradient(s)")
+    if rep["accumulators"]:
+        lines.append(f"accumulators ({len(rep['accumulators'])}):")
+        for a in rep["accumulators"]:
+            lines.append(f"  {a['op']:<29} on {a['device'] or '?'}  {a['name']}")
+    if rep["queues"]:
+        lines.append(f"queues ({len(rep['queues'])}):")
+        for q in rep["queues"]:
+            lines.append(f"  {q['name']}  on {q['device'] or '?'}")
     lines.append(f"collectives on replica 0 ({len(rep['collectives'])}):")
     for c in rep["collectives"]:
         lines.append(f"  {c['op']:<20} group {c['group_key']} size {c['group_size']} instance "
@@ -106,8 +168,118 @@ def format_report(rep):
     lines.append(f"bytes per step per replica: dense {_size(b['dense_payload'])} of gradients "
                  f"({_size(b['dense_ring_traffic'])} ring traffic)"
                  + (f", compression {rep['compression']}" if rep["compression"] else ""))
-    for var, note in b["sparse"].items():
-        lines.append(f"  sparse {var}: {note}")
+    for var, s in b["sparse"].items():
+        if s["bytes"] is not None:
+            text = (f"{_size(s['bytes'])} gathered for a global batch of {b['batch_size']} "
+                    f"({s['rows_per_example']} row(s) per example, padded to a power of two)")
+        elif s["bytes_per_example"] is not None:
+            text = (f"{_size(s['bytes_per_example'])} gathered per example of the global batch "
+                    f"({s['rows_per_example']} row(s) each, before padding; --batch-size N gives the step's bytes)")
+        else:
+            text = "rows per example unknown (the ids' shape does not follow the batch)"
+        lines.append(f"  sparse {var}: {text}")
+    if b["ps_dense_gradients"] or b["ps_sparse"]:
+        lines.append(f"  parameter servers: dense gradients {_size(b['ps_dense_gradients'])} pushed, "
+                     f"dense variables {_size(b['ps_dense_reads'])} read")
+        for var, s in b["ps_sparse"].items():
+            per = (f"{_size(s['bytes_per_example'])} per example of the global batch"
+                   if s["bytes_per_example"] is not None else "rows per example unknown")
+            lines.append(f"    sparse {var}: its rows pushed and read, {per}")
     lines.append(f"passes: {' -> '.join(rep['passes'])}")
     lines.append(f"nodes: {rep['nodes']}")
     return "\n".join(lines) + "\n"
+
+
+def write_tensorboard(graph_def, logdir):
+    """Writes ``graph_def`` as an event file TensorBoard's Graphs tab shows (colour by
+    device to see the replicas and the ps); returns the event file's path."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+        writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)  # graph mode: not eager
+        writer.close()
+    events = [os.path.join(logdir, f) for f in os.listdir(logdir) if f.startswith("events.")]
+    return max(events, key=os.path.getmtime)
+
+
+def _esc(text):
+    """Text made safe inside a DOT double-quoted string."""
+    return str(text).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _label(*lines):
+    return '"' + "\\n".join(_esc(line) for line in lines) + '"'
+
+
+def _task_of(device):
+    """'/job:worker/replica:0/task:1/device:GPU:0' -> '/job:worker/replica:0/task:1'; a
+    device without a job (one machine) -> 'this machine'."""
+    head = device.split("/device:")[0]
+    return head or "this machine"
+
+
+def to_dot(rep):
+    """A Graphviz (DOT) picture of the report: one box per replica grouped by machine,
+    the parameter servers with their variables, accumulators and queues, and the
+    communication between them (all-reduce packs, all-gathers, gradients pushed to and
+    variables read from the ps). Ops are not drawn: a ResNet has thousands."""
+    title = _label("strategy %s: %d replica(s), %d ops" % (rep["strategy"], rep["num_replicas"], rep["nodes"]))
+    out = ["digraph graph_rewriter {",
+           f"  graph [rankdir=LR, fontname=Helvetica, label={title}];",
+           "  node [fontname=Helvetica, shape=box];",
+           "  edge [fontname=Helvetica, fontsize=10];"]
+    mirrored = [v for v in rep["variables"] if v["placement"] != "ps"]
+    mirrored_bytes = sum(v["bytes"] or 0 for v in mirrored)
+    by_task = {}
+    for i, r in enumerate(rep["replicas"]):
+        by_task.setdefault(_task_of(r["device"]), []).append((i, r))
+    for t, (task, members) in enumerate(by_task.items()):
+        out.append(f"  subgraph cluster_machine_{t} {{")
+        out.append(f"    label={_label(task)};")
+        for i, r in members:
+            label = _label(f"replica {i}", r["device"].split("/device:")[-1],
+                           f"{len(mirrored)} mirrored variables, {_size(mirrored_bytes)}")
+            out.append(f"    replica_{i} [label={label}];")
+        out.append("  }")
+    ps_devices = {}
+    for v in rep["variables"]:
+        if v["placement"] == "ps":
+            for d in (v["device"] or "?").split(", "):
+                ps_devices.setdefault(d, []).append(v)
+    acc_on = {}
+    for a in rep["accumulators"]:
+        acc_on.setdefault(a["device"], []).append(a)
+    queues_on = {}
+    for q in rep["queues"]:
+        queues_on.setdefault(q["device"], []).append(q)
+    for k, dev in enumerate(sorted(set(ps_devices) | set(acc_on) | set(queues_on))):
+        names = [v["name"] for v in ps_devices.get(dev, [])]
+        shown = names[:8] + ([f"... {len(names) - 8} more"] if len(names) > 8 else [])
+        held = sum(v["bytes"] or 0 for v in ps_devices.get(dev, []))
+        lines = [_task_of(dev), f"{len(names)} variables, {_size(held)}"]
+        lines += shown
+        if acc_on.get(dev):
+            lines.append(f"{len(acc_on[dev])} accumulators")
+        if queues_on.get(dev):
+            lines.append(f"{len(queues_on[dev])} queues")
+        out.append(f"  ps_{k} [shape=cylinder, label={_label(*lines)}];")
+        for i in range(len(rep["replicas"])):
+            if acc_on.get(dev):
+                out.append(f"  replica_{i} -> ps_{k} [label=\"gradients\"];")
+            if names:
+                out.append(f"  ps_{k} -> replica_{i} [style=dashed, label=\"variables\"];")
+    for p in rep["packs"]:
+        label = _label("all-reduce pack %d" % p["index"], "%s, %s" % (p["dtype"], _size(p["bytes"])),
+                       "%d gradients" % len(p["gradients"]))
+        out.append(f"  pack_{p['index']} [shape=ellipse, label={label}];")
+        for i in range(len(rep["replicas"])):
+            out.append(f"  replica_{i} -> pack_{p['index']} [dir=both];")
+    gathered = [v for v in rep["variables"] if v["sync"] == "allgather rows"]
+    for j, v in enumerate(gathered):
+        label = _label("all-gather rows", v["name"])
+        out.append(f"  gather_{j} [shape=ellipse, label={label}];")
+        for i in range(len(rep["replicas"])):
+            out.append(f"  replica_{i} -> gather_{j} [dir=both];")
+    out.append("}")
+    return "\n".join(out) + "\n"

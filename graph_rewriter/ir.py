@@ -37,15 +37,16 @@ class Node:
     """One operation. Read ``inputs``/``control_inputs`` freely; change them only through
     the methods below, which keep the producers' consumer tables consistent."""
 
-    __slots__ = ("graph", "_name", "op", "device", "_def", "_shared_def",
+    __slots__ = ("graph", "_name", "op", "_device", "_def", "_shared_def",
                  "_inputs", "_control_inputs", "_consumers", "_control_consumers",
-                 "_colocate", "replica", "_arg_info", "__weakref__")
+                 "_colocate", "replica", "_arg_info", "_ord", "__weakref__")
 
     def __init__(self, graph, name, op, device, node_def, shared_def=False):
         self.graph = graph
         self._name = name
         self.op = op
-        self.device = device
+        self._device = device
+        self._ord = 0.0               # position in the graph's maintained topological order
         self._def = node_def          # NodeDef holding attrs; its name/input fields are unused
         self._shared_def = shared_def  # True while a clone shares its original's proto
         self._inputs = []
@@ -62,6 +63,16 @@ class Node:
     @property
     def name(self):
         return self._name
+
+    @property
+    def device(self):
+        return self._device
+
+    @device.setter
+    def device(self, value):
+        if value != self._device:
+            self._device = value
+            self.graph._touch(self)
 
     # ----- attributes -------------------------------------------------------------
     @property
@@ -95,12 +106,12 @@ class Node:
             attr.s = value
         else:
             raise TypeError(f"unsupported attr value for {self._name}.{key}: {value!r}")
-        self.graph._touch()
+        self.graph._touch(self)
 
     def del_attr(self, key):
         if key in self._def.attr:
             del self._own_def().attr[key]
-            self.graph._touch()
+            self.graph._touch(self)
 
     def output(self, index=0):
         return Tensor(self, index)
@@ -137,12 +148,12 @@ class Node:
         del old.node._consumers[(self, position)]
         self._inputs[position] = tensor
         tensor.node._consumers[(self, position)] = None
-        self.graph._touch()
+        self.graph._edge(tensor.node, self)
 
     def add_input(self, tensor):
         self._inputs.append(tensor)
         tensor.node._consumers[(self, len(self._inputs) - 1)] = None
-        self.graph._touch()
+        self.graph._edge(tensor.node, self)
 
     def set_inputs(self, tensors):
         for pos, t in enumerate(self._inputs):
@@ -150,19 +161,21 @@ class Node:
         self._inputs = list(tensors)
         for pos, t in enumerate(self._inputs):
             t.node._consumers[(self, pos)] = None
-        self.graph._touch()
+        self.graph._touch(self, edges=True)
+        for t in self._inputs:
+            self.graph._edge(t.node, self)
 
     def add_control_input(self, node):
         if self in node._control_consumers:
             return
         self._control_inputs.append(node)
         node._control_consumers[self] = None
-        self.graph._touch()
+        self.graph._edge(node, self)
 
     def remove_control_input(self, node):
         self._control_inputs.remove(node)
         del node._control_consumers[self]
-        self.graph._touch()
+        self.graph._touch(self, edges=True)
 
     def set_control_inputs(self, nodes):
         for n in self._control_inputs:
@@ -170,12 +183,14 @@ class Node:
         self._control_inputs = list(dict.fromkeys(nodes))
         for n in self._control_inputs:
             n._control_consumers[self] = None
-        self.graph._touch()
+        self.graph._touch(self, edges=True)
+        for n in self._control_inputs:
+            self.graph._edge(n, self)
 
     def set_colocation(self, targets):
         """Colocate with these nodes (an empty list removes the constraint)."""
         self._colocate = list(targets)
-        self.graph._touch()
+        self.graph._touch(self)
 
 
 class GraphItem:
@@ -192,9 +207,37 @@ class GraphItem:
         self.version = 0             # bumped by every mutation; keys cached analyses
         self._cache = {}
         self._suffixes = {}          # unique_name's last suffix per base name
+        # Incremental verification: nodes changed since the verifier last ran (edges, or
+        # attributes/devices/colocation), and a topological order kept valid on every
+        # new edge (Node._ord), so "no new cycle" costs the edges added, not the graph.
+        self._dirty_edges = {}
+        self._dirty_attrs = {}
+        self._next_ord = 0.0
+        self._order_ok = True
 
-    def _touch(self):
+    def _touch(self, node=None, edges=False):
         self.version += 1
+        if node is not None:
+            (self._dirty_edges if edges else self._dirty_attrs)[node] = None
+
+    def _edge(self, producer, consumer):
+        """Records a new edge producer -> consumer and keeps the topological order."""
+        self.version += 1
+        self._dirty_edges[consumer] = None
+        if self._order_ok and producer._ord >= consumer._ord:
+            keep_order(self, producer, consumer)
+
+    def reset_order(self, order):
+        """Takes ``order`` (every node, producers first) as the maintained order."""
+        for i, n in enumerate(order):
+            n._ord = float(i)
+        self._next_ord = float(len(order))
+        self._order_ok = True
+
+    def clean(self):
+        """Forgets the changes so far (the verifier has checked them)."""
+        self._dirty_edges = {}
+        self._dirty_attrs = {}
 
     def cached(self, key, compute):
         """Returns compute(self), computed once per graph version (analysis caching)."""
@@ -253,7 +296,11 @@ class GraphItem:
         if name in self._nodes:
             raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
         node = Node(self, name, op, device, node_def_pb2.NodeDef())
+        node._ord = self._next_ord
+        self._next_ord += 1.0
         self._nodes[name] = node
+        self._dirty_edges[node] = None
+        self._dirty_attrs[node] = None
         for key, value in (attrs or {}).items():
             node.set_attr(key, value)
         for t in inputs:
@@ -283,32 +330,42 @@ class GraphItem:
         clone = Node(self, name, node.op, node.device if device is None else device,
                      node._def, shared_def=True)
         clone._colocate = list(node._colocate)
+        clone._ord = self._next_ord
+        self._next_ord += 1.0
         self._nodes[name] = clone
-        self._touch()
+        self._touch(clone, edges=True)
+        self._dirty_attrs[clone] = None
         return clone
 
     def clone_nodes(self, nodes, prefix):
         """Clones ``nodes`` under ``prefix + name``. Edges between cloned nodes lead to the
         clones; edges from other nodes (and colocation with them) stay as they were.
-        Returns {original: clone}. One bulk operation: this is the replication hot path."""
+        Returns {original: clone}. One bulk operation: this is the replication hot path.
+        Clones of valid nodes are valid, so they are not queued for verification."""
         mapping = {}
         table = self._nodes
         for n in nodes:  # check every name first: a rejected clone leaves the graph as it was
             if prefix + n._name in table:
                 raise GraphRewriteError(f"{self.source}: a node named '{prefix + n._name}' already exists")
+        # clones keep their originals' topological order, after every existing node
+        rank = {n: i for i, n in enumerate(sorted(nodes, key=lambda n: n._ord))}
+        base = self._next_ord
         for n in nodes:
             name = prefix + n._name
             n._shared_def = True
-            c = Node(self, name, n.op, n.device, n._def, shared_def=True)
+            c = Node(self, name, n.op, n._device, n._def, shared_def=True)
             c._arg_info = n._arg_info
+            c._ord = base + rank[n]
             table[name] = c
             mapping[n] = c
+        self._next_ord = base + len(rank)
         get = mapping.get
+        new_tensor = tuple.__new__
         for n, c in mapping.items():
             ins = c._inputs
             for pos, t in enumerate(n._inputs):
-                p = get(t.node, t.node)
-                nt = Tensor(p, t.index)
+                p = get(t[0], t[0])
+                nt = new_tensor(Tensor, (p, t[1]))
                 ins.append(nt)
                 p._consumers[(c, pos)] = None
             if n._control_inputs:
@@ -330,7 +387,7 @@ class GraphItem:
         # Keep export order: rebuild the dict with the new key in the same place.
         self._nodes = {(new_name if k == node._name else k): v for k, v in self._nodes.items()}
         node._name = new_name
-        self._touch()
+        self._touch(node, edges=True)
 
     def remove_node(self, node):
         """Removes a node that nothing reads any more (data or control)."""
@@ -383,6 +440,88 @@ class GraphItem:
                 consumer.add_control_input(new)
             changed.append(consumer)
         return changed
+
+
+def keep_order(graph, x, y):
+    """A new edge x -> y arrived with x not before y in the maintained topological order
+    (Pearce and Kelly's dynamic topological sort, searching both ways at once). Either
+    the nodes after y that precede x move just after x, or the nodes before x that follow
+    y move just before y, whichever set is smaller; finding y behind x (or x after y)
+    means a cycle, which the verifier then reports with a full check."""
+    if y.op in _MERGES and x.op in _NEXT_ITERATIONS:
+        return  # a loop back-edge
+    if not y._consumers and not y._control_consumers:
+        y._ord = graph._next_ord  # nothing follows y: it can go last
+        graph._next_ord += 1.0
+        return
+    if not x._inputs and not x._control_inputs:   # nothing precedes x: it can go first
+        x._ord = min(s._ord for s in _successors(x)) - 1.0
+        return
+    lo, hi = y._ord, x._ord
+    fwd, fwd_seen, fwd_stack = [], {y}, [y]
+    bwd, bwd_seen, bwd_stack = [], {x}, [x]
+    while fwd_stack and bwd_stack:
+        n = fwd_stack.pop()
+        fwd.append(n)
+        for c in _successors(n):
+            if c is x:
+                graph._order_ok = False
+                return
+            if c._ord < hi and c not in fwd_seen:
+                fwd_seen.add(c)
+                fwd_stack.append(c)
+        n = bwd_stack.pop()
+        bwd.append(n)
+        for p in _predecessors(n):
+            if p is y:
+                graph._order_ok = False
+                return
+            if p._ord > lo and p not in bwd_seen:
+                bwd_seen.add(p)
+                bwd_stack.append(p)
+    if not fwd_stack:   # move what follows y (and precedes x) to just after x
+        moved = set(fwd)
+        outside = [c._ord for n in fwd for c in _successors(n) if c not in moved]
+        _spread(graph, sorted(fwd, key=lambda n: n._ord), hi, min(outside) if outside else None)
+    else:               # move what precedes x (and follows y) to just before y
+        moved = set(bwd)
+        outside = [p._ord for n in bwd for p in _predecessors(n) if p not in moved]
+        _spread(graph, sorted(bwd, key=lambda n: n._ord), max(outside) if outside else lo - len(bwd) - 1.0, lo)
+
+
+def _spread(graph, nodes, lo, hi):
+    """Gives ``nodes`` (in order) positions strictly between lo and hi (None: the end)."""
+    if hi is None:
+        for n in nodes:
+            n._ord = graph._next_ord
+            graph._next_ord += 1.0
+        return
+    step = (hi - lo) / (len(nodes) + 1)
+    if step <= abs(hi) * 1e-12:   # positions ran out between two nodes: renumber all
+        graph._order_ok = False
+        return
+    for i, n in enumerate(nodes, 1):
+        n._ord = lo + i * step
+
+
+def _successors(n):
+    outs = [c for c, _ in n._consumers]
+    outs.extend(n._control_consumers)
+    if n.op in _NEXT_ITERATIONS:
+        outs = [c for c in outs if c.op not in _MERGES]
+    return outs
+
+
+def _predecessors(n):
+    ins = [t.node for t in n._inputs]
+    ins.extend(n._control_inputs)
+    if n.op in _MERGES:
+        ins = [p for p in ins if p.op not in _NEXT_ITERATIONS]
+    return ins
+
+
+_MERGES = frozenset(("Merge", "RefMerge"))
+_NEXT_ITERATIONS = frozenset(("NextIteration", "RefNextIteration"))
 
 
 def _replica_from_producers(node):

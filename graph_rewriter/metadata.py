@@ -9,6 +9,12 @@ METADATA_NODE = "graph_rewriter/metadata"
 METADATA_FORMAT = "graph_rewriter.metadata/1"
 
 
+def read_metadata_of(graph):
+    """The metadata dict of a rewritten GraphItem."""
+    node = graph.node(METADATA_NODE)
+    return json.loads(node.attr["value"].tensor.string_val[0].decode("utf-8"))
+
+
 def read_metadata(graph_def, source="graph"):
     """The metadata dict of a rewritten GraphDef; a clear error if it has none."""
     for node in reversed(graph_def.node):

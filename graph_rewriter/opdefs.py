@@ -7,6 +7,8 @@ functions are resolved through the function's signature.
 """
 
 import functools
+import json
+import os
 
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import kernels, op_def_registry
@@ -64,7 +66,7 @@ def _arg_dtypes(arg, attrs):
 class _ArgInfo:
     """Per-signature facts about an op's arguments (cached: computed once per op and
     type attributes, not once per node)."""
-    __slots__ = ("slices", "names", "refs", "in_dtypes", "out_dtypes", "kernels")
+    __slots__ = ("slices", "names", "refs", "in_dtypes", "out_dtypes", "kernels", "resource_positions")
 
     def __init__(self, od, attrs):
         self.kernels = {}  # device type -> has a kernel (filled by has_kernel)
@@ -77,6 +79,8 @@ class _ArgInfo:
             self.names += [arg.name] * n
             self.refs += [arg.is_ref] * n
             self.in_dtypes += _arg_dtypes(arg, attrs)
+        self.resource_positions = tuple(i for i, dt in enumerate(self.in_dtypes)
+                                        if dt == DT_RESOURCE or self.refs[i])
         self.out_dtypes = []
         for arg in od.output_arg:
             for dt in _arg_dtypes(arg, attrs):
@@ -159,6 +163,11 @@ def output_dtypes(node):
     return _info(node).out_dtypes
 
 
+def resource_positions(node):
+    """Input positions that carry a resource handle or a ref (the op uses a resource)."""
+    return _info(node).resource_positions
+
+
 def input_dtypes(node):
     return _info(node).in_dtypes
 
@@ -176,26 +185,45 @@ def base_dtype(dt):
     return dt - _REF_OFFSET if dt > _REF_OFFSET else dt
 
 
+_GPU_TABLE = os.path.join(os.path.dirname(__file__), "data", "gpu_kernels.json")
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel_defs(op):
-    return tuple(kernels.get_registered_kernels_for_op(op).kernel)
+def gpu_kernel_source():
+    """Where GPU kernel facts come from: "registry" when this TensorFlow build registers GPU
+    kernels, else "table". The tensorflow-cpu wheel registers none, yet rewriting for GPU
+    machines must work on CPU-only ones, so a table generated from a CUDA build ships with
+    the package (tools/gen_kernel_table.py)."""
+    live = kernels.get_registered_kernels_for_op("MatMul").kernel
+    return "registry" if any(k.device_type == "GPU" for k in live) else "table"
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_table():
+    with open(_GPU_TABLE) as f:
+        return json.load(f)["kernels"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_constraints(op, device_type):
+    """The kernels registered for ``op`` on ``device_type`` or for DEVICE_DEFAULT, each as
+    {attr: allowed dtypes}; an attr without a list of allowed dtypes is left out. For GPU
+    on a build without GPU kernels, the shipped table answers (it holds both kinds: the
+    CPU wheel registers a different set of DEVICE_DEFAULT kernels)."""
+    if device_type == "GPU" and gpu_kernel_source() == "table":
+        return tuple({name: frozenset(types) for name, types in k.items()}
+                     for k in _gpu_table().get(op, ()))
+    return tuple({c.name: frozenset(c.allowed_values.list.type)
+                  for c in k.constraint if c.allowed_values.list.type}
+                 for k in kernels.get_registered_kernels_for_op(op).kernel
+                 if k.device_type in (device_type, "DEFAULT"))
 
 
 @functools.lru_cache(maxsize=None)
 def _has_device_kernel(op, device_type, attr_items):
     attrs = dict(attr_items)
-    for k in _kernel_defs(op):
-        if k.device_type not in (device_type, "DEFAULT"):
-            continue
-        ok = True
-        for c in k.constraint:
-            allowed = c.allowed_values.list.type
-            if c.name in attrs and allowed and attrs[c.name] not in allowed:
-                ok = False
-                break
-        if ok:
-            return True
-    return False
+    return any(all(name not in attrs or attrs[name] in allowed for name, allowed in k.items())
+               for k in _kernel_constraints(op, device_type))
 
 
 def has_kernel(node, device_type):

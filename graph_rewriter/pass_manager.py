@@ -37,9 +37,12 @@ class PassResult:
 
 
 class PassManager:
-    def __init__(self, passes, verifier=None, verify_each=True, dump_after=(), dump_dir="."):
+    def __init__(self, passes, verifier=None, verify_each=True, dump_after=(), dump_dir=".",
+                 verify_changes=None):
         self.passes = list(passes)
         self.verifier = verifier
+        # after a pass, what it changed is enough to check (the graph was valid before it)
+        self.verify_changes = verify_changes or verifier
         self.verify_each = verify_each
         self.dump_after = set(dump_after)
         self.dump_dir = dump_dir
@@ -88,7 +91,7 @@ class PassManager:
             ctx.info(f"pass {p.name:<18} {seconds * 1000:9.1f} ms  "
                      f"{'changed' if modified else 'unchanged':9}  {len(graph)} nodes")
             if self.verifier is not None and self.verify_each and graph.version != version:
-                self._verify(graph, ctx, p, done)  # (a pass that changed nothing needs none)
+                self._verify(graph, ctx, p, done, self.verify_changes)  # (a pass that changed nothing needs none)
             if p.name in self.dump_after or "all" in self.dump_after:
                 self._dump(graph, ctx, p)
         if self.verifier is not None and not self.verify_each:
@@ -98,10 +101,10 @@ class PassManager:
     def _where(self, p, done):
         return f"pass '{p.name}' (after {', '.join(done) or 'no other pass'}): "
 
-    def _verify(self, graph, ctx, p, done):
+    def _verify(self, graph, ctx, p, done, verifier=None):
         start = time.perf_counter()
         try:
-            self.verifier(graph, ctx)
+            (verifier or self.verifier)(graph, ctx)
         except GraphRewriteError as e:
             if p is None:
                 raise

@@ -11,6 +11,8 @@ import json
 
 from tensorflow.python.framework import dtypes
 
+from graph_rewriter.analysis import rows_per_example
+from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.errors import GraphRewriteError
 
 PLAN_FORMAT = "graph_rewriter.plan/1"
@@ -34,6 +36,8 @@ class CutPlan:
     shape: list = None
     bytes: int = None
     pack: int = None            # index into Plan.packs for allreduced cuts
+    rows_per_example: int = None  # sparse: index rows per example of the batch, if fixed
+    index_dtype: str = None     # sparse: the indices' dtype
     variables: list = dataclasses.field(default_factory=list)
 
 
@@ -168,7 +172,9 @@ def make_plan(analysis, options, num_replicas, num_ps=0):
             indices=c.indices.name if c.indices is not None else None,
             deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
             sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
-            variables=list(c.variables)))
+            variables=list(c.variables),
+            rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
+            index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
                               bytes=v.nbytes, slot_of=v.slot_of, kind=v.kind)
                  for v in analysis.variables.values()]

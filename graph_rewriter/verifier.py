@@ -29,21 +29,44 @@ SHARED_RESOURCE_OPS = frozenset(("VarHandleOp", "VariableV2", "HashTableV2", "Mu
 
 
 def verify(graph, ctx=None):
-    """Raises GraphRewriteError naming the first broken invariant; returns the topological order."""
-    _check_edges(graph)
+    """Checks the whole graph. Raises GraphRewriteError naming the first broken
+    invariant; returns the topological order."""
+    _check_edges(graph, graph._nodes.values())
     order = topological_order(graph)
+    graph.reset_order(order)
     cluster = ctx.cluster if ctx is not None else None
     options = ctx.options if ctx is not None else None
-    _check_devices(graph, cluster, options)
-    _check_colocation(graph)
+    _check_devices(graph, graph._nodes.values(), cluster, options)
+    _check_colocation(graph, graph._nodes.values())
     _check_collectives(graph)
     _check_replica_isolation(graph)
+    graph.clean()
     return order
 
 
-def _check_edges(graph):
+def verify_changes(graph, ctx=None):
+    """Checks what changed since the graph was last verified, which is enough when it was
+    valid then: the edges, devices and colocation of the nodes a pass touched; "no cycle"
+    from the topological order the IR keeps on every new edge (a full check when an edge
+    broke it); collective groups and replica isolation over the few nodes they concern."""
+    live = graph._nodes
+    edged = [n for n in graph._dirty_edges if live.get(n._name) is n]
+    attred = [n for n in graph._dirty_attrs if live.get(n._name) is n]
+    _check_edges(graph, edged)
+    if not graph._order_ok:
+        graph.reset_order(topological_order(graph))   # raises, naming the cycle, if there is one
+    cluster = ctx.cluster if ctx is not None else None
+    options = ctx.options if ctx is not None else None
+    _check_devices(graph, attred, cluster, options)
+    _check_colocation(graph, attred)
+    _check_collectives(graph)
+    _check_replica_isolation(graph)
+    graph.clean()
+
+
+def _check_edges(graph, nodes):
     counts = {}
-    for n in graph._nodes.values():
+    for n in nodes:
         if graph._nodes.get(n._name) is not n:
             raise GraphRewriteError(f"node '{n.name}' is not registered under its own name")
         for pos, t in enumerate(n._inputs):
@@ -66,9 +89,9 @@ def _check_edges(graph):
             opdefs.require_op_def(n)
 
 
-def _check_devices(graph, cluster, options):
+def _check_devices(graph, nodes, cluster, options):
     seen = {}
-    for n in graph._nodes.values():
+    for n in nodes:
         dev = n.device
         if not dev:
             continue
@@ -107,8 +130,8 @@ def _device_problem(dev, cluster, options):
     return None
 
 
-def _check_colocation(graph):
-    for n in graph._nodes.values():
+def _check_colocation(graph, nodes):
+    for n in nodes:
         for t in n._colocate:
             if not isinstance(t, Node) or graph._nodes.get(t._name) is not t:
                 name = t if isinstance(t, str) else t.name

@@ -4,9 +4,9 @@ In-graph (one client, every replica in this graph):
 
     replica_1/w/Assign(replica_1/w, <its own initial value>)
       becomes
-    replica_1/w/Assign(replica_1/w, ReadVariableOp(w) after ^w/Assign)
+    replica_1/w/Assign(replica_1/w, <the tensor w/Assign assigns>)
 
-so random initializers are drawn once. Between-graph (each worker runs its own graph),
+so random initializers are drawn once (a tensor has one value per run). Between-graph (each worker runs its own graph),
 the group's replica 0, on the chief, initializes and broadcasts: its initial values are
 packed per dtype and sent with CollectiveBcastSendV2; every other replica of every
 worker receives them (CollectiveBcastRecvV2) as its initial value. Every worker runs
@@ -46,13 +46,15 @@ class MirrorVariablesPass(Pass):
                 continue
             master = graph.node(vp.name)
             if vp.initializer is not None and not between:
+                # Every copy assigns the tensor the master assigns: within one run it has
+                # one value (one random draw). Reading the master after its assign would
+                # loop when the assign itself is what the user runs (a graph without an
+                # init op), since running it runs the copies' assigns first.
                 master_init = graph.node(vp.initializer)
+                value = master_init.inputs[opdefs.input_position(master_init, "value")]
                 for i in range(1, rm.num_local):
                     init = rm.node(graph, i, vp.initializer)
-                    pos = opdefs.input_position(init, "value")
-                    value = _read(graph, master, f"{rm.prefixes[i]}{vp.name}/master_value",
-                                  control_inputs=[master_init])
-                    init.set_input(pos, value)
+                    init.set_input(opdefs.input_position(init, "value"), value)
                     changed = True
             for restore in _restore_assigns(graph, rm, master):
                 waiting = restore.control_consumers  # e.g. save/restore_all, before we add readers

@@ -22,7 +22,6 @@ replica's host CPU. For the others:
 from graph_rewriter import opdefs
 from graph_rewriter.analysis import PASS_THROUGH, variable_of
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.traversal import topological_order
 
 
 class PlacePass(Pass):
@@ -33,8 +32,8 @@ class PlacePass(Pass):
     def run(self, graph, ctx):
         rm = graph.replicas
         device_type = ctx.options.device_type
-        order = topological_order(graph)
-        pinned = {n for n in order if n.device}
+        nodes = graph.nodes
+        pinned = {n for n in nodes if n.device}
         placed = {n: n.device for n in pinned}
         host_of = {}
         for vp in ctx.plan.variables:
@@ -42,19 +41,22 @@ class PlacePass(Pass):
                 task = vp.ps_task if vp.ps_task is not None else 0
                 placed[graph.node(vp.name)] = ctx.cluster.ps_device(task)
                 pinned.add(graph.node(vp.name))
-        for n in order:
-            r = rm.replica_of(graph, n.name)
-            device, host = (rm.global_device, rm.global_device) if r is None else (rm.devices[r], rm.hosts[r])
+        devices, hosts, global_device = rm.devices, rm.hosts, rm.global_device
+        for n in nodes:
+            r = n.replica
+            if r < 0:
+                r = rm.replica_of(graph, n.name)
+                r = -1 if r is None else r
+            device, host = (global_device, global_device) if r < 0 else (devices[r], hosts[r])
             host_of[n] = host
             if n not in pinned:
                 placed[n] = device if opdefs.has_kernel(n, device_type) else host
         # A resource (variable, iterator, table...) and every op using it share a device.
         groups = {}
-        for n in order:
-            for pos, t in enumerate(n._inputs):
-                if _carries_resource(n, pos):
-                    groups.setdefault(_resource_root(t), []).append(n)
-                    break
+        for n in nodes:
+            positions = opdefs.resource_positions(n) if n._inputs else ()
+            if positions:
+                groups.setdefault(_resource_root(n._inputs[positions[0]]), []).append(n)
         for root, users in groups.items():
             members = [root] + users
             if root in pinned:
@@ -67,11 +69,13 @@ class PlacePass(Pass):
                 if m not in pinned or m is root:
                     placed[m] = target
         bound = pinned | set(groups) | {m for users in groups.values() for m in users}
-        for n in order:  # colocation constraints (_class) follow their target
-            if n._colocate and not isinstance(n._colocate[0], str) and n not in bound:
+        # Colocation (_class) follows its target (twice: a target may itself follow one).
+        colocated = [n for n in nodes if n._colocate and not isinstance(n._colocate[0], str) and n not in bound]
+        for _ in range(2):
+            for n in colocated:
                 placed[n] = placed.get(n._colocate[0], placed[n])
         changed = False
-        for n in order:
+        for n in nodes:
             if n.device != placed[n]:
                 n.device = placed[n]
                 changed = True
@@ -82,16 +86,7 @@ class PlacePass(Pass):
             if n._colocate and any(not isinstance(t, str) and placed.get(t) != placed[n] for t in n._colocate):
                 n.set_colocation([t for t in n._colocate if isinstance(t, str) or placed.get(t) == placed[n]])
                 changed = True
-        graph._touch()
         return changed
-
-
-def _carries_resource(node, pos):
-    dts = opdefs.input_dtypes(node)
-    if pos < len(dts) and dts[pos] == opdefs.DT_RESOURCE:
-        return True
-    refs = opdefs.input_is_ref(node)
-    return pos < len(refs) and refs[pos]
 
 
 def _resource_root(t):

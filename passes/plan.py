@@ -56,6 +56,7 @@ class PlanPass(Pass):
         else:
             check_plan(ctx.plan, analysis, ctx.options, r)
         ctx.plan.fingerprint = graph_fingerprint(graph)
+        self._check_shared_step_ids(ctx)
         self._keep_unshardable_whole(graph, ctx, analysis)
         for v in analysis.variables.values():
             init = v.initializer
@@ -67,6 +68,29 @@ class PlanPass(Pass):
                  f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
         return False
 
+
+    @staticmethod
+    def _check_shared_step_ids(ctx):
+        """Between-graph workers that all-reduce across machines share step ids (TensorFlow
+        numbers the steps of graphs with collectives from one sequence per cluster), so on
+        a ps task one worker's finished step cleans up, and aborts, another worker's step
+        with the same id. Synchronous steps end together (sync_queues orders the end);
+        workers that run ahead do not, so that combination is refused, not left to abort
+        at random."""
+        plan, cluster = ctx.plan, ctx.cluster
+        if cluster.task is None or len(cluster.compute_tasks) < 2 or not (plan.staleness or not plan.sync):
+            return
+        on_ps = [v.name for v in plan.variables if v.placement == "ps"]
+        mirrored = [c.variable for c in plan.cuts if c.sync != "accumulate"]
+        if on_ps and mirrored:
+            mode = f"staleness={plan.staleness}" if plan.sync else "sync=False"
+            raise GraphRewriteError(
+                f"{mode} cannot be combined with all-reduced variables (e.g. '{mirrored[0]}') "
+                f"and ps variables (e.g. '{on_ps[0]}') in between-graph workers: TensorFlow gives "
+                "every worker's step the same id once collectives span workers, and a worker "
+                "running ahead would abort the chief's step on the ps",
+                hint="use strategy ps (every variable on the ps) with staleness, or synchronous "
+                     "hybrid, or one in-graph client (no task)")
 
     def _keep_unshardable_whole(self, graph, ctx, analysis):
         """A variable is split by rows only if every op using it can be rewritten for

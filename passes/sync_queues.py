@@ -19,11 +19,20 @@ Initialization: the chief's init op initializes the shared variables and then pu
 token per other worker in an init queue; another worker's init op does not initialize
 shared variables (that would overwrite the chief's) but waits for its token. Running
 the original init op is therefore safe, and necessary, on every worker.
+
+When collectives also span the workers (hybrid), every train and init op ends with a
+barrier: a one-number all-reduce over the workers' host CPUs after all else the op runs.
+TensorFlow numbers the steps of graphs with collectives from one sequence shared by the
+workers, so the chief's step and another worker's step carry the same id, and a master
+that finishes its step cleans that id up on every task it used: on the ps it would
+abort whatever of the other worker's step is still waiting there ("Aborted: Cleanup
+<step id>"). After the barrier nobody has anything left on the ps.
 """
 
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.framework import dtypes
 
+from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
@@ -83,7 +92,10 @@ class SyncQueuesPass(Pass):
                     if init in op.control_inputs:
                         op.remove_control_input(init)
                 op.add_control_input(wait)
+        barrier = self._barrier_maker(graph, ctx)
         if not plan.sync or INCREMENT not in graph:
+            for k, op in enumerate(sorted(init_ops, key=lambda n: n.name)):
+                barrier(op, "init", k)
             graph.mark_new_global(before)
             return True
         queues = [_scalar_queue(graph, f"{TOKENS}/worker_{k}", fp, f"tokens/{k}", ps0) for k in range(len(workers))]
@@ -124,7 +136,34 @@ class SyncQueuesPass(Pass):
             else:  # a non-chief's train op: it now applies gradients and waits
                 graph.add_node(root.name, "NoOp", control_inputs=[wait] + [
                     c for c in dropped.get(root.name, []) if c.name in graph])
+        for k, op in enumerate(sorted(init_ops, key=lambda n: n.name)):
+            barrier(op, "init", k)
+        for k, root in enumerate(sorted(roots, key=lambda n: n.name)):
+            barrier(graph.node(root.name), "step", k)
+        graph.mark_new_global(before)
         return True
+
+    @staticmethod
+    def _barrier_maker(graph, ctx):
+        """A function that makes an op end with a barrier over the workers (see the module
+        docstring), or does nothing when no collective spans the workers."""
+        plan, cluster = ctx.plan, ctx.cluster
+        workers = cluster.compute_tasks
+        if len(workers) < 2 or all(c.sync == "accumulate" for c in plan.cuts):
+            return lambda op, kind, index: None
+        hosts = [cluster.device(t, "CPU", 0) for t in workers]
+        me = cluster.device(cluster.task, "CPU", 0)
+        gkey = group_key(hosts)
+
+        def end_with_barrier(op, kind, index):
+            scope = graph.unique_name(f"graph_rewriter/end_of_{kind}")
+            zero = const(graph, f"{scope}/zero", 0.0, "float32", me)
+            done = all_reduce_mean(graph, scope, zero, len(hosts), gkey, barrier_instance_key(plan, kind, index),
+                                   me, ctx.options.timeout_seconds, control_inputs=list(op.control_inputs))
+            for c in list(op.control_inputs):
+                op.remove_control_input(c)
+            op.add_control_input(done)
+        return end_with_barrier
 
     def _drop_chief_work(self, graph):
         """A non-chief worker never takes gradients or applies updates: the chief does.

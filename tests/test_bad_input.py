@@ -357,6 +357,13 @@ def _(base, tmp, mp):
     return base.copy(), dict(strategy="ps", staleness=-1)
 
 
+for _mode, _opts in (("staleness", dict(staleness=1)), ("async", dict(sync=False))):
+    @case(f"hybrid-between-graph-{_mode}", "'w'", "'emb'", "same id")
+    def _(base, tmp, mp, _opts=_opts):
+        return base.copy(), dict(strategy="hybrid", task="worker:1", cluster_spec={
+            "worker": ["localhost:2222", "localhost:2224"], "ps": ["localhost:2223"]}, **_opts)
+
+
 @case("task-is-a-ps-task", "ps:0", "no client graph")
 def _(base, tmp, mp):
     return base.copy(), dict(strategy="ps", cluster_spec={"worker": ["localhost:2222"], "ps": ["localhost:2223"]},

@@ -346,3 +346,30 @@ def test_rewriting_an_output_onto_itself_is_rejected_and_leaves_it_byte_identica
     before = read_bytes(good)
     proc = run_cli(good, good, *CPU2)  # rewriting the output, onto itself
     assert_rejected(proc, "good.pb", out=good, before=before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ps", "hybrid"])
+def test_demo_trains_on_a_local_cluster_like_one_device_and_ends_its_processes(strategy):
+    proc = run_cli("demo", "--strategy", strategy, "--steps", "6", timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "1 ps + 2 workers" in out and f"strategy {strategy}, between-graph" in out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", out, re.M)
+    assert [int(r[0]) for r in rows] == [0, 5], out
+    for _, one, cluster in rows:
+        assert abs(float(one) - float(cluster)) <= 1e-4
+    assert "the same training, on 4 replicas in 2 processes" in out
+    # every server process the demo started has ended
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+    assert len(pids) == 3
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", \
+            f"server process {pid} is still running"
+
+
+def test_demo_rejects_a_bad_step_count():
+    proc = run_cli("demo", "--steps", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(ERROR_PREFIX) and "--steps" in proc.stderr
+    assert "Traceback" not in proc.stderr

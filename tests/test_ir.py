@@ -1029,3 +1029,41 @@ def test_ancestors_and_descendants():
     e = g.add_node("e", "NoOp", control_inputs=[a])
     assert traversal.descendants([a], data_only=True) == {b, c}
     assert traversal.descendants([a]) == {b, c, e}
+
+
+# ----- the topological order the IR keeps on every new edge ---------------------------
+
+def _edges(g):
+    from graph_rewriter.traversal import is_back_edge
+    for n in g:
+        for p in [t.node for t in n.inputs] + list(n.control_inputs):
+            if not is_back_edge(p, n):
+                yield p, n
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_maintained_order_stays_topological_and_catches_every_cycle(data):
+    """Random DAGs, then random new edges (data or control, any direction): after each,
+    either the IR's order puts every producer before its consumer, or the IR has marked
+    the order broken, which it must whenever the new edge closed a cycle."""
+    from graph_rewriter.traversal import find_cycle
+    g = GraphItem()
+    nodes = []
+    for i in range(data.draw(st.integers(2, 12), "nodes")):
+        ins = data.draw(st.lists(st.sampled_from(nodes), max_size=3), f"inputs {i}") if nodes else []
+        nodes.append(g.add_node(f"n{i}", "AddN" if ins else "Const", inputs=[n.output(0) for n in ins]))
+    assert g._order_ok and all(p._ord < c._ord for p, c in _edges(g))
+    for k in range(data.draw(st.integers(1, 10), "new edges")):
+        p = data.draw(st.sampled_from(nodes), f"producer {k}")
+        c = data.draw(st.sampled_from(nodes), f"consumer {k}")
+        if data.draw(st.booleans(), f"control {k}"):
+            c.add_control_input(p)
+        else:
+            c.add_input(p.output(0))
+        if g._order_ok:
+            assert all(a._ord < b._ord for a, b in _edges(g)), "the kept order is not topological"
+            assert not find_cycle(g), "a cycle went unnoticed"
+        else:
+            assert find_cycle(g) or p is c, "the order was given up without a cycle"
+            return

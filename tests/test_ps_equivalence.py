@@ -338,3 +338,39 @@ def test_one_accumulator_per_ps_gradient(model, optimizer, strategy, replicas):
         owners.setdefault(fed[0], []).append(acc.name)
     assert sorted(owners) == sorted(ps_cuts)
     assert all(len(a) == 1 for a in owners.values()), owners
+
+
+def _ends_with_barrier(gd, op_name):
+    """The collective every control input of ``op_name`` funnels into, or None."""
+    nodes = {n.name: n for n in gd.node}
+    controls = [i[1:] for i in nodes[op_name].input if i.startswith("^")]
+    if len(controls) != 1 or nodes[controls[0]].op != "CollectiveReduceV2":
+        return None
+    return nodes[controls[0]]
+
+
+def _const_int(gd, ref):
+    node = {n.name: n for n in gd.node}[ref.split(":")[0]]
+    return node.attr["value"].tensor.int_val[0]
+
+
+@pytest.mark.parametrize("strategy, barrier", [("hybrid", True), ("ps", False)])
+def test_between_graph_hybrid_steps_end_with_a_workers_barrier(strategy, barrier):
+    """Collectives spanning workers give their steps one id, so the workers' train and
+    init ops end with an all-reduce over the workers' host CPUs (see sync_queues); plain
+    ps needs none (no collective, random step ids)."""
+    ex = examples.build("embedding", "adam")
+    cluster = {"worker": ["localhost:2222", "localhost:2223"], "ps": ["localhost:2224"]}
+    graphs = [gr.rewrite(ex.graph_def, cluster, strategy=strategy, task=f"worker:{k}",
+                         devices_per_worker=2, device_type="CPU").graph_def for k in (0, 1)]
+    for op in (ex.train_op, "init"):
+        ends = [_ends_with_barrier(gd, op) for gd in graphs]
+        if not barrier:
+            assert ends == [None, None], op
+            continue
+        assert all(ends), f"{op} does not end with a barrier"
+        for k, (gd, end) in enumerate(zip(graphs, ends)):
+            assert end.device == f"/job:worker/replica:0/task:{k}/device:CPU:0"
+            assert _const_int(gd, end.input[1]) == 2                    # group size: the workers
+        keys = [(_const_int(gd, e.input[2]), _const_int(gd, e.input[3])) for gd, e in zip(graphs, ends)]
+        assert keys[0] == keys[1], f"{op}: the workers' barriers do not meet: {keys}"

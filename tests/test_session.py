@@ -206,6 +206,24 @@ def test_replica_copies_start_from_the_master_values(mlp2, mlp):
             np.testing.assert_array_equal(master, copy, err_msg=n)
 
 
+def test_a_graph_without_init_op_initializes_every_copy_through_each_variables_assign():
+    # The script exported the graph before creating an init op: the variables' own
+    # initializer ops are what the user runs.
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 2], use_resource=True)
+        loss = tf.identity(tf.reduce_sum(tf.matmul(x, w)), name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+    result = gr.rewrite(g.as_graph_def(), devices_per_worker=2, device_type="CPU")
+    with gr.Session(result) as s:
+        copy = _copy_reads(s.graph, ["w"])[0]
+        s.run("w/Assign")
+        master, replica = s.run(["w/Read/ReadVariableOp:0", copy])
+        np.testing.assert_array_equal(master, replica)
+        assert np.abs(master).sum() > 0       # a random draw, not zeros
+
+
 def test_step_counter_advances_once_per_step(mlp):
     result = gr.rewrite(mlp.graph_def, devices_per_worker=4, device_type="CPU")
     with gr.Session(result) as s:

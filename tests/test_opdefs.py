@@ -1,0 +1,54 @@
+"""Kernel facts used by placement: they must not depend on which TensorFlow wheel the
+rewriting machine has (tensorflow-cpu registers no GPU kernels at all)."""
+
+import importlib.util
+import os
+
+import pytest
+from tensorflow.core.framework import types_pb2
+
+from graph_rewriter import opdefs
+
+FLOAT, STRING, INT32 = types_pb2.DT_FLOAT, types_pb2.DT_STRING, types_pb2.DT_INT32
+
+
+def _gpu(op, **dtypes):
+    return opdefs._has_device_kernel(op, "GPU", tuple(sorted(dtypes.items())))
+
+
+@pytest.mark.parametrize("op, dtypes, expected", [
+    ("MatMul", {"T": FLOAT}, True),
+    ("Conv2D", {"T": FLOAT}, True),
+    ("ConcatV2", {"T": FLOAT}, True),
+    ("CollectiveReduceV2", {"T": FLOAT}, True),
+    ("ResourceApplyMomentum", {"T": FLOAT}, True),
+    ("StringJoin", {}, False),
+    ("DecodeCSV", {}, False),
+    ("SaveV2", {}, False),
+    ("Fill", {"T": STRING}, False),
+    ("Cast", {"SrcT": FLOAT, "DstT": INT32}, True),
+])
+def test_gpu_kernels_known_without_a_gpu_build(op, dtypes, expected):
+    # On tensorflow-cpu this exercises the shipped table; on a CUDA build, the live registry.
+    assert _gpu(op, **dtypes) is expected
+
+
+def test_cpu_kernels_come_from_the_live_registry():
+    assert opdefs._has_device_kernel("StringJoin", "CPU", ())
+    assert opdefs._has_device_kernel("MatMul", "CPU", (("T", FLOAT),))
+
+
+def test_shipped_table_matches_the_live_gpu_registry():
+    """When this machine's TensorFlow is a CUDA build, the table must say what it says, so
+    CPU-only machines place ops exactly as a GPU machine would."""
+    if opdefs.gpu_kernel_source() != "registry":
+        pytest.skip("this TensorFlow registers no GPU kernels (tensorflow-cpu): the table is in use")
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "gen_kernel_table.py")
+    spec = importlib.util.spec_from_file_location("gen_kernel_table", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    _, live = gen.gpu_kernel_table()
+    shipped = opdefs._gpu_table()
+    canon = lambda kernels: sorted(sorted(k.items()) for k in kernels)  # noqa: E731
+    differing = sorted(op for op in set(live) | set(shipped) if canon(live.get(op, [])) != canon(shipped.get(op, [])))
+    assert not differing, f"regenerate graph_rewriter/data/gpu_kernels.json: {differing[:10]}"

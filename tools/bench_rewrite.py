@@ -1,0 +1,149 @@
+"""Rewrite speed and memory: graph_rewriter against its floor and its peer.
+
+    python tools/bench_rewrite.py [--models resnet50,densenet121,nasnetmobile]
+                                  [--replicas 1,4,16,64] [--peer-replicas 16] [--repeat 3]
+
+For each tf_keras model's training graph (built once, cached in --cache-dir) and each
+replica count R, prints (medians over --repeat runs, each in a fresh process):
+
+- floor: copying the input's nodes R times into one GraphDef and serializing it;
+- ours: graph_rewriter.rewrite(serialized input, devices_per_worker=R, GPU, allreduce)
+  end to end (parse, passes, verifier, export) plus serializing the result;
+- peer: one tf.import_graph_def per replica into a tf.Graph, then serializing it (how
+  AutoDist's and Parallax's replicators clone), for R in --peer-replicas only (slow);
+- peak memory: the rewrite process's peak resident size above its size before the
+  rewrite, against the serialized output's size.
+
+Ratios are computed in one run because the machine is noisy. The figures in
+docs/performance.md come from this script; the command line is printed with them.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def build_model(name, path):
+    """A tf_keras model's single-device training graph (SGD with momentum, BatchNorm
+    updates included), serialized to ``path``."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    import tf_keras
+    tf.compat.v1.disable_eager_execution()
+    ctors = {"resnet50": tf_keras.applications.ResNet50, "densenet121": tf_keras.applications.DenseNet121,
+             "nasnetmobile": tf_keras.applications.NASNetMobile, "mobilenetv2": tf_keras.applications.MobileNetV2}
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(0)
+        model = ctors[name](weights=None, input_shape=(224, 224, 3), classes=10)
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        loss = tf.identity(tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(labels, model.output)),
+                           name="loss")
+        opt = tf_keras.optimizers.legacy.SGD(0.01, momentum=0.9)
+        tf.group(*opt.get_updates(loss, model.trainable_weights), *model.updates, name="train_op")
+        tf.compat.v1.variables_initializer(tf.compat.v1.global_variables() + opt.variables(), name="init")
+    with open(path, "wb") as f:
+        f.write(g.as_graph_def().SerializeToString())
+
+
+def _measure(kind, path, replicas):
+    """Runs in a fresh process; prints one JSON line."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import resource
+
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    with open(path, "rb") as f:
+        data = f.read()
+    gd = tf.compat.v1.GraphDef.FromString(data)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"kind": kind, "replicas": replicas, "nodes_in": len(gd.node)}
+    start = time.perf_counter()
+    if kind == "floor":
+        copy = tf.compat.v1.GraphDef()
+        for _ in range(replicas):
+            copy.node.extend(gd.node)
+        result = copy.SerializeToString()
+        out["nodes_out"] = len(copy.node)
+    elif kind == "peer":
+        graph = tf.Graph()
+        with graph.as_default():
+            for r in range(replicas):
+                tf.compat.v1.import_graph_def(gd, name=f"replica_{r}")
+        result = graph.as_graph_def().SerializeToString()
+    else:
+        import graph_rewriter as gr
+        res = gr.rewrite(data, devices_per_worker=replicas, device_type="GPU")
+        result = res.serialized()   # what save() and the CLI write
+        out["nodes_out"] = res.num_nodes
+        out["passes"] = {name: round(s, 4) for name, s, _ in res.timings}
+    out["seconds"] = time.perf_counter() - start
+    out["bytes_out"] = len(result)
+    out["peak_extra_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) * 1024
+    print(json.dumps(out))
+
+
+def _run(kind, path, replicas, timeout):
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, path, str(replicas)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} R={replicas} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="resnet50,densenet121,nasnetmobile")
+    p.add_argument("--replicas", default="1,4,16,64")
+    p.add_argument("--peer-replicas", default="16")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "graph_rewriter_bench"))
+    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure:
+        kind, path, replicas = args.measure
+        return _measure(kind, path, int(replicas))
+    os.makedirs(args.cache_dir, exist_ok=True)
+    rows = []
+    print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
+    print(f"{'model':13} {'nodes':>6} {'R':>3} {'floor s':>8} {'ours s':>8} {'ours/floor':>10} "
+          f"{'peer s':>8} {'peer/ours':>9} {'out MB':>7} {'peak/out':>8}")
+    for model in args.models.split(","):
+        path = os.path.join(args.cache_dir, f"{model}.pb")
+        if not os.path.exists(path):
+            subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(HERE)!r}); "
+                            f"from tools.bench_rewrite import build_model; build_model({model!r}, {path!r})"],
+                           check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        for r in [int(x) for x in args.replicas.split(",")]:
+            floor = [_run("floor", path, r, 600) for _ in range(args.repeat)]
+            ours = [_run("ours", path, r, 3600) for _ in range(args.repeat)]
+            peer = [_run("peer", path, r, 3600) for _ in range(max(1, args.repeat // 3))] \
+                if str(r) in args.peer_replicas.split(",") else []
+            f_s = statistics.median(m["seconds"] for m in floor)
+            o_s = statistics.median(m["seconds"] for m in ours)
+            p_s = statistics.median(m["seconds"] for m in peer) if peer else None
+            out_b = ours[0]["bytes_out"]
+            peak = statistics.median(m["peak_extra_bytes"] for m in ours)
+            row = {"model": model, "nodes_in": ours[0]["nodes_in"], "nodes_out": ours[0]["nodes_out"],
+                   "replicas": r, "floor_s": f_s, "ours_s": o_s, "peer_s": p_s, "out_bytes": out_b,
+                   "peak_extra_bytes": peak, "passes": ours[0]["passes"]}
+            rows.append(row)
+            print(f"{model:13} {row['nodes_in']:>6} {r:>3} {f_s:>8.2f} {o_s:>8.2f} {o_s / f_s:>10.1f} "
+                  f"{(f'{p_s:8.2f}' if p_s else '       -'):>8} {(f'{p_s / o_s:9.1f}' if p_s else '        -'):>9} "
+                  f"{out_b / 1e6:>7.1f} {peak / out_b:>8.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

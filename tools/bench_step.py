@@ -1,0 +1,146 @@
+"""Step time of emitted graphs: one device, the rewritten graph, tf.distribute.
+
+    python tools/bench_step.py [--replicas 2] [--steps 100] [--warmup 20]
+
+The same model three ways, each in a fresh process, on this machine's CPU:
+
+- one device: a tf.compat.v1 MLP (input 1024, 3 hidden layers of 1024, 10 classes,
+  softmax cross-entropy, Momentum 0.9), global batch 512;
+- rewritten: that graph rewritten by graph_rewriter for --replicas CPU replicas
+  (allreduce), run through graph_rewriter.Session on the same batches;
+- MirroredStrategy: TensorFlow's own tf.distribute.MirroredStrategy over --replicas
+  logical CPUs running the same model (tf_keras layers, SGD momentum, tf.function step).
+
+Prints median step times and the ratios the performance targets name
+(rewritten/one device, rewritten/MirroredStrategy). The figures in
+docs/performance.md come from this script.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+FEATURES, HIDDEN, LAYERS, CLASSES, BATCH = 1024, 1024, 3, 10, 512
+
+
+def _batches(n):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(BATCH, FEATURES)).astype(np.float32),
+             rng.integers(0, CLASSES, size=BATCH).astype(np.int32)) for _ in range(n)]
+
+
+def _graph():
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(0)
+        x = tf1.placeholder(tf.float32, [None, FEATURES], name="x")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        h = x
+        for i in range(LAYERS):
+            w = tf1.get_variable(f"dense_{i}/kernel", [h.shape[1], HIDDEN], use_resource=True)
+            b = tf1.get_variable(f"dense_{i}/bias", [HIDDEN], initializer=tf1.zeros_initializer(), use_resource=True)
+            h = tf.nn.relu(tf.matmul(h, w) + b)
+        w = tf1.get_variable("logits/kernel", [HIDDEN, CLASSES], use_resource=True)
+        logits = tf.matmul(h, w)
+        loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)),
+                           name="loss")
+        tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def _time(run, batches, steps, warmup):
+    for i in range(warmup):
+        run(*batches[i % len(batches)])
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        run(*batches[i % len(batches)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(kind, replicas, steps, warmup):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    batches = _batches(8)
+    if kind == "mirrored":
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
+        import tf_keras
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+        with strategy.scope():
+            model = tf_keras.Sequential([tf_keras.layers.Dense(HIDDEN, activation="relu") for _ in range(LAYERS)]
+                                        + [tf_keras.layers.Dense(CLASSES, use_bias=False)])
+            model.build((None, FEATURES))
+            opt = tf_keras.optimizers.SGD(0.01, momentum=0.9)
+        loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+        @tf.function
+        def step(x, y):
+            def replica_step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(loss_fn(y, model(x)), global_batch_size=BATCH)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.reduce("SUM", strategy.run(replica_step, args=(x, y)), axis=None)
+
+        datasets = [strategy.experimental_distribute_values_from_function(
+            lambda ctx, x=x, y=y: (x[ctx.replica_id_in_sync_group::replicas], y[ctx.replica_id_in_sync_group::replicas]))
+            for x, y in batches]
+        seconds = _time(lambda xy: step(*xy), [(d,) for d in datasets], steps, warmup)
+        return {"kind": kind, "seconds": seconds}
+    tf.compat.v1.disable_eager_execution()
+    gd = _graph()
+    if kind == "single":
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.import_graph_def(gd, name="")
+        sess = tf.compat.v1.Session(graph=graph)
+    else:
+        import graph_rewriter as gr
+        sess = gr.Session(gr.rewrite(gd, devices_per_worker=replicas, device_type="CPU"))
+    sess.run("init")
+    seconds = _time(lambda x, y: sess.run("train_op", {"x:0": x, "y:0": y}), batches, steps, warmup)
+    sess.close()
+    return {"kind": kind, "seconds": seconds}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--measure", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup)))
+        return
+    print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
+    results = {}
+    for kind in ("single", "rewritten", "mirrored"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(args.replicas),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        if proc.returncode != 0:
+            raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+        results[kind] = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+        print(f"{kind:>10}: {results[kind] * 1000:8.1f} ms/step", flush=True)
+    print(f"rewritten / one device      = {results['rewritten'] / results['single']:.2f}   (target <= 1.2)")
+    print(f"rewritten / MirroredStrategy = {results['rewritten'] / results['mirrored']:.2f}   (target <= 0.75)")
+    print(f"MirroredStrategy / one device = {results['mirrored'] / results['single']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

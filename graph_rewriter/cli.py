@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 from graph_rewriter.errors import GraphRewriteError
@@ -306,9 +307,21 @@ def import_tensorflow_quietly():
         os.close(devnull)
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the process is so that cleanup (the output's temporary file)
+    runs as it does for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"plan": cmd_plan, "inspect": cmd_inspect, "serve": cmd_serve, "demo": cmd_demo}
+    previous = None
+    if not (argv and argv[0] == "serve") and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)   # serve installs its own
     try:
         if not ({"-h", "--help"} & set(argv)):
             import_tensorflow_quietly()
@@ -321,12 +334,18 @@ def main(argv=None):
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
         return 130
+    except _Terminated:
+        sys.stderr.write(f"{PROG}: terminated\n")
+        return 143
     except Exception as e:  # a bug, not bad input: still no traceback unless asked for
         if os.environ.get("GRAPH_REWRITE_DEBUG"):
             raise
         sys.stderr.write(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "
                          f"(set GRAPH_REWRITE_DEBUG=1 for a traceback; please report it)\n")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,25 @@ def parse_cluster(spec=None, task=None, environ=None):
                 hint="pass --cluster (or cluster_spec=) naming the task's job")
         return Cluster(jobs={}, task=None)
     jobs = _jobs_from(spec)
+    if environ.get("TF_CONFIG") and not _from_tf_config(spec, environ):
+        env_jobs = _jobs_from(_parse_tf_config(environ["TF_CONFIG"])[0])
+        if env_jobs != jobs:
+            raise GraphRewriteError(
+                f"the cluster spec given ({json.dumps(jobs, sort_keys=True)}) contradicts TF_CONFIG's "
+                f"cluster ({json.dumps(env_jobs, sort_keys=True)})",
+                hint="unset TF_CONFIG, or drop the explicit spec and let TF_CONFIG name the cluster")
+        if task is None:
+            task = _parse_tf_config(environ["TF_CONFIG"])[1]
     cluster = Cluster(jobs=jobs, task=None)
     return dataclasses.replace(cluster, task=parse_task(task, cluster) if task is not None else None)
+
+
+def _from_tf_config(spec, environ):
+    """True if ``spec`` is the cluster parse_cluster itself took from TF_CONFIG."""
+    try:
+        return spec == json.loads(environ["TF_CONFIG"]).get("cluster")
+    except (ValueError, AttributeError):
+        return False
 
 
 def _jobs_from(spec):

@@ -226,6 +226,16 @@ def _has_device_kernel(op, device_type, attr_items):
                for k in _kernel_constraints(op, device_type))
 
 
+@functools.lru_cache(maxsize=None)
+def allowed_types(op, attr):
+    """The dtype names an op's type attr accepts, from its OpDef (all, if unconstrained)."""
+    from tensorflow.python.framework import dtypes
+    for a in op_def_registry.get(op).attr:
+        if a.name == attr:
+            return tuple(dtypes.as_dtype(t).name for t in a.allowed_values.list.type)
+    raise GraphRewriteError(f"op {op} has no attr '{attr}'")
+
+
 def has_kernel(node, device_type):
     """True if TensorFlow registers a kernel for this node on ``device_type`` (checking the
     kernel's dtype constraints). Function calls run wherever their caller runs."""

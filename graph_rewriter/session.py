@@ -39,6 +39,8 @@ def session_config(required, config=None):
         out.CopyFrom(config)
     for device, count in required.get("device_count", {}).items():
         out.device_count[device] = max(out.device_count.get(device, 0), count)
+    if required.get("operation_timeout_in_ms") and not out.operation_timeout_in_ms:
+        out.operation_timeout_in_ms = required["operation_timeout_in_ms"]
     threads = required.get("inter_op_parallelism_threads", 0)
     if threads and 0 < out.inter_op_parallelism_threads < threads:
         out.inter_op_parallelism_threads = threads
@@ -56,7 +58,8 @@ class Session(tf.compat.v1.Session):
         graph = tf.Graph()
         with graph.as_default():
             tf.compat.v1.import_graph_def(self.result.graph_def, name="")
-        super().__init__(target=target, graph=graph, config=session_config(md["session_config"], config))
+        self._config = session_config(md["session_config"], config)
+        super().__init__(target=target, graph=graph, config=self._config)
         self._prefixes = md["replica_prefixes"]
         self._variant = set(md["variant"])
         self._merge = {_tensor_key(k): v for k, v in md.get("merge", {}).items()}
@@ -73,8 +76,29 @@ class Session(tf.compat.v1.Session):
         feeds = self._check_feeds(feed_dict)
         flat = []
         plan = self._plan(fetches, flat)
-        values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
+        try:
+            values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
+        except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+            raise type(e)(e.node_def, e.op, self._diagnosis(e, options)) from e
         return _build(plan, values)
+
+    def _diagnosis(self, error, options):
+        """TensorFlow's message for a step that timed out or lost a peer, led by what
+        that most likely means for a rewritten graph."""
+        md = self.result.metadata
+        cluster = md.get("cluster") or {}
+        tasks = ", ".join(f"{job}:{i}" for job, addrs in sorted(cluster.items()) for i in range(len(addrs)))
+        if isinstance(error, tf.errors.DeadlineExceededError):
+            limit = (options.timeout_in_ms / 1000 if options is not None and options.timeout_in_ms
+                     else self._config.operation_timeout_in_ms / 1000)
+            lead = (f"graph_rewriter: the step did not finish within {limit:g} s (timeout_seconds): "
+                    "a worker or parameter server it waits for is probably dead, missing or stuck")
+        else:
+            lead = "graph_rewriter: a task of the cluster cannot be reached: it is probably dead or not started"
+        if tasks:
+            task = md.get("task")
+            lead += f" (cluster tasks: {tasks}; this graph is {'%s:%s' % tuple(task) if task else 'the in-graph client'}'s)"
+        return f"{lead}. TensorFlow said: {error.message}"
 
     # ----- feeds -----------------------------------------------------------------
     def _check_feeds(self, feed_dict):

@@ -51,14 +51,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--read", action="append", default=[], help="tensor to read after training")
     p.add_argument("--out", required=True, help=".npz to write losses and read values to")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on every session call (s)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="bound on every session call (s); 0: the graph's own timeout_seconds")
     p.add_argument("--delay", type=float, default=0.0, help="sleep after each step (s): a slow worker")
+    p.add_argument("--progress", action="store_true", help="print 'step N loss L' after every step")
     args = p.parse_args(argv)
     import numpy as np
     feeds = dict(np.load(args.feeds)) if args.feeds else {}
     try:
+        log = (lambda step, loss: print(f"step {step} loss {loss:.6f}", flush=True)) if args.progress else None
         losses, values, times = run_worker(args.graph, args.target, feeds, args.steps, args.read,
-                                           timeout=args.timeout, delay=args.delay)
+                                           timeout=args.timeout, delay=args.delay, log=log)
     except Exception as e:  # reported to the parent through the exit status and stderr
         sys.stderr.write(f"worker_client: {type(e).__name__}: {' '.join(str(e).split())[:2000]}\n")
         return 3

@@ -258,11 +258,22 @@ def _rewire(graph, tensor, replacement, keep=()):
 
 
 def init_ops(graph, plan):
-    """The graph's init NoOps: those running a variable initializer."""
+    """The NoOps that start a run's state: the graph's init ops (those running a variable
+    initializer) and the Saver's restore ops. A run may begin with a restore instead of
+    the init op (a checkpoint restored into fresh servers), and graph_rewriter's own
+    state is not in the checkpoint: the restore resets it as the init op does."""
     out = {}
     for vp in plan.variables:
         if vp.initializer and vp.initializer in graph:
             for c in graph.node(vp.initializer).control_consumers:
                 if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) in (0, None):
                     out[c] = None
+    for restore in [n for n in graph if n.op in _RESTORES]:
+        for assign in descendants([restore]):
+            for c in assign.control_consumers:
+                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) is None:
+                    out[c] = None
     return list(out)
+
+
+_RESTORES = ("RestoreV2", "Restore", "RestoreSlice")

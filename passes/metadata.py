@@ -61,4 +61,9 @@ def session_config(ctx):
     # Collectives of several in-process replicas block inter-op threads while they wait;
     # fewer threads than replicas + 1 can deadlock the step.
     cfg["inter_op_parallelism_threads"] = max(2, opts.devices_per_worker + 2)
+    # Every blocking op (a queue, an accumulator, a recv from a dead peer) fails after
+    # timeout_seconds instead of hanging: collectives have their own timeout attr, the
+    # parameter-server waits have none.
+    if opts.timeout_seconds:
+        cfg["operation_timeout_in_ms"] = int(opts.timeout_seconds * 1000)
     return cfg

@@ -10,6 +10,7 @@ from graph_rewriter.analysis import analyze, shardable_user
 from graph_rewriter.graph_io import to_graph_def
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter import opdefs
 from graph_rewriter.plan import check_plan, make_plan
 
 
@@ -57,6 +58,7 @@ class PlanPass(Pass):
             check_plan(ctx.plan, analysis, ctx.options, r)
         ctx.plan.fingerprint = graph_fingerprint(graph)
         self._check_shared_step_ids(ctx)
+        self._check_collective_dtypes(ctx, r)
         self._keep_unshardable_whole(graph, ctx, analysis)
         for v in analysis.variables.values():
             init = v.initializer
@@ -68,6 +70,27 @@ class PlanPass(Pass):
                  f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
         return False
 
+
+    @staticmethod
+    def _check_collective_dtypes(ctx, num_replicas):
+        """Every gradient a collective carries has a dtype its kernel accepts (the OpDef's
+        allowed ``T``), or the rewrite stops here naming the variable."""
+        if num_replicas < 2:
+            return
+        plan = ctx.plan
+        wire = {"fp16": "float16", "bf16": "bfloat16"}.get(plan.compression)
+        for c in plan.cuts:
+            op = {"allreduce": "CollectiveReduceV2", "allgather": "CollectiveGatherV2"}.get(c.sync)
+            if op is None:
+                continue
+            dtype = wire if wire and c.dtype in ("float32", "float64") and c.sync == "allreduce" else c.dtype
+            allowed = opdefs.allowed_types(op, "T")
+            if dtype not in allowed:
+                raise GraphRewriteError(
+                    f"variable '{c.variable}' has a {dtype} gradient, which {op} cannot carry "
+                    f"(it takes {', '.join(allowed)})",
+                    hint="keep the variable on a parameter server (strategy ps, or a plan placing it "
+                         "\"ps\"), or train it in a supported dtype")
 
     @staticmethod
     def _check_shared_step_ids(ctx):

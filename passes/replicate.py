@@ -54,6 +54,7 @@ class ReplicatePass(Pass):
         roots = [n for n in cloned if not n._consumers and not n._control_consumers]
         shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
+        clones_of_roots = []
         for i in range(1, r):
             prefix = rm.prefixes[i]
             mapping = graph.clone_nodes(cloned, prefix)
@@ -61,13 +62,18 @@ class ReplicatePass(Pass):
                 mapping[n].set_attr("shared_name", prefix.encode() + n.attr["shared_name"].s)
             for n in frame_nodes:
                 mapping[n].set_attr("frame_name", prefix.encode() + n.attr["frame_name"].s)
-            for n in roots:
-                n.add_control_input(mapping[n])
+            clones_of_roots.append([mapping[n] for n in roots])
             for n in pinned:
                 if n in mapping:
                     mapping[n].device = rm.hosts[i]
             for c in mapping.values():
                 c.replica = i
+        # Running a root by its name runs every replica's copy. Added after all cloning:
+        # a root cloned after getting these edges would carry them into every later
+        # replica (quadratic in the replicas).
+        for clones in clones_of_roots:
+            for n, c in zip(roots, clones):
+                n.add_control_input(c)
         ctx.info(f"replicate: {len(cloned)} nodes cloned {r - 1} times, "
                  f"{len(global_nodes)} global, {len(roots)} root ops run every replica")
         return True

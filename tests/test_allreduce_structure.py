@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import graph_io
+from graph_rewriter import examples, graph_io
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.context import Options, RewriteContext
 from graph_rewriter.verifier import verify
@@ -239,3 +239,30 @@ def test_keras_batchnorm_behind_the_learning_phase_cond():
         got = s.run(reads)
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[1], want, rtol=1e-5, atol=1e-6)
+
+
+def test_root_ops_fan_out_once_per_replica_and_the_output_grows_linearly():
+    """Running a root op (nothing consumes it: a train op, an IsInitialized check) by its
+    name runs every replica's copy: the master gets one control input per other replica,
+    and no copy depends on another replica's copy (which would make the graph quadratic
+    in the replicas)."""
+    ex = examples.build("mlp", "momentum")
+    original = {n.name: n for n in ex.graph_def.node}
+    consumed = {i.lstrip("^").split(":")[0] for n in ex.graph_def.node for i in n.input}
+    roots = [name for name in original if name not in consumed]
+    sizes = {}
+    for r in (2, 8):
+        result = gr.rewrite(ex.graph_def, devices_per_worker=r, device_type="GPU")
+        nodes = {n.name: n for n in result.graph_def.node}
+        sizes[r] = len(result.serialized())
+        for root in roots:
+            if root not in nodes or f"replica_1/{root}" not in nodes:
+                continue
+            fan = [i for i in nodes[root].input if i.startswith("^replica_") and i.endswith("/" + root)]
+            assert sorted(fan) == sorted(f"^replica_{k}/{root}" for k in range(1, r)), root
+            for k in range(1, r):
+                other = [i for i in nodes[f"replica_{k}/{root}"].input
+                         if i.startswith("^replica_") and i.endswith("/" + root)]
+                assert not other, f"replica_{k}/{root} waits for other replicas' copies: {other}"
+    # 4x the replicas: at most ~4x the bytes (nothing grows with replicas squared)
+    assert sizes[8] < 4.6 * sizes[2], sizes

@@ -11,9 +11,11 @@ import glob
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -364,6 +366,26 @@ for _mode, _opts in (("staleness", dict(staleness=1)), ("async", dict(sync=False
             "worker": ["localhost:2222", "localhost:2224"], "ps": ["localhost:2223"]}, **_opts)
 
 
+@case("gradient-dtype-collectives-cannot-carry", "'bf_emb'", "bfloat16", "CollectiveGatherV2")
+def _(base, tmp, mp):
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+        emb = tf.compat.v1.get_variable("bf_emb", [10, 2], dtype=tf.bfloat16, use_resource=True,
+                                        initializer=tf.compat.v1.zeros_initializer())
+        rows = tf.cast(tf.nn.embedding_lookup(emb, ids), tf.float32)
+        loss = tf.identity(tf.reduce_sum(rows), name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+    return graph.as_graph_def(), dict(devices_per_worker=2, device_type="CPU")
+
+
+@case("cluster-spec-contradicts-tf_config", "contradicts TF_CONFIG", "localhost:3333")
+def _(base, tmp, mp):
+    mp.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:3333"]},
+                                       "task": {"type": "worker", "index": 0}}))
+    return base.copy(), dict(cluster_spec={"worker": ["localhost:2222", "localhost:2223"]})
+
+
 @case("task-is-a-ps-task", "ps:0", "no client graph")
 def _(base, tmp, mp):
     return base.copy(), dict(strategy="ps", cluster_spec={"worker": ["localhost:2222"], "ps": ["localhost:2223"]},
@@ -676,3 +698,56 @@ def test_cli_rejects_unwritable_out_folder(base, tmp_path):
     out = os.path.join(str(folder), "graph_rewriter_test_out.pb")
     proc = run_cli(base.pb, out, "--device-type", "CPU", "--devices-per-worker", "2")
     assert_cli_rejected(proc, [out, "write"], out, None)
+
+
+# ----- interrupted runs leave nothing behind ---------------------------------------------------
+
+def _deep_mlp(layers=300):
+    """A graph big enough that rewriting it for 16 replicas takes seconds."""
+    graph = tf.Graph()
+    with graph.as_default():
+        h = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        for i in range(layers):
+            w = tf.compat.v1.get_variable(f"l{i}", [4, 4], use_resource=True)
+            h = tf.nn.relu(tf.matmul(h, w))
+        loss = tf.identity(tf.reduce_mean(h), name="loss")
+        tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph.as_graph_def()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_rewrite_leaves_no_output_and_no_temporary_file(tmp_path, sig, code):
+    src, out = tmp_path / "deep.pb", tmp_path / "out" / "deep16.pb"
+    out.parent.mkdir()
+    src.write_bytes(_deep_mlp().SerializeToString())
+    proc = subprocess.Popen([GRAPH_REWRITE, str(src), str(out), "--devices-per-worker", "16", "-v"],
+                            stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items()
+                                                                    if k != "TF_CONFIG"})
+    seen = []
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:                      # progress lines: the rewrite is under way
+        seen.append(line)
+        if "pass replicate" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(sig)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    if proc.returncode == 0:
+        pytest.skip("the rewrite finished before the signal arrived")
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1] in ("graph-rewrite: interrupted", "graph-rewrite: terminated"), err
+    assert "Traceback" not in err
+    assert os.listdir(out.parent) == []           # no OUT, no .graph-rewrite-*.tmp
+
+
+def test_write_interrupted_after_the_data_leaves_no_file(tmp_path, monkeypatch):
+    from graph_rewriter import graph_io
+    out = tmp_path / "out.pb"
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(graph_io.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        graph_io.write_atomic(str(out), b"x" * 1_000_000)
+    assert os.listdir(tmp_path) == []

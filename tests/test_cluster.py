@@ -769,3 +769,144 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pool
     with np.load(outs[1]) as data:
         losses = (losses + data["losses"]) / 2
     _assert_matches("iterator between-graph", losses, values, ref_losses, ref_values)
+
+
+# ----- faults: a dead peer is an error in bounded time ---------------------------------
+
+FAULT_TIMEOUT = 8.0      # the rewrite's timeout_seconds
+FAULT_STEPS = 200
+FAULT_MARGIN = 40.0      # process start-up and a loaded two-core machine
+
+
+def _wait_for_line(log_path, pattern, proc, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log_path, errors="replace") as f:
+            if re.search(pattern, f.read(), re.M):
+                return
+        if proc.poll() is not None:
+            pytest.fail(f"the client exited early:\n{_tail(log_path)}", pytrace=False)
+        time.sleep(0.2)
+    pytest.fail(f"no line matching {pattern!r} within {timeout:.0f} s:\n{_tail(log_path)}", pytrace=False)
+
+
+@pytest.mark.parametrize("strategy, num_ps", [("allreduce", 0), ("ps", 1)])
+def test_a_killed_worker_fails_the_survivors_step_within_the_timeout(strategy, num_ps, fresh_cluster, procs,
+                                                                    tmp_path):
+    """Between-graph, 2 workers x 1 device, rewritten with timeout_seconds=FAULT_TIMEOUT.
+    Mid-training, worker 1's client and server are killed (SIGKILL). Worker 0's client
+    (no per-call timeout of its own: the graph's applies) must fail with graph_rewriter's
+    diagnosis within the timeout plus a margin, not hang: on the all-reduce (collective
+    timeout) or on the chief's accumulator take (the session's operation timeout)."""
+    ex = _build("mlp", "sgd", seed=400 + num_ps)
+    batches = [ex.batch(s, size=BATCH) for s in range(FAULT_STEPS)]
+    cluster = fresh_cluster(2, num_ps, 1)
+    workers = _prepare_workers(cluster, ex, strategy, 1, batches, tmp_path, timeout_seconds=FAULT_TIMEOUT)
+    clients = []
+    for w in workers:
+        cmd = _worker_client_cmd(w, FAULT_STEPS, [], str(tmp_path / f"{w.name}_out.npz"), delay=0.1,
+                                 timeout=0) + ["--progress"]
+        clients.append(procs.start(w.name, cmd))
+    (chief, chief_log), (other, _) = clients
+    _wait_for_line(chief_log, r"^step 3 loss", chief, START_TIMEOUT)
+    os.killpg(other.pid, signal.SIGKILL)
+    cluster.kill("worker", 1)
+    killed = time.monotonic()
+    try:
+        rc = chief.wait(timeout=FAULT_TIMEOUT + FAULT_MARGIN)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"worker 0 still running {FAULT_TIMEOUT + FAULT_MARGIN:.0f} s after worker 1 died:\n"
+                    f"{_tail(chief_log)}", pytrace=False)
+    elapsed = time.monotonic() - killed
+    log = open(chief_log, errors="replace").read()
+    assert rc == 3, f"worker 0 exited with {rc}:\n{log[-3000:]}"
+    assert "graph_rewriter: " in log and ("did not finish within 8 s" in log or "cannot be reached" in log), log[-3000:]
+    assert elapsed <= FAULT_TIMEOUT + FAULT_MARGIN
+
+
+# ----- checkpoints: kill everything, restart from the last checkpoint ----------------------
+
+RESTART_STEPS, KILL_AFTER = 6, 3
+
+
+def _checkpoint_client(argv):
+    """An in-graph client (run in a subprocess, see test below): ``restore`` ('-' for
+    none) then steps FIRST..LAST-1, saving a checkpoint named ckpt-<steps done> after
+    each, printing "saved N" and sleeping ``delay`` seconds (a run in progress, to be
+    killed); then it writes the variables to OUT."""
+    graph, target, feeds_path, first, last, ckpt_dir, restore, delay, out = argv
+    first, last, delay = int(first), int(last), float(delay)
+    with np.load(feeds_path) as data:
+        feeds = {k: data[k] for k in data.files}
+    result = gr.load(graph)
+    save = next(n for n in result.graph_def.node if n.op == "SaveV2").input[0].split(":")[0].rsplit("/", 1)[0]
+    with gr.Session(result, target=target) as sess:
+        if restore == "-":
+            sess.run("init")
+        else:
+            sess.run(f"{save}/restore_all", {f"{save}/Const:0": restore})
+        for step in range(first, last):
+            feed = {k.split("/", 1)[1]: v for k, v in feeds.items() if k.split("/", 1)[0] == str(step)}
+            sess.run("train_op", feed)
+            path = os.path.join(ckpt_dir, f"ckpt-{step + 1}")
+            sess.run(f"{save}/control_dependency:0", {f"{save}/Const:0": path})
+            print(f"saved {step + 1}", flush=True)
+            time.sleep(delay)
+        names = json.loads(os.environ["CHECKPOINT_READS"])
+        np.savez(out, **dict(zip(names, sess.run(names))))
+    return 0
+
+
+def _checkpoint_client_cmd(*args):
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cluster; "
+            "sys.exit(test_cluster._checkpoint_client(sys.argv[2:]))")
+    return [sys.executable, "-c", code, TESTS_DIR] + [str(a) for a in args]
+
+
+@pytest.mark.parametrize("strategy, num_ps", [("allreduce", 0), ("ps", 1)])
+def test_training_killed_and_restarted_from_its_checkpoint_ends_like_an_uninterrupted_run(
+        strategy, num_ps, fresh_cluster, procs, tmp_path):
+    """In-graph over 2 workers x 1 device (+ a ps): train KILL_AFTER steps saving a
+    checkpoint after each, SIGKILL the client and every server, start a new cluster,
+    restore the last checkpoint and train the remaining steps. The variables equal the
+    one-device run of all RESTART_STEPS steps (which the uninterrupted run equals: see
+    test_cluster_training_equals_one_device)."""
+    ex = _build("mlp", "adam", seed=500 + num_ps)
+    batches = [ex.batch(s, size=BATCH) for s in range(RESTART_STEPS)]
+    _, ref_values = examples.run_single(ex, steps=RESTART_STEPS, feeds=batches)
+    feeds_path = str(tmp_path / "feeds.npz")
+    np.savez(feeds_path, **{f"{s}/{k}": v for s, b in enumerate(batches) for k, v in b.items()})
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    env = _env(CHECKPOINT_READS=json.dumps(list(ex.variables.values())))
+
+    def graph_for(cluster, name):
+        path = str(tmp_path / f"{name}.pb")
+        gr.rewrite(ex.graph_def, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
+                   timeout_seconds=60).save(path)
+        return path
+
+    first = fresh_cluster(2, num_ps, 1)
+    killed = Processes(str(tmp_path))
+    try:
+        proc, log = killed.start("client_a", _checkpoint_client_cmd(
+            graph_for(first, "a"), first.target("worker", 0), feeds_path, 0, RESTART_STEPS, ckpt_dir, "-", 5,
+            tmp_path / "unused.npz"), env=env)
+        _wait_for_line(log, rf"^saved {KILL_AFTER}$", proc, PROCESS_TIMEOUT)
+    finally:
+        killed.end_all()                                # SIGKILL: every process of the first run dies
+    assert f"saved {KILL_AFTER + 1}" not in open(log).read(), "the first run was not killed mid-training"
+    for job, i in first.tasks():
+        first.kill(job, i)
+    assert not any(p.poll() is None for p in first.processes.values())
+    second = fresh_cluster(2, num_ps, 1)                # new servers, new ports, nothing kept
+    out = tmp_path / "restarted.npz"
+    procs.start("client_b", _checkpoint_client_cmd(
+        graph_for(second, "b"), second.target("worker", 0), feeds_path, KILL_AFTER, RESTART_STEPS, ckpt_dir,
+        ckpt_dir / f"ckpt-{KILL_AFTER}", 0, out), env=env)
+    procs.wait_all()
+    with np.load(out) as data:
+        values = {name: data[t] for name, t in ex.variables.items()}
+    for name, want in ref_values.items():
+        np.testing.assert_allclose(values[name], want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{strategy}: '{name}' after a restart differs from the uninterrupted run")

@@ -28,7 +28,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _accepts(port):
+def accepts(port):
+    """True if something on this machine accepts TCP connections on ``port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         try:
@@ -82,7 +83,7 @@ class LocalCluster:
         for job, i in self.tasks():
             port = int(self.spec[job][i].rsplit(":", 1)[1])
             proc = self.processes[f"{job}:{i}"]
-            while not _accepts(port):
+            while not accepts(port):
                 if proc.poll() is not None:
                     self.stop()
                     raise GraphRewriteError(f"the server for {job}:{i} exited with status {proc.returncode}")

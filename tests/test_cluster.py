@@ -41,7 +41,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,7 +51,7 @@ import tensorflow as tf
 
 import graph_rewriter as gr
 from graph_rewriter import examples
-from graph_rewriter.local_cluster import LocalCluster, free_port
+from graph_rewriter.local_cluster import LocalCluster, accepts, free_port
 
 # Slow: part of the full run, left out of the quick one (pytest -m "not slow").
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
@@ -147,19 +146,9 @@ def procs(tmp_path):
         p.end_all()
 
 
-def _listening(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        try:
-            s.connect(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def _wait_listening(port, proc, log_path, timeout=START_TIMEOUT):
     deadline = time.monotonic() + timeout
-    while not _listening(port):
+    while not accepts(port):
         if proc.poll() is not None:
             pytest.fail(f"the server exited with status {proc.returncode} before listening on "
                         f"port {port}\n{_tail(log_path)}", pytrace=False)

@@ -5,14 +5,13 @@ the tutorial's 2222/2223), and the losses it promises are checked."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from graph_rewriter.local_cluster import free_port
+from graph_rewriter.local_cluster import accepts, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -24,12 +23,6 @@ FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```$", re.S | re.M)
 def blocks(text):
     """(language, attributes, body) of every fenced block, in order."""
     return [(m.group(1), m.group(2).strip(), m.group(3)) for m in FENCE.finditer(text)]
-
-
-def _listening(port):
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _loss(output, label):
@@ -58,7 +51,7 @@ def test_tutorial_runs_as_written_and_trains_like_one_device(tmp_path):
                                                     stderr=subprocess.STDOUT, start_new_session=True))
                 deadline = time.monotonic() + 120
                 for port in ports.values():
-                    while not _listening(int(port)):
+                    while not accepts(int(port)):
                         assert all(p.poll() is None for p in servers), "a tutorial server exited"
                         assert time.monotonic() < deadline, f"no server listening on port {port}"
                         time.sleep(0.2)

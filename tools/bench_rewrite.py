@@ -83,7 +83,10 @@ def _measure(kind, path, replicas):
         res = gr.rewrite(data, devices_per_worker=replicas, device_type="GPU")
         result = res.serialized()   # what save() and the CLI write
         out["nodes_out"] = res.num_nodes
-        out["passes"] = {name: round(s, 4) for name, s, _ in res.timings}
+        passes = {}
+        for name, s, _ in res.timings:      # the verifier runs many times: its total
+            passes[name] = passes.get(name, 0.0) + s
+        out["passes"] = {name: round(s, 4) for name, s in passes.items()}
     out["seconds"] = time.perf_counter() - start
     out["bytes_out"] = len(result)
     out["peak_extra_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) * 1024

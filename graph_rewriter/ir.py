@@ -497,8 +497,16 @@ def _spread(graph, nodes, lo, hi):
             graph._next_ord += 1.0
         return
     step = (hi - lo) / (len(nodes) + 1)
-    if step <= abs(hi) * 1e-12:   # positions ran out between two nodes: renumber all
-        graph._order_ok = False
+    if step <= abs(hi) * 1e-12:
+        # No room between the two neighbours (ties, or float positions worn thin by many
+        # insertions): renumber the whole graph once. The search found no cycle, so the
+        # edge just added closed no cycle (another edge of the same batch still may: then
+        # the order is given up and the verifier's full check reports the cycle).
+        from graph_rewriter.traversal import topological_order
+        try:
+            graph.reset_order(topological_order(graph))
+        except GraphRewriteError:
+            graph._order_ok = False
         return
     for i, n in enumerate(nodes, 1):
         n._ord = lo + i * step

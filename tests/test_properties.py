@@ -99,7 +99,7 @@ def _reads(session, names):
     return out
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=models())
 def test_random_training_graphs_rewrite_to_one_device_numerics_or_a_clear_refusal(spec):
     graph_def, names = _build(spec)
@@ -149,7 +149,7 @@ def _mutate(data, edits):
     return bytes(data)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_graph_bytes_never_crash_the_cli(valid_graph_bytes, tmp_path, capsys, data):

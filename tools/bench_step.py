@@ -121,25 +121,37 @@ def main():
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (one device, rewritten, MirroredStrategy); ratios are per round, "
+                        "then the median: the machine's speed drifts between processes")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup)))
         return
     print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
-    results = {}
-    for kind in ("single", "rewritten", "mirrored"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(args.replicas),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-        if proc.returncode != 0:
-            raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-        results[kind] = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
-        print(f"{kind:>10}: {results[kind] * 1000:8.1f} ms/step", flush=True)
-    print(f"rewritten / one device      = {results['rewritten'] / results['single']:.2f}   (target <= 1.2)")
-    print(f"rewritten / MirroredStrategy = {results['rewritten'] / results['mirrored']:.2f}   (target <= 0.75)")
-    print(f"MirroredStrategy / one device = {results['mirrored'] / results['single']:.2f}")
+    kinds = ("single", "rewritten", "mirrored")
+    rounds = []
+    for r in range(args.rounds):
+        results = {}
+        for kind in kinds:
+            cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(args.replicas),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                                  env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+            if proc.returncode != 0:
+                raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+            results[kind] = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+        rounds.append(results)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {results[k] * 1000:.1f} ms/step" for k in kinds), flush=True)
+
+    def ratio(a, b):
+        return statistics.median(x[a] / x[b] for x in rounds)
+    for kind in kinds:
+        print(f"{kind:>10}: {statistics.median(x[kind] for x in rounds) * 1000:8.1f} ms/step (median)")
+    print(f"rewritten / one device       = {ratio('rewritten', 'single'):.2f}   (target <= 1.2; median of rounds)")
+    print(f"rewritten / MirroredStrategy = {ratio('rewritten', 'mirrored'):.2f}   (target <= 0.75)")
+    print(f"MirroredStrategy / one device = {ratio('mirrored', 'single'):.2f}")
 
 
 if __name__ == "__main__":

@@ -65,10 +65,13 @@ class Cluster:
 def parse_cluster(spec=None, task=None, environ=None):
     """A Cluster from any accepted spec form; ``task`` is None, "job:i" or (job, i)."""
     environ = os.environ if environ is None else environ
-    if spec is None and environ.get("TF_CONFIG"):
-        spec, env_task = _parse_tf_config(environ["TF_CONFIG"])
+    env_spec = env_task = None
+    if environ.get("TF_CONFIG"):
+        env_spec, env_task = _parse_tf_config(environ["TF_CONFIG"])
         if task is None:
             task = env_task
+    if spec is None:
+        spec, env_spec = env_spec, None     # TF_CONFIG names the cluster: nothing to compare
     if spec is None:
         if task is not None:
             raise GraphRewriteError(
@@ -76,25 +79,13 @@ def parse_cluster(spec=None, task=None, environ=None):
                 hint="pass --cluster (or cluster_spec=) naming the task's job")
         return Cluster(jobs={}, task=None)
     jobs = _jobs_from(spec)
-    if environ.get("TF_CONFIG") and not _from_tf_config(spec, environ):
-        env_jobs = _jobs_from(_parse_tf_config(environ["TF_CONFIG"])[0])
-        if env_jobs != jobs:
-            raise GraphRewriteError(
-                f"the cluster spec given ({json.dumps(jobs, sort_keys=True)}) contradicts TF_CONFIG's "
-                f"cluster ({json.dumps(env_jobs, sort_keys=True)})",
-                hint="unset TF_CONFIG, or drop the explicit spec and let TF_CONFIG name the cluster")
-        if task is None:
-            task = _parse_tf_config(environ["TF_CONFIG"])[1]
+    if env_spec is not None and _jobs_from(env_spec) != jobs:
+        raise GraphRewriteError(
+            f"the cluster spec given ({json.dumps(jobs, sort_keys=True)}) contradicts TF_CONFIG's "
+            f"cluster ({json.dumps(_jobs_from(env_spec), sort_keys=True)})",
+            hint="unset TF_CONFIG, or drop the explicit spec and let TF_CONFIG name the cluster")
     cluster = Cluster(jobs=jobs, task=None)
     return dataclasses.replace(cluster, task=parse_task(task, cluster) if task is not None else None)
-
-
-def _from_tf_config(spec, environ):
-    """True if ``spec`` is the cluster parse_cluster itself took from TF_CONFIG."""
-    try:
-        return spec == json.loads(environ["TF_CONFIG"]).get("cluster")
-    except (ValueError, AttributeError):
-        return False
 
 
 def _jobs_from(spec):

@@ -700,6 +700,21 @@ def read_replica_copies(sess, example, prefixes):
     return {name: np.asarray(v) for name, v in values.items()}
 
 
+def sharded_moving_variance(example, feed, replicas, initial_variance):
+    """The "batchnorm" model's moving_variance after one step whose batch ``feed`` is split
+    into ``replicas`` equal shards, each updating with its own (biased) batch variance and
+    the updates averaged: momentum * v0 + (1 - momentum) * the mean of shard variances."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(example.graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(example.init)
+        bn_input = sess.run(example.tensors["bn_input"], feed)   # before any update
+    shard_variances = [s.var(axis=0) for s in np.split(bn_input, replicas)]
+    return BN_MOMENTUM * initial_variance + (1 - BN_MOMENTUM) * np.mean(shard_variances, axis=0)
+
+
 def run_single(example, steps=3, batch_size=8, feeds=None):
     """Trains the original graph on one device: (losses per step, final variable values).
 

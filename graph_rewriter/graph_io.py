@@ -180,11 +180,7 @@ def graph_item_from_graph_def(gd, source="<GraphDef>"):
         if COLOCATION_ATTR in nd.attr:
             node._colocate = [nodes.get(n, n) for n in _colocation_names(nd.attr[COLOCATION_ATTR])]
             del nd.attr[COLOCATION_ATTR]
-    from graph_rewriter.traversal import topological_order
-    try:
-        item.reset_order(topological_order(item))
-    except GraphRewriteError:
-        item._order_ok = False   # a cycle: the verifier will name it
+    item.renumber()
     item.clean()
     return item
 

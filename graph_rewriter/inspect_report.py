@@ -99,6 +99,7 @@ def report(result, batch_size=None):
                       for p in plan["packs"])
     sparse = {c["variable"]: _sparse_entry(c, r, batch_size) for c in plan["cuts"] if c["sync"] == "allgather"}
     ps_cuts = [c for c in plan["cuts"] if c["sync"] == "accumulate"]
+    ps_dense = sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense")
     return {
         "strategy": plan["strategy"], "num_replicas": r,
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
@@ -116,8 +117,8 @@ def report(result, batch_size=None):
             "batch_size": batch_size,
             # parameter servers: each replica pushes its gradients to the accumulators and
             # reads the variables it uses (sparse ones: the rows of its examples)
-            "ps_dense_gradients": sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense"),
-            "ps_dense_reads": sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense"),
+            "ps_dense_gradients": ps_dense,   # a dense gradient has its variable's bytes
+            "ps_dense_reads": ps_dense,
             "ps_sparse": {c["variable"]: _sparse_entry(c, r, batch_size) for c in ps_cuts if c["kind"] == "sparse"},
         },
         "compression": compression,

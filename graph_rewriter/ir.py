@@ -234,6 +234,15 @@ class GraphItem:
         self._next_ord = float(len(order))
         self._order_ok = True
 
+    def renumber(self):
+        """Takes a full topological sort as the maintained order; on a cycle, gives the
+        order up (the verifier's full check then names the cycle)."""
+        from graph_rewriter.traversal import topological_order
+        try:
+            self.reset_order(topological_order(self))
+        except GraphRewriteError:
+            self._order_ok = False
+
     def clean(self):
         """Forgets the changes so far (the verifier has checked them)."""
         self._dirty_edges = {}
@@ -499,14 +508,9 @@ def _spread(graph, nodes, lo, hi):
     step = (hi - lo) / (len(nodes) + 1)
     if step <= abs(hi) * 1e-12:
         # No room between the two neighbours (ties, or float positions worn thin by many
-        # insertions): renumber the whole graph once. The search found no cycle, so the
-        # edge just added closed no cycle (another edge of the same batch still may: then
-        # the order is given up and the verifier's full check reports the cycle).
-        from graph_rewriter.traversal import topological_order
-        try:
-            graph.reset_order(topological_order(graph))
-        except GraphRewriteError:
-            graph._order_ok = False
+        # insertions): renumber the whole graph once. The edge just added closed no
+        # cycle (the search says so); another edge of the same batch still may.
+        graph.renumber()
         return
     for i, n in enumerate(nodes, 1):
         n._ord = lo + i * step

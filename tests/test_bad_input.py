@@ -726,9 +726,9 @@ def test_interrupted_rewrite_leaves_no_output_and_no_temporary_file(tmp_path, si
                                                                     if k != "TF_CONFIG"})
     seen = []
     deadline = time.monotonic() + 120
-    for line in proc.stderr:                      # progress lines: the rewrite is under way
+    for line in proc.stderr:          # "loaded ...": every pass and the output are still to come
         seen.append(line)
-        if "pass replicate" in line or time.monotonic() > deadline:
+        if "loaded" in line or time.monotonic() > deadline:
             break
     proc.send_signal(sig)
     _, rest = proc.communicate(timeout=120)

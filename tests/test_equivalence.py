@@ -263,15 +263,7 @@ def test_batchnorm_moving_statistics(replicas, resource, update_ops):
     ex, initial, _, _ = _reference("batchnorm", "sgd", resource, (("update_ops", update_ops),))
     feed = ex.batch(0, BATCH)
     _, single = examples.run_single(ex, steps=1, batch_size=BATCH)
-    g = tf.Graph()
-    with g.as_default():
-        tf.compat.v1.import_graph_def(ex.graph_def, name="")
-    with tf.compat.v1.Session(graph=g) as sess:
-        sess.run(ex.init)
-        bn_input = sess.run(ex.tensors["bn_input"], feed)   # before any update
-    shard_variances = [s.var(axis=0) for s in np.split(bn_input, replicas)]
-    m = examples.BN_MOMENTUM
-    want_variance = m * initial["bn/moving_variance"] + (1 - m) * np.mean(shard_variances, axis=0)
+    want_variance = examples.sharded_moving_variance(ex, feed, replicas, initial["bn/moving_variance"])
     # The variance of replica means differs from the batch variance: the test can tell.
     assert not np.allclose(want_variance, single["bn/moving_variance"], rtol=RTOL, atol=ATOL)
 

@@ -87,7 +87,7 @@ def _batches(spec):
 def _train(session, batches, names):
     session.run("init")
     losses = [float(session.run(["loss:0", "train_op"], feed)[0]) for feed in batches]
-    return losses, dict(zip(names, session.run([f"{n}:0" if not n.endswith(":0") else n for n in _reads(session, names)])))
+    return losses, dict(zip(names, session.run([f"{n}:0" for n in _reads(session, names)])))
 
 
 def _reads(session, names):

@@ -15,7 +15,7 @@ checks stay fast.
 from graph_rewriter.errors import GraphRewriteError
 
 __version__ = "0.1.0"
-__all__ = ["rewrite", "load", "Session", "start_server", "GraphRewriteError", "Plan"]
+__all__ = ["rewrite", "load", "Session", "start_server", "GraphRewriteError", "Plan", "CostModel"]
 
 
 def __getattr__(name):
@@ -28,6 +28,9 @@ def __getattr__(name):
     if name == "start_server":
         from graph_rewriter.server import start_server
         return start_server
+    if name == "CostModel":
+        from graph_rewriter.cost_model import CostModel
+        return CostModel
     if name == "Plan":
         from graph_rewriter.plan import Plan
         return Plan

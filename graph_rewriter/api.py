@@ -7,8 +7,9 @@ import time
 
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import (DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES,
-                                    DEFAULT_TIMEOUT_SECONDS, Options, RewriteContext)
+from graph_rewriter.context import (DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS, Options,
+                                    RewriteContext)
+from graph_rewriter.cost_model import CostModel
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.metadata import METADATA_NODE, read_metadata, read_metadata_of
 from graph_rewriter.pass_manager import PassManager
@@ -103,31 +104,32 @@ class RewriteResult:
 def pipeline(options, cluster):
     """The passes a strategy runs, in order (data: nothing else decides the order)."""
     import passes
-    if options.strategy == "auto":
-        raise GraphRewriteError(
-            f"strategy '{options.strategy}' is not available in this version of graph_rewriter",
-            hint="use the allreduce strategy")
     if cluster.task is not None and cluster.task[0] not in ("chief", "worker"):
         job, index = cluster.task
         raise GraphRewriteError(
             f"task {job}:{index} runs no client graph: between-graph replication builds the graph "
             "of a chief or worker task", hint="pass a worker task (ps tasks only run a server)")
     return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
-            passes.MirrorVariablesPass(), passes.AllReducePass(), passes.AllGatherPass(),
+            passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
             passes.MergeSummariesPass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_worker=1,
-            device_type="GPU", task=None, bytes_per_pack=DEFAULT_BYTES_PER_PACK,
+            device_type="GPU", task=None, bytes_per_pack=None,
             compression=None, sparse_as_dense=False, merge=None, gradients=None,
             timeout_seconds=DEFAULT_TIMEOUT_SECONDS, sync=True, staleness=0,
             ps_shard_bytes=DEFAULT_PS_SHARD_BYTES, verify_each=True, dump_after=(),
-            dump_dir=".", log=None):
+            dump_dir=".", log=None, accumulation_steps=1, cost_model=None):
     """Rewrites a single-device training graph for data-parallel training.
 
     See API.md for the contract. Beyond it: ``bytes_per_pack`` (dense gradients are
-    packed into same-dtype buffers of at most this size; 0 = one per dtype),
+    packed into same-dtype buffers of at most this size; 0 = one per dtype; default
+    32 MiB, or under strategy "auto" the cost model's size), ``accumulation_steps`` (k:
+    each run of the train op with a micro-batch adds to the replicas' gradient sums,
+    every k-th run synchronises their mean and applies it once), ``cost_model`` (a
+    ``CostModel`` or a dict of its fields: link speeds and the global batch that
+    strategy "auto" assumes),
     ``compression`` ("fp16"/"bf16": cast before the allreduce, back after),
     ``sparse_as_dense`` (allreduce sparse gradients as dense tensors), ``gradients``
     ({variable: tensor} hints for custom optimizers), ``timeout_seconds`` (a collective
@@ -147,7 +149,7 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
         return _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
                         bytes_per_pack, compression, sparse_as_dense, merge, gradients,
                         timeout_seconds, sync, staleness, ps_shard_bytes, verify_each,
-                        dump_after, dump_dir, log)
+                        dump_after, dump_dir, log, accumulation_steps, cost_model)
     finally:
         if collecting:
             gc.enable()
@@ -155,7 +157,8 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
 
 def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
              bytes_per_pack, compression, sparse_as_dense, merge, gradients, timeout_seconds,
-             sync, staleness, ps_shard_bytes, verify_each, dump_after, dump_dir, log):
+             sync, staleness, ps_shard_bytes, verify_each, dump_after, dump_dir, log,
+             accumulation_steps, cost_model):
     started = time.perf_counter()
     plan = None
     if isinstance(strategy, Plan):
@@ -169,7 +172,9 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
         bytes_per_pack=bytes_per_pack, compression=compression, sparse_as_dense=sparse_as_dense,
         merge=dict(merge or {}), gradients=dict(gradients or {}), timeout_seconds=timeout_seconds,
         sync=sync, staleness=staleness, ps_shard_bytes=ps_shard_bytes,
-        verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir).validate()
+        verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir,
+        accumulation_steps=accumulation_steps,
+        cost_model=CostModel.from_value(cost_model)).validate()
     cluster = parse_cluster(cluster_spec, task)
     ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)
     passes = pipeline(options, cluster)

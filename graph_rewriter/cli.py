@@ -49,7 +49,8 @@ def _add_rewrite_options(p):
                    help="cluster spec: JSON text or a JSON file {\"worker\": [\"host:port\", ...], \"ps\": [...]}; "
                         "default: this machine only (or TF_CONFIG when set)")
     p.add_argument("--strategy", default="allreduce", metavar="S",
-                   help="allreduce (default), ps or hybrid (see docs/strategies.md)")
+                   help="allreduce (default), ps, hybrid, or auto: per variable what the cost model "
+                        "predicts cheapest (see docs/strategies.md)")
     p.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
                    help="replicas per machine: its GPUs, or CPU replicas with --device-type CPU (default 1)")
     p.add_argument("--device-type", default="GPU", metavar="GPU|CPU",
@@ -57,7 +58,8 @@ def _add_rewrite_options(p):
     p.add_argument("--task", metavar="JOB:INDEX",
                    help="build the graph this task's own client runs (between-graph replication)")
     p.add_argument("--bytes-per-pack", type=int, default=None, metavar="BYTES",
-                   help="largest allreduce pack of same-dtype gradients (default 32 MiB; 0: one per dtype)")
+                   help="largest allreduce pack of same-dtype gradients (default 32 MiB, or auto's "
+                        "choice; 0: one per dtype)")
     p.add_argument("--compression", choices=("fp16", "bf16", "none"), default="none",
                    help="cast dense gradients down for the allreduce and back after")
     p.add_argument("--sparse-as-dense", action="store_true",
@@ -76,6 +78,20 @@ def _add_rewrite_options(p):
                         "(default 64 MiB; 0: never)")
     p.add_argument("--timeout-seconds", type=float, default=None, metavar="S",
                    help="a collective waiting longer than this for a peer fails the step (default 600; 0: never)")
+    p.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
+                   help="sum gradients over K runs of the train op (micro-batches) and apply their "
+                        "mean on every K-th (default 1)")
+    costs = p.add_argument_group("cost model (strategy auto)")
+    costs.add_argument("--intra-bandwidth", type=float, metavar="GB/S",
+                       help="between the devices of one machine (default 12, PCIe 3.0 x16)")
+    costs.add_argument("--inter-bandwidth", type=float, metavar="GB/S",
+                       help="between machines (default 1.25, 10 Gb Ethernet)")
+    costs.add_argument("--intra-latency", type=float, metavar="US",
+                       help="per message within a machine, microseconds (default 10)")
+    costs.add_argument("--inter-latency", type=float, metavar="US",
+                       help="per message between machines, microseconds (default 50)")
+    costs.add_argument("--cost-batch-size", type=int, metavar="N",
+                       help="global batch the sparse gradients' costs assume (default 256)")
     p.add_argument("-v", "--verbose", action="store_true", help="print progress and per-pass timings")
 
 
@@ -162,7 +178,7 @@ def _pairs(items, flag):
 
 
 def _rewrite_kwargs(args):
-    from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS
+    from graph_rewriter.context import DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS
     if args.devices_per_worker < 1:
         raise GraphRewriteError(f"--devices-per-worker must be at least 1, got {args.devices_per_worker}")
     if args.device_type not in ("GPU", "CPU"):
@@ -173,12 +189,32 @@ def _rewrite_kwargs(args):
     return dict(
         cluster_spec=args.cluster, strategy=args.strategy,
         devices_per_worker=args.devices_per_worker, device_type=args.device_type, task=args.task,
-        bytes_per_pack=DEFAULT_BYTES_PER_PACK if args.bytes_per_pack is None else args.bytes_per_pack,
+        bytes_per_pack=args.bytes_per_pack,
         compression=None if args.compression == "none" else args.compression,
         sparse_as_dense=args.sparse_as_dense, gradients=gradients,
         merge=_pairs(args.merge, "--merge"), sync=args.sync, staleness=args.staleness,
         ps_shard_bytes=DEFAULT_PS_SHARD_BYTES if args.ps_shard_bytes is None else args.ps_shard_bytes,
-        timeout_seconds=DEFAULT_TIMEOUT_SECONDS if args.timeout_seconds is None else args.timeout_seconds)
+        timeout_seconds=DEFAULT_TIMEOUT_SECONDS if args.timeout_seconds is None else args.timeout_seconds,
+        accumulation_steps=args.accumulation_steps, cost_model=_cost_model(args))
+
+
+def _cost_model(args):
+    """The cost model's fields the flags set (bandwidths given in GB/s, latencies in us)."""
+    fields = {}
+    for flag, field, scale in (("intra_bandwidth", "intra_bandwidth", 1e9),
+                               ("inter_bandwidth", "inter_bandwidth", 1e9),
+                               ("intra_latency", "intra_latency", 1e-6),
+                               ("inter_latency", "inter_latency", 1e-6)):
+        value = getattr(args, flag)
+        if value is not None:
+            if not value > 0 and not (value == 0 and "latency" in flag):
+                raise GraphRewriteError(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+            fields[field] = value * scale
+    if args.cost_batch_size is not None:
+        if args.cost_batch_size < 1:
+            raise GraphRewriteError(f"--cost-batch-size must be at least 1, got {args.cost_batch_size}")
+        fields["batch_size"] = args.cost_batch_size
+    return fields or None
 
 
 def _log(message):

@@ -23,7 +23,7 @@ class Options:
     strategy: str = "allreduce"
     devices_per_worker: int = 1
     device_type: str = "GPU"
-    bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
+    bytes_per_pack: typing.Optional[int] = None   # None: DEFAULT_BYTES_PER_PACK, or auto's choice
     compression: typing.Optional[str] = None
     sparse_as_dense: bool = False
     merge: dict = dataclasses.field(default_factory=dict)
@@ -35,6 +35,8 @@ class Options:
     verify: bool = True
     dump_after: tuple = ()
     dump_dir: str = "."
+    accumulation_steps: int = 1
+    cost_model: object = None        # graph_rewriter.cost_model.CostModel (strategy auto)
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -53,7 +55,9 @@ class Options:
         if self.compression not in COMPRESSIONS:
             raise GraphRewriteError(
                 f"unknown compression {self.compression!r}", hint="use fp16, bf16 or none")
-        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+        if self.bytes_per_pack is not None and (
+                isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int)
+                or self.bytes_per_pack < 0):
             raise GraphRewriteError(
                 f"bytes_per_pack must be a non-negative integer (0: one pack per dtype), got {self.bytes_per_pack!r}")
         if not (isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds >= 0):
@@ -73,6 +77,15 @@ class Options:
         if isinstance(self.ps_shard_bytes, bool) or not isinstance(self.ps_shard_bytes, int) or self.ps_shard_bytes < 0:
             raise GraphRewriteError(
                 f"ps_shard_bytes must be a non-negative integer (0: never shard), got {self.ps_shard_bytes!r}")
+        if (isinstance(self.accumulation_steps, bool) or not isinstance(self.accumulation_steps, int)
+                or self.accumulation_steps < 1):
+            raise GraphRewriteError(
+                f"accumulation_steps must be an integer >= 1 (1: apply every step), got {self.accumulation_steps!r}")
+        if self.accumulation_steps > 1 and not self.sync:
+            raise GraphRewriteError(
+                "accumulation_steps with sync=False: asynchronous workers apply their own gradients "
+                "as they come, so there is no step to accumulate towards",
+                hint="train synchronously, or drop accumulation_steps")
         for name, how in self.merge.items():
             if how not in MERGES:
                 raise GraphRewriteError(

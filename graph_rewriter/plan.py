@@ -11,7 +11,9 @@ import json
 
 from tensorflow.python.framework import dtypes
 
+from graph_rewriter import cost_model
 from graph_rewriter.analysis import rows_per_example
+from graph_rewriter.context import DEFAULT_BYTES_PER_PACK
 from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.errors import GraphRewriteError
 
@@ -39,6 +41,7 @@ class CutPlan:
     rows_per_example: int = None  # sparse: index rows per example of the batch, if fixed
     index_dtype: str = None     # sparse: the indices' dtype
     variables: list = dataclasses.field(default_factory=list)
+    costs: dict = None          # strategy auto: {sync: predicted cost per step} of each choice
 
 
 @dataclasses.dataclass
@@ -80,6 +83,9 @@ class Plan:
     sync: bool = True           # parameter servers: synchronous (accumulators) or not
     staleness: int = 0          # parameter servers: steps a worker may run ahead
     num_ps: int = 0             # parameter-server devices (1 = this machine's host CPU)
+    accumulation_steps: int = 1  # micro-batches whose gradients are summed before each update
+    cost: dict = None           # strategy auto: the cost model, topology, pack size, prediction
+    bytes_per_pack: int = None  # the pack size the packs were made with
 
     def variable(self, name):
         for v in self.variables:
@@ -131,7 +137,9 @@ class Plan:
                 batch_inputs=list(d["batch_inputs"]), broadcast_inputs=list(d["broadcast_inputs"]),
                 step_counters=list(d["step_counters"]), compression=d.get("compression"),
                 fingerprint=d.get("fingerprint", ""), sync=d.get("sync", True),
-                staleness=d.get("staleness", 0), num_ps=d.get("num_ps", 0))
+                staleness=d.get("staleness", 0), num_ps=d.get("num_ps", 0),
+                accumulation_steps=d.get("accumulation_steps", 1), cost=d.get("cost"),
+                bytes_per_pack=d.get("bytes_per_pack"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}") from None
 
@@ -154,14 +162,17 @@ def dtype_name(enum):
     return dtypes.as_dtype(enum).base_dtype.name
 
 
-def make_plan(analysis, options, num_replicas, num_ps=0):
+def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_ps=True):
     """The default plan for the options' strategy over this analysis.
 
     allreduce: every variable mirrored. ps: every variable on the parameter servers
     (``num_ps`` tasks, or this machine's host CPU when 0), balanced by bytes, a variable
     travelling with its optimizer slots, variables above ``ps_shard_bytes`` split by rows
     across all ps tasks. hybrid: variables with sparse gradients (and their slots) on
-    the parameter servers, every other variable mirrored (Parallax's split).
+    the parameter servers, every other variable mirrored (Parallax's split). auto: per
+    gradient the synchronisation the cost model predicts cheapest on ``topology`` (the
+    parameter servers only if ``can_use_ps``), ps variables split into the shard count
+    it picks, and its pack size unless ``bytes_per_pack`` is given.
     """
     cuts = []
     for c in analysis.cuts:
@@ -185,7 +196,21 @@ def make_plan(analysis, options, num_replicas, num_ps=0):
         batch_inputs=[t.name for t in analysis.batch_inputs],
         broadcast_inputs=[t.name for t in analysis.broadcast_inputs],
         step_counters=list(analysis.step_counters), compression=options.compression,
-        sync=options.sync, staleness=options.staleness, num_ps=max(num_ps, 1))
+        sync=options.sync, staleness=options.staleness, num_ps=max(num_ps, 1),
+        accumulation_steps=options.accumulation_steps)
+    pack_bytes = DEFAULT_BYTES_PER_PACK if options.bytes_per_pack is None else options.bytes_per_pack
+    if options.strategy == "auto":
+        model = options.cost_model or cost_model.CostModel()
+        chosen_pack = cost_model.choose(plan, topology, model, can_use_ps)
+        if options.bytes_per_pack is None:
+            pack_bytes = chosen_pack
+        shards = {c.variable: c.costs["accumulate"].get("shards", 1)
+                  for c in plan.cuts if c.sync == "accumulate"}
+        balance_ps(plan, 0, shards)
+        assign_packs(plan, pack_bytes)
+        plan.cost = {"model": model.to_dict(), "topology": dataclasses.asdict(topology),
+                     "predicted": cost_model.predict(plan, topology, model)}
+        return plan
     if options.strategy in ("ps", "hybrid"):
         if options.strategy == "ps":
             chosen = [v.name for v in variables]
@@ -195,15 +220,17 @@ def make_plan(analysis, options, num_replicas, num_ps=0):
         for name in chosen:
             plan.set_placement(name, "ps")
         balance_ps(plan, options.ps_shard_bytes)
-    assign_packs(plan, options.bytes_per_pack)
+    assign_packs(plan, pack_bytes)
     return plan
 
 
-def balance_ps(plan, shard_bytes):
+def balance_ps(plan, shard_bytes, shard_counts=None):
     """Spreads parameter-server variables over the ps tasks by bytes (largest groups
     first, each to the least loaded task); a group whose variable exceeds
-    ``shard_bytes`` is split by rows across every task instead (resource variables of
-    rank >= 1 only: ref variables cannot be partitioned behind one name)."""
+    ``shard_bytes`` is split by rows across every task instead, and a variable with a
+    count in ``shard_counts`` ({name: shards}) across that many least loaded tasks
+    (resource variables of rank >= 1 only: ref variables cannot be partitioned behind
+    one name)."""
     loads = [0] * plan.num_ps
     groups, seen = [], set()
     for v in plan.variables:
@@ -216,16 +243,19 @@ def balance_ps(plan, shard_bytes):
     for group in groups:
         primary = group[0]
         rows = primary.shape[0] if primary.shape else None
-        shardable = (plan.num_ps > 1 and shard_bytes and (primary.bytes or 0) > shard_bytes
-                     and all(m.kind == "resource" and m.shape and m.shape[0] == rows for m in group)
-                     and rows is not None and rows >= plan.num_ps)
+        count = (shard_counts or {}).get(primary.name) or (
+            plan.num_ps if shard_bytes and (primary.bytes or 0) > shard_bytes else 1)
+        count = min(count, plan.num_ps)
+        shardable = (count > 1 and all(m.kind == "resource" and m.shape and m.shape[0] == rows for m in group)
+                     and rows is not None and rows >= count)
         if shardable:
-            base, extra = divmod(rows, plan.num_ps)
-            shards = [{"ps_task": k, "rows": base + (1 if k < extra else 0)} for k in range(plan.num_ps)]
+            base, extra = divmod(rows, count)
+            tasks = sorted(sorted(range(plan.num_ps), key=lambda i: (loads[i], i))[:count])
+            shards = [{"ps_task": t, "rows": base + (1 if k < extra else 0)} for k, t in enumerate(tasks)]
             for m in group:
                 m.shards, m.ps_task = [dict(s) for s in shards], None
-            for k, s in enumerate(shards):
-                loads[k] += sum(m.bytes or 0 for m in group) * s["rows"] // rows
+            for s in shards:
+                loads[s["ps_task"]] += sum(m.bytes or 0 for m in group) * s["rows"] // rows
             continue
         k = min(range(plan.num_ps), key=lambda i: (loads[i], i))
         for m in group:
@@ -238,6 +268,7 @@ def assign_packs(plan, bytes_per_pack):
     (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
     first are issued first, so communication overlaps the rest of backprop."""
     plan.packs = []
+    plan.bytes_per_pack = bytes_per_pack
     open_pack = {}
     # Batch statistics (BatchNorm moving averages) go first, in packs of their own: with
     # TF1's control_dependencies(UPDATE_OPS) idiom the gradients wait for those updates.
@@ -300,5 +331,13 @@ def check_plan(plan, analysis, options, num_replicas):
         raise GraphRewriteError(
             f"the plan has no entry for variable '{sorted(missing)[0]}'",
             hint="make the plan from this graph with `graph-rewrite plan`")
-    assign_packs(plan, options.bytes_per_pack)
+    if options.bytes_per_pack is not None:
+        pack_bytes = options.bytes_per_pack
+    elif plan.bytes_per_pack is not None:
+        pack_bytes = plan.bytes_per_pack
+    else:
+        pack_bytes = DEFAULT_BYTES_PER_PACK
+    if options.accumulation_steps > 1:
+        plan.accumulation_steps = options.accumulation_steps
+    assign_packs(plan, pack_bytes)
     return plan

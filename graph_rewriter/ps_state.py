@@ -1,5 +1,12 @@
-"""Names of the parameter-server synchronisation state, shared by the passes that build
-it and the code that reads it (between-graph workers find it by these names)."""
+"""graph_rewriter's own training state: the names of the parameter-server synchronisation
+state, shared by the passes that build it and the code that reads it (between-graph
+workers find it by these names), and how such state is created and reset with the run's
+init and restore ops."""
+
+from tensorflow.python.framework import dtypes
+
+from graph_rewriter.op_builder import const, make_op, shape_attr
+from graph_rewriter.traversal import descendants
 
 COUNTER = "graph_rewriter/sync_step"             # int64 variable: steps applied so far
 INCREMENT = COUNTER + "/increment"                 # bumps it after a step's updates
@@ -8,8 +15,42 @@ TOKENS = "graph_rewriter/tokens"                   # scope of the per-worker tok
 INIT_BARRIER = "graph_rewriter/init_done"          # queue: the chief initialized the ps
 APPLIED = "graph_rewriter/gradients_applied"       # per replica: its gradients are in
 WORKER_STEP = "graph_rewriter/worker_step"         # with staleness: this worker's own steps
+MICRO_BATCHES = "graph_rewriter/micro_batches"     # gradient sums over accumulation_steps runs
 
 
 def shared_name(fingerprint, what):
     """A shared_name every worker of a between-graph run derives alike."""
     return f"graph_rewriter/{fingerprint}/{what}"
+
+
+def init_ops(graph, plan):
+    """The NoOps that start a run's state: the graph's init ops (those running a variable
+    initializer) and the Saver's restore ops. A run may begin with a restore instead of
+    the init op (a checkpoint restored into fresh servers), and graph_rewriter's own
+    state is not in the checkpoint: the restore resets it as the init op does."""
+    out = {}
+    for vp in plan.variables:
+        if vp.initializer and vp.initializer in graph:
+            for c in graph.node(vp.initializer).control_consumers:
+                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) in (0, None):
+                    out[c] = None
+    for restore in [n for n in graph if n.op in _RESTORES]:
+        for assign in descendants([restore]):
+            for c in assign.control_consumers:
+                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) is None:
+                    out[c] = None
+    return list(out)
+
+
+_RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
+
+
+def int_variable(graph, name, shared, device, inits):
+    """An int64 scalar resource variable set to 0 by the init ops."""
+    var = make_op(graph, "VarHandleOp", name, [], device=device,
+                  attrs={"dtype": dtypes.int64, "shape": shape_attr([]), "shared_name": shared})
+    init = make_op(graph, "AssignVariableOp", f"{name}/initial_value",
+                   [var.output(0), const(graph, f"{name}/zero", 0, "int64", device)], device=device)
+    for op in inits:
+        op.add_control_input(init)
+    return var

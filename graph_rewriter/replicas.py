@@ -25,6 +25,8 @@ class ReplicaMap:
     first_replica: int = 0  # group rank of local replica 0
     chief: bool = True      # this graph is the chief's (or the only one)
     variant: list = dataclasses.field(default_factory=list)  # original nodes that differ per replica
+    # (replica, original tensor name) -> the Tensor that replica's readers of it now read
+    rerouted: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.group_devices is None:
@@ -48,10 +50,22 @@ class ReplicaMap:
         return n if n is not None else graph.get(original)
 
     def tensor(self, graph, replica, original_tensor_name):
+        """Replica ``replica``'s version of an original tensor: its clone, or what a pass
+        put between the clone and its readers (``reroute``)."""
         from graph_rewriter.ir import Tensor, split_tensor_name
         op, index = split_tensor_name(original_tensor_name)
+        hit = self.rerouted.get((replica, op, index))
+        if hit is not None:
+            return hit
         n = self.node(graph, replica, op)
         return None if n is None else Tensor(n, index)
+
+    def reroute(self, replica, original_tensor_name, tensor):
+        """Records that replica ``replica``'s readers of an original tensor now read
+        ``tensor``, so later passes that look the original up find what is read."""
+        from graph_rewriter.ir import split_tensor_name
+        op, index = split_tensor_name(original_tensor_name)
+        self.rerouted[(replica, op, index)] = tensor
 
     def is_cloned(self, graph, original):
         return self.num_local > 1 and (self.prefixes[1] + original) in graph

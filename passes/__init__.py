@@ -6,6 +6,7 @@ from passes.plan import PlanPass
 from passes.replicate import ReplicatePass
 from passes.split_inputs import SplitInputsPass
 from passes.mirror_variables import MirrorVariablesPass
+from passes.micro_batches import MicroBatchesPass
 from passes.allreduce import AllReducePass
 from passes.allgather import AllGatherPass
 from passes.accumulate import AccumulatePass
@@ -15,6 +16,6 @@ from passes.merge_summaries import MergeSummariesPass
 from passes.place import PlacePass
 from passes.metadata import MetadataPass
 
-__all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass",
+__all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass", "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "AccumulatePass", "SyncQueuesPass", "ShardVariablesPass", "MergeSummariesPass",
            "PlacePass", "MetadataPass"]

@@ -38,7 +38,7 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import (ACCUMULATORS, APPLIED, COUNTER, INCREMENT, WORKER_STEP,
-                                     shared_name)
+                                     init_ops, int_variable, shared_name)
 from graph_rewriter.traversal import descendants, reaches
 
 
@@ -56,13 +56,13 @@ class AccumulatePass(Pass):
         before = set(graph._nodes)
         ps0 = ctx.cluster.ps_device(0)
         inits = init_ops(graph, plan)
-        counter = _int_variable(graph, COUNTER, shared_name(plan.fingerprint, "sync_step"), ps0, inits)
+        counter = int_variable(graph, COUNTER, shared_name(plan.fingerprint, "sync_step"), ps0, inits)
         applied = make_op(graph, "ReadVariableOp", f"{COUNTER}/read", [counter.output(0)],
                           attrs={"dtype": dtypes.int64}, device=ps0).output(0)
         self.slots = plan.staleness + 1
         if self.slots > 1:
             me = ctx.cluster.compute_tasks.index(ctx.cluster.task)
-            wstep = _int_variable(graph, WORKER_STEP, shared_name(plan.fingerprint, f"worker_step/{me}"),
+            wstep = int_variable(graph, WORKER_STEP, shared_name(plan.fingerprint, f"worker_step/{me}"),
                                   ps0, inits)
             self.tag = make_op(graph, "ReadVariableOp", f"{WORKER_STEP}/read", [wstep.output(0)],
                                attrs={"dtype": dtypes.int64}, device=ps0).output(0)
@@ -210,17 +210,6 @@ class AccumulatePass(Pass):
         return take
 
 
-def _int_variable(graph, name, shared, device, inits):
-    """An int64 scalar resource variable set to 0 by the init ops."""
-    var = make_op(graph, "VarHandleOp", name, [], device=device,
-                  attrs={"dtype": dtypes.int64, "shape": shape_attr([]), "shared_name": shared})
-    init = make_op(graph, "AssignVariableOp", f"{name}/initial_value",
-                   [var.output(0), const(graph, f"{name}/zero", 0, "int64", device)], device=device)
-    for op in inits:
-        op.add_control_input(init)
-    return var
-
-
 def _slot(graph, name, step, slots, device):
     """[pred_j] for j < slots: step mod slots == j."""
     k = make_op(graph, "FloorMod", name, [step, const(graph, f"{name}/slots", slots, "int64", device)],
@@ -255,25 +244,3 @@ def _rewire(graph, tensor, replacement, keep=()):
             c.set_input(pos, replacement)
             changed.append(c)
     return changed
-
-
-def init_ops(graph, plan):
-    """The NoOps that start a run's state: the graph's init ops (those running a variable
-    initializer) and the Saver's restore ops. A run may begin with a restore instead of
-    the init op (a checkpoint restored into fresh servers), and graph_rewriter's own
-    state is not in the checkpoint: the restore resets it as the init op does."""
-    out = {}
-    for vp in plan.variables:
-        if vp.initializer and vp.initializer in graph:
-            for c in graph.node(vp.initializer).control_consumers:
-                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) in (0, None):
-                    out[c] = None
-    for restore in [n for n in graph if n.op in _RESTORES]:
-        for assign in descendants([restore]):
-            for c in assign.control_consumers:
-                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) is None:
-                    out[c] = None
-    return list(out)
-
-
-_RESTORES = ("RestoreV2", "Restore", "RestoreSlice")

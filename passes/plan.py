@@ -11,6 +11,7 @@ from graph_rewriter.graph_io import to_graph_def
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter import opdefs
+from graph_rewriter.cost_model import Topology
 from graph_rewriter.plan import check_plan, make_plan
 
 
@@ -53,7 +54,9 @@ class PlanPass(Pass):
                 "one client driving every replica (no task) no worker can run ahead",
                 hint="pass task='worker:I' (--task) for each worker's graph, or drop staleness")
         if ctx.plan is None:
-            ctx.plan = make_plan(analysis, ctx.options, r, num_ps=len(ctx.cluster.ps_tasks))
+            ctx.plan = make_plan(analysis, ctx.options, r, num_ps=len(ctx.cluster.ps_tasks),
+                                 topology=Topology.of(ctx.cluster, ctx.options.devices_per_worker),
+                                 can_use_ps=self._can_use_ps(ctx))
         else:
             check_plan(ctx.plan, analysis, ctx.options, r)
         ctx.plan.fingerprint = graph_fingerprint(graph)
@@ -70,6 +73,12 @@ class PlanPass(Pass):
                  f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
         return False
 
+
+    @staticmethod
+    def _can_use_ps(ctx):
+        """Strategy auto may put variables on parameter servers when the cluster has ps
+        tasks, or is this machine alone (its host CPU serves)."""
+        return ctx.cluster.is_local or bool(ctx.cluster.ps_tasks)
 
     @staticmethod
     def _check_collective_dtypes(ctx, num_replicas):
@@ -101,10 +110,23 @@ class PlanPass(Pass):
         workers that run ahead do not, so that combination is refused, not left to abort
         at random."""
         plan, cluster = ctx.plan, ctx.cluster
-        if cluster.task is None or len(cluster.compute_tasks) < 2 or not (plan.staleness or not plan.sync):
+        if cluster.task is None or len(cluster.compute_tasks) < 2:
             return
         on_ps = [v.name for v in plan.variables if v.placement == "ps"]
         mirrored = [c.variable for c in plan.cuts if c.sync != "accumulate"]
+        if on_ps and mirrored and plan.accumulation_steps > 1:
+            # The runs that only accumulate skip the end-of-step barrier with the rest of
+            # the update, so the same abort would hit them.
+            raise GraphRewriteError(
+                f"accumulation_steps={plan.accumulation_steps} cannot be combined with all-reduced "
+                f"variables (e.g. '{mirrored[0]}') and ps variables (e.g. '{on_ps[0]}') in "
+                "between-graph workers: TensorFlow gives every worker's run the same id once "
+                "collectives span workers, and the runs that only accumulate end without the "
+                "barrier that keeps one worker's run from aborting another's on the ps",
+                hint="use strategy allreduce or ps (not both kinds of variables) with "
+                     "accumulation_steps, or one in-graph client (no task)")
+        if not (plan.staleness or not plan.sync):
+            return
         if on_ps and mirrored:
             mode = f"staleness={plan.staleness}" if plan.sync else "sync=False"
             raise GraphRewriteError(

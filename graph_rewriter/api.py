@@ -94,6 +94,14 @@ class RewriteResult:
             f"batch inputs split across replicas: {', '.join(plan['batch_inputs']) or 'none'}",
             f"nodes: {self.num_nodes}",
         ]
+        if plan.get("accumulation_steps", 1) > 1:
+            lines.append(f"accumulation: gradients summed over {plan['accumulation_steps']} runs, "
+                         "applied on every last one")
+        if plan.get("cost"):
+            p = plan["cost"]["predicted"]
+            lines.append(f"auto: predicted communication {p['seconds'] * 1000:.3f} ms per step "
+                         f"(allreduce {p['allreduce'] * 1000:.3f}, allgather {p['allgather'] * 1000:.3f}, "
+                         f"ps {p['ps'] * 1000:.3f}); see graph-rewrite inspect")
         total = sum(s for name, s, _ in self.timings if name != "verify")
         if self.timings:
             lines.append(f"time: {total * 1000:.0f} ms "

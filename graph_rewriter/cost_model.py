@@ -224,11 +224,13 @@ def best_shards(cut, variable_plan, topo, model, max_shards):
     return best_s
 
 
-def choose(plan, topo, model, can_use_ps):
+def choose(plan, topo, model, can_use_ps, mode="mixed"):
     """Sets, per gradient, the cheapest synchronisation (moving a variable and its slots
     to the parameter servers when that wins) and records every alternative's cost on
-    the cut; returns the pack size the allreduced gradients should use. State updates
-    (batch statistics) are always all-reduced: they have no ps update."""
+    the cut; returns the pack size the allreduced gradients should use. ``mode``
+    "mirrored" keeps every variable mirrored (allreduce or allgather), "ps" puts every
+    trained variable on the parameter servers. State updates (batch statistics) are
+    always all-reduced: they have no ps update."""
     pack = pack_bytes_for(topo, model)
     # a model smaller than one pack shares each collective's latency among all its gradients
     fill = min(pack, sum(c.bytes or 0 for c in plan.cuts)) or pack
@@ -242,7 +244,8 @@ def choose(plan, topo, model, can_use_ps):
         costs = cut_costs(cut, topo, model, fill, shards, group_ok)
         # ties (one replica: all free) keep the mirrored default
         order = ["allreduce", "allgather", "accumulate"]
-        sync = min(costs, key=lambda s: (costs[s].seconds, order.index(s)))
+        allowed = {"mixed": order, "mirrored": order[:2], "ps": order[2:]}[mode]
+        sync = min((s for s in costs if s in allowed), key=lambda s: (costs[s].seconds, order.index(s)))
         cut.costs = {s: c.to_dict() for s, c in costs.items()}
         if sync == "accumulate":
             plan.set_placement(var.name, "ps")

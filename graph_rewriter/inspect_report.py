@@ -78,7 +78,8 @@ def report(result, batch_size=None):
             "name": v["name"], "role": v["role"], "dtype": v["dtype"], "shape": v["shape"],
             "bytes": v["bytes"], "placement": v.get("placement", "mirrored"), "sync": sync,
             "device": device, "copies": len(copies),
-            "shards": [{"ps_task": s["ps_task"], "rows": s["rows"]} for s in shards]})
+            "shards": [{"ps_task": s["ps_task"], "rows": s["rows"]} for s in shards],
+            "costs": (cut or {}).get("costs")})
     collectives = []
     for n in result.graph_def.node:
         if n.op not in COLLECTIVES or any(n.name.startswith(p) for p in prefixes[1:]):
@@ -122,6 +123,8 @@ def report(result, batch_size=None):
             "ps_sparse": {c["variable"]: _sparse_entry(c, r, batch_size) for c in ps_cuts if c["kind"] == "sparse"},
         },
         "compression": compression,
+        "accumulation_steps": plan.get("accumulation_steps", 1),
+        "cost_model": plan.get("cost"),
         "passes": md["passes"],
         "nodes": len(result.graph_def.node),
     }
@@ -137,6 +140,13 @@ def _size(n):
     return f"{n}"
 
 
+_COST_NAMES = {"allreduce": "allreduce", "allgather": "allgather", "accumulate": "ps", "ps": "ps"}
+
+
+def _ms(seconds):
+    return f"{seconds * 1000:.3f} ms"
+
+
 def format_report(rep):
     """The report as readable text."""
     lines = [f"strategy:   {rep['strategy']}",
@@ -150,6 +160,27 @@ def format_report(rep):
         shape = "x".join(str(d) for d in v["shape"]) if v["shape"] is not None else "?"
         lines.append(f"  {v['name']:<{width}}  {v['role']:<9} {v['dtype']:<8} {shape:<12} "
                      f"{_size(v['bytes']):>10}  {v['sync']}  on {v['device'] or '?'} x{v['copies']}")
+    priced = [v for v in rep["variables"] if v.get("costs")]
+    if priced:
+        lines.append("auto: predicted communication per step of each choice (chosen first):")
+        for v in priced:
+            chosen = _COST_NAMES.get(v["sync"].split(" ")[0], "")
+            costs = sorted(v["costs"].items(), key=lambda kv: (_COST_NAMES[kv[0]] != chosen, kv[1]["seconds"]))
+            text = ", ".join(f"{_COST_NAMES[s]} {_ms(c['seconds'])}"
+                             + (f" ({c['shards']} shards)" if c.get("shards") else "") for s, c in costs)
+            lines.append(f"  {v['name']:<{width}}  {text}")
+    cost = rep.get("cost_model")
+    if cost:
+        m, t, p = cost["model"], cost["topology"], cost["predicted"]
+        lines.append(
+            f"cost model: {t['workers']} worker(s) x {t['devices_per_worker']} device(s), "
+            f"{t['ps_tasks']} ps task(s); links {m['intra_bandwidth'] / 1e9:g} GB/s within a machine, "
+            f"{m['inter_bandwidth'] / 1e9:g} GB/s between; global batch {m['batch_size']}")
+        lines.append(f"  predicted communication per step: {_ms(p['seconds'])} (allreduce "
+                     f"{_ms(p['allreduce'])}, allgather {_ms(p['allgather'])}, ps {_ms(p['ps'])})")
+    if rep.get("accumulation_steps", 1) > 1:
+        lines.append(f"accumulation: gradients summed over {rep['accumulation_steps']} runs "
+                     "(micro-batches), synchronised and applied on every last one")
     lines.append(f"packs ({len(rep['packs'])}):")
     for p in rep["packs"]:
         lines.append(f"  pack {p['index']}: {p['dtype']}, {_size(p['bytes'])}, {len(p['gradients'])} gradient(s)")

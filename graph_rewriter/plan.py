@@ -6,6 +6,7 @@ JSON (``to_json``/``Plan.from_json``); ``graph-rewrite plan`` prints one and
 ``--plan FILE`` applies an edited one, after ``check_plan`` has compared it with the graph.
 """
 
+import copy
 import dataclasses
 import json
 
@@ -200,17 +201,7 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
         accumulation_steps=options.accumulation_steps)
     pack_bytes = DEFAULT_BYTES_PER_PACK if options.bytes_per_pack is None else options.bytes_per_pack
     if options.strategy == "auto":
-        model = options.cost_model or cost_model.CostModel()
-        chosen_pack = cost_model.choose(plan, topology, model, can_use_ps)
-        if options.bytes_per_pack is None:
-            pack_bytes = chosen_pack
-        shards = {c.variable: c.costs["accumulate"].get("shards", 1)
-                  for c in plan.cuts if c.sync == "accumulate"}
-        balance_ps(plan, 0, shards)
-        assign_packs(plan, pack_bytes)
-        plan.cost = {"model": model.to_dict(), "topology": dataclasses.asdict(topology),
-                     "predicted": cost_model.predict(plan, topology, model)}
-        return plan
+        return _auto_plan(plan, options, topology, can_use_ps)
     if options.strategy in ("ps", "hybrid"):
         if options.strategy == "ps":
             chosen = [v.name for v in variables]
@@ -222,6 +213,33 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
         balance_ps(plan, options.ps_shard_bytes)
     assign_packs(plan, pack_bytes)
     return plan
+
+
+def _auto_plan(plan, options, topology, can_use_ps):
+    """Strategy auto: per gradient the cheapest synchronisation, then a check of the whole
+    step. A round of messages costs its latency once per step however many gradients
+    ride in it, so per-gradient choices can mix two rounds where one would do: the mixed
+    plan is compared with the all-mirrored and the all-ps plan, and the cheapest predicted
+    step wins (ties: mixed, then mirrored)."""
+    model = options.cost_model or cost_model.CostModel()
+    candidates = []
+    for mode in ("mixed", "mirrored", "ps"):
+        if mode == "ps" and not can_use_ps:
+            continue
+        p = copy.deepcopy(plan)
+        pack = cost_model.choose(p, topology, model, can_use_ps, mode)
+        pack_bytes = pack if options.bytes_per_pack is None else options.bytes_per_pack
+        shards = {c.variable: c.costs["accumulate"].get("shards", 1)
+                  for c in p.cuts if c.sync == "accumulate"}
+        balance_ps(p, 0, shards)
+        assign_packs(p, pack_bytes)
+        predicted = cost_model.predict(p, topology, model)
+        p.cost = {"model": model.to_dict(), "topology": dataclasses.asdict(topology),
+                  "choice": mode, "predicted": predicted}
+        candidates.append((predicted["seconds"], len(candidates), p))
+    best = min(candidates, key=lambda c: c[:2])[2]
+    best.cost["alternatives"] = {p.cost["choice"]: p.cost["predicted"]["seconds"] for _, _, p in candidates}
+    return best
 
 
 def balance_ps(plan, shard_bytes, shard_counts=None):

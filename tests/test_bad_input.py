@@ -338,9 +338,14 @@ def _(base, tmp, mp):
     return base.copy(), dict(device_type="TPU")
 
 
-@case("strategy-auto-not-available", "'auto'", "not available")
+@case("cost-model-unknown-field", "cost_model", "'bandwidth'")
 def _(base, tmp, mp):
-    return base.copy(), dict(strategy="auto")
+    return base.copy(), dict(strategy="auto", cost_model={"bandwidth": 1e9})
+
+
+@case("cost-model-zero-bandwidth", "cost_model.inter_bandwidth", "positive")
+def _(base, tmp, mp):
+    return base.copy(), dict(strategy="auto", cost_model={"inter_bandwidth": 0})
 
 
 for _strategy in ("ps", "hybrid"):
@@ -647,8 +652,8 @@ CLI_CASES = [
                  id="already-rewritten"),
     pytest.param(lambda b, t: b.pb, ["--devices-per-worker", "abc"], False,
                  ["--devices-per-worker", "abc"], id="devices-per-worker-abc"),
-    pytest.param(lambda b, t: b.pb, ["--strategy", "auto"], True, ["'auto'", "not available"],
-                 id="strategy-auto-existing-out"),
+    pytest.param(lambda b, t: b.pb, ["--strategy", "auto", "--inter-bandwidth", "0"], True,
+                 ["--inter-bandwidth", "positive"], id="auto-zero-bandwidth-existing-out"),
     pytest.param(lambda b, t: b.pb, ["--strategy", "ps", "--cluster", '{"worker": ["localhost:2222"]}'],
                  False, ["'ps'", "'ps' tasks"], id="ps-without-ps-tasks"),
     pytest.param(lambda b, t: b.pb, ["--cluster", '{"worker": ['], False, ["cluster spec", "JSON"],

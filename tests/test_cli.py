@@ -24,7 +24,7 @@ import graph_rewriter as gr
 
 GRAPH_REWRITE = os.path.join(os.path.dirname(sys.executable), "graph-rewrite")
 TIMEOUT = 180
-PASSES = ["plan", "replicate", "split_inputs", "mirror_variables", "allreduce", "allgather",
+PASSES = ["plan", "replicate", "split_inputs", "mirror_variables", "micro_batches", "allreduce", "allgather",
           "accumulate", "sync_queues", "shard_variables", "merge_summaries", "place", "metadata"]
 CPU2 = ["--device-type", "CPU", "--devices-per-worker", "2"]
 ERROR_PREFIX = "graph-rewrite: error: "

@@ -275,29 +275,8 @@ class _Analyzer:
     def _find_writers(self):
         """Every (writer node, variable, input position) of the graph."""
         self.writes = []  # (node, Variable, position)
-        lib = self.g.library
         for n in self.order:
-            if n.op in READERS or n.op in PASS_THROUGH or n.op in VARIABLE_OPS:
-                continue
-            if not n._inputs:
-                continue
-            try:
-                dts = opdefs.input_dtypes(n)
-                refs = opdefs.input_is_ref(n)
-            except GraphRewriteError:
-                raise
-            is_call = n.op in FUNCTION_CALLS or (lib is not None and opdefs.op_def(n.op) is None)
-            written_args = _function_written_args(n, lib) if is_call else None
-            for pos, t in enumerate(n._inputs):
-                if pos >= len(dts):
-                    break
-                if dts[pos] != opdefs.DT_RESOURCE and not (pos < len(refs) and refs[pos]):
-                    continue
-                var_node = variable_of(t)
-                if var_node is None:
-                    continue
-                if written_args is not None and pos not in written_args:
-                    continue
+            for var_node, pos in written_variables(n, self.g.library):
                 var = self.variables[var_node.name]
                 var.writers.append(n)
                 self.writes.append((n, var, pos))
@@ -699,6 +678,29 @@ def _is_step_counter(var):
     if var.dtype not in (types_pb2.DT_INT32, types_pb2.DT_INT64) or var.shape not in ([], None):
         return False
     return any(w.op in INCREMENTS for w in var.writers)
+
+
+def written_variables(node, library):
+    """[(variable node, input position)] that ``node`` writes: every op taking a
+    variable's handle or a ref argument writes it, except readers and pass-throughs; a
+    function call writes the handles its body writes."""
+    if node.op in READERS or node.op in PASS_THROUGH or node.op in VARIABLE_OPS or not node._inputs:
+        return []
+    dts = opdefs.input_dtypes(node)
+    refs = opdefs.input_is_ref(node)
+    is_call = node.op in FUNCTION_CALLS or (library is not None and opdefs.op_def(node.op) is None)
+    written_args = _function_written_args(node, library) if is_call else None
+    out = []
+    for pos, t in enumerate(node._inputs):
+        if pos >= len(dts):
+            break
+        if dts[pos] != opdefs.DT_RESOURCE and not (pos < len(refs) and refs[pos]):
+            continue
+        var_node = variable_of(t)
+        if var_node is None or (written_args is not None and pos not in written_args):
+            continue
+        out.append((var_node, pos))
+    return out
 
 
 def _function_written_args(node, library):

@@ -10,12 +10,8 @@ import copy
 import dataclasses
 import json
 
-from tensorflow.python.framework import dtypes
-
 from graph_rewriter import cost_model
-from graph_rewriter.analysis import rows_per_example
 from graph_rewriter.context import DEFAULT_BYTES_PER_PACK
-from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.errors import GraphRewriteError
 
 PLAN_FORMAT = "graph_rewriter.plan/1"
@@ -160,6 +156,7 @@ class Plan:
 
 
 def dtype_name(enum):
+    from tensorflow.python.framework import dtypes
     return dtypes.as_dtype(enum).base_dtype.name
 
 
@@ -174,7 +171,12 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
     gradient the synchronisation the cost model predicts cheapest on ``topology`` (the
     parameter servers only if ``can_use_ps``), ps variables split into the shard count
     it picks, and its pack size unless ``bytes_per_pack`` is given.
+
+    TensorFlow is imported here, not at the top: a Plan, its JSON, placement and packing
+    need none (tools/simulate.py plans without it).
     """
+    from graph_rewriter.analysis import rows_per_example
+    from graph_rewriter.op_builder import dtype_of
     cuts = []
     for c in analysis.cuts:
         var = analysis.variables[c.variable]
@@ -202,16 +204,25 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
     pack_bytes = DEFAULT_BYTES_PER_PACK if options.bytes_per_pack is None else options.bytes_per_pack
     if options.strategy == "auto":
         return _auto_plan(plan, options, topology, can_use_ps)
-    if options.strategy in ("ps", "hybrid"):
-        if options.strategy == "ps":
-            chosen = [v.name for v in variables]
-        else:
-            sparse = {c.variable for c in cuts if c.kind == "sparse"}
-            chosen = [v.name for v in variables if v.name in sparse or v.slot_of in sparse]
-        for name in chosen:
-            plan.set_placement(name, "ps")
-        balance_ps(plan, options.ps_shard_bytes)
+    place_for_strategy(plan, options.strategy, options.ps_shard_bytes)
     assign_packs(plan, pack_bytes)
+    return plan
+
+
+def place_for_strategy(plan, strategy, shard_bytes):
+    """The placement of strategy ps (every variable on the parameter servers) or hybrid
+    (variables with sparse gradients and their slots), balanced over the ps tasks; other
+    strategies leave the plan mirrored."""
+    if strategy not in ("ps", "hybrid"):
+        return plan
+    if strategy == "ps":
+        chosen = [v.name for v in plan.variables]
+    else:
+        sparse = {c.variable for c in plan.cuts if c.kind == "sparse"}
+        chosen = [v.name for v in plan.variables if v.name in sparse or v.slot_of in sparse]
+    for name in chosen:
+        plan.set_placement(name, "ps")
+    balance_ps(plan, shard_bytes)
     return plan
 
 

@@ -25,7 +25,7 @@ the sums are reset by the init op and by a checkpoint restore.
 import numpy as np
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.analysis import INCREMENTS, PASS_THROUGH, READERS, variable_of
+from graph_rewriter.analysis import PASS_THROUGH, READERS, variable_of, written_variables
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, shape_attr
@@ -78,7 +78,7 @@ class MicroBatchesPass(Pass):
         if not roots:
             raise GraphRewriteError(
                 "accumulation_steps: no train op reads the gradients (nothing to accumulate for)")
-        self._gate_updates(graph, plan, cuts, roots, branch.output(1))
+        self._gate_updates(graph, plan, roots, branch.output(1))
         for root in roots:
             for done in dones:
                 root.add_control_input(done)
@@ -179,41 +179,20 @@ class MicroBatchesPass(Pass):
         return make_op(graph, "Merge", f"{scope}/done", [[stored.output(0), reset.output(0)]], replica=i)
 
     @staticmethod
-    def _gate_updates(graph, plan, cuts, roots, applying):
-        """Every write the train op makes to an accumulated variable or its optimizer
-        slots, and every step-counter increment, waits for the applying branch (dead on
-        the other runs): not only the writes that read the gradient. Adam's sparse update
-        decays its whole moment (m := beta1 m) without reading the gradient, which must
-        also happen once per applied step."""
+    def _gate_updates(graph, plan, roots, applying):
+        """Every variable write the train op makes, except to batch statistics, waits for
+        the applying branch (dead on the other runs): not only the writes that read the
+        gradient. Adam's sparse update decays its whole moment (m := beta1 m) and Nadam
+        its momentum cache without reading the gradient; step counters are bumped after
+        the updates. All of that happens once per applied step."""
         rm = graph.replicas
         gate = make_op(graph, "Identity", f"{MICRO_BATCHES}/applying", [applying], replica=GLOBAL)
-        names = {m.name for c in cuts for v in c.variables for m in plan.group(v)}
-        trained = ancestors(roots)
-        for name in names | set(plan.step_counters):
-            counter = name in plan.step_counters
-            for prefix in rm.prefixes:
-                var = graph.get(prefix + name)
-                if var is None:
-                    continue
-                for user in _users(var):
-                    if user in trained and (user.op in INCREMENTS if counter else user.op not in READERS):
-                        user.add_control_input(gate)
-
-
-def _users(var):
-    """The ops taking a variable's handle or ref, through Identity-like ops."""
-    out, stack, seen = [], [var], {var}
-    while stack:
-        n = stack.pop()
-        for c, _ in n.consumers(0):
-            if c in seen:
-                continue
-            seen.add(c)
-            if c.op in PASS_THROUGH:
-                stack.append(c)
-            else:
-                out.append(c)
-    return out
+        state = {v.name for v in plan.variables if v.role == "state"}
+        gated = {rm.prefixes[i] + v.name for v in plan.variables if v.name not in state
+                 for i in range(rm.num_local)}
+        for n in ancestors(roots):
+            if any(var.name in gated for var, _ in written_variables(n, graph.library)):
+                n.add_control_input(gate)
 
 
 def leads_to_write(node, variables, limit=256):

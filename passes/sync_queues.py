@@ -167,7 +167,7 @@ class SyncQueuesPass(Pass):
 
     def _drop_chief_work(self, graph):
         """A non-chief worker never takes gradients or applies updates: the chief does.
-        Returns {removed node name: its control inputs} for the removed roots."""
+        Returns {removed root's name: the control inputs its replacement needs}."""
         rm = graph.replicas
         takes = [n for n in graph if n.op in _TAKES]
         chief_only = set(takes)
@@ -180,14 +180,23 @@ class SyncQueuesPass(Pass):
                 if c not in chief_only and rm.replica_of(graph, c.name) is None:
                     chief_only.add(c)
                     stack.append(c)
+        removable = [n for n in chief_only if all(c in chief_only for c, _ in n._consumers)]
+        # What the removed nodes also ran on this worker's replicas (e.g. the micro-batch
+        # sums' stores under a train op the accumulate pass wrapped) stays with the train
+        # ops, whichever removed node it hung from. Global work (an optimizer's own
+        # updates on the ps) is the chief's.
+        own = list(dict.fromkeys(c for n in removable for c in n.control_inputs
+                                 if c not in chief_only and rm.replica_of(graph, c.name) is not None))
         for n in graph:
             if n in chief_only:
                 continue
-            for c in list(n.control_inputs):
-                if c in chief_only:
-                    n.remove_control_input(c)
-        removable = [n for n in chief_only if all(c in chief_only for c, _ in n._consumers)]
-        dropped = {n.name: [c for c in n.control_inputs if c not in chief_only]
-                   for n in removable if not n._consumers and not n._control_consumers}
+            lost = [c for c in n.control_inputs if c in chief_only]
+            for c in lost:
+                n.remove_control_input(c)
+            if lost and not n._consumers and not n._control_consumers:
+                for c in own:
+                    if c is not n and c not in n.control_inputs:
+                        n.add_control_input(c)
+        dropped = {n.name: own for n in removable if not n._consumers and not n._control_consumers}
         graph.remove_nodes(removable)
         return dropped

@@ -21,11 +21,11 @@ What is held, against the single-device run of the same graph (never a constant)
 - Slow: between-graph on real loopback servers (allreduce; ps with one ps task).
 
 Cases: every v1 optimizer on "mlp" (dense) and "embedding" (sparse gradient with
-duplicate ids) and every Keras legacy optimizer on "keras_embedding" (dense and sparse
-gradients), two of them also on "keras" (dense only), all with strategy allreduce, 2 CPU
-replicas, k=2; a smaller set for strategies ps and hybrid, for one replica, for ref
-variables, and for k=3 and k=4. BatchNorm is left out: its moving statistics are not
-gradients and update on every micro-batch (a documented limitation).
+duplicate ids) and every Keras legacy optimizer on "keras" (dense) and "keras_embedding"
+(dense and sparse gradients), all with strategy allreduce, 2 CPU replicas, k=2; a smaller
+set for strategies ps and hybrid, for one replica, for ref variables, and for k=3 and
+k=4. BatchNorm is left out: its moving statistics are not gradients and update on every
+micro-batch (a documented limitation).
 """
 
 import contextlib
@@ -614,21 +614,26 @@ def test_between_graph_workers_equal_one_device(strategy, num_ps, optimizer, mod
                         "after": [{name: data[f"after{r}/{t}"] for name, t in ex.variables.items()}
                                   for r in range(runs + 1)]})
     what = f"{model}/{optimizer} {strategy} between-graph k={k}"
-    losses = np.mean([g["losses"] for g in got], axis=0)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL,
-                               err_msg=f"{what}: the workers' mean loss per run is not the micro-batch loss")
     # Every worker's reads after every run: on a ps a worker's applying run waits for the
-    # chief's update (docs/strategies.md, sync_queues), so no read precedes it.
+    # chief's update (docs/strategies.md, sync_queues), so no read precedes it. Runs that
+    # only accumulate wait for nobody: after one, another worker may already see the
+    # chief's next applying run under way on the ps (Adam decays its slots before the
+    # gradients arrive), so on a ps only the chief's reads are checked there.
     for w, g in enumerate(got):
         _assert_state(f"{what}: worker {w} after init", g["after"][0], states[0])
         for r in range(1, runs + 1):
             step, phase = divmod(r, k)
+            if phase and strategy == "ps" and w > 0:
+                continue
             if phase:
                 _assert_state(f"{what}: worker {w} after run {r} (accumulating)", g["after"][r], states[step],
                               exact_to=g["after"][r - phase])
             else:
                 _assert_state(f"{what}: worker {w} after run {r} (applying step {step})", g["after"][r],
                               states[step])
+    losses = np.mean([g["losses"] for g in got], axis=0)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL,
+                               err_msg=f"{what}: the workers' mean loss per run is not the micro-batch loss")
     for name in ex.variables:
         np.testing.assert_allclose(got[1]["after"][runs][name], got[0]["after"][runs][name],
                                    rtol=1e-6, atol=1e-7, err_msg=f"{what}: '{name}' differs between the workers")

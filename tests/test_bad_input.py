@@ -371,6 +371,24 @@ for _mode, _opts in (("staleness", dict(staleness=1)), ("async", dict(sync=False
             "worker": ["localhost:2222", "localhost:2224"], "ps": ["localhost:2223"]}, **_opts)
 
 
+for _id, _steps, _shown in (("0", 0, "got 0"), ("negative", -2, "got -2"), ("float", 2.0, "got 2.0"),
+                             ("string", "2", "got '2'"), ("bool", True, "got True")):
+    @case(f"accumulation_steps-{_id}", "accumulation_steps", "integer >= 1", _shown)
+    def _(base, tmp, mp, _steps=_steps):
+        return base.copy(), dict(accumulation_steps=_steps)
+
+
+@case("accumulation_steps-with-async", "accumulation_steps", "sync=False")
+def _(base, tmp, mp):
+    return base.copy(), dict(strategy="ps", sync=False, accumulation_steps=2)
+
+
+@case("accumulation_steps-hybrid-between-graph", "accumulation_steps=2", "'w'", "'emb'", "between-graph")
+def _(base, tmp, mp):
+    return base.copy(), dict(strategy="hybrid", task="worker:0", accumulation_steps=2, cluster_spec={
+        "worker": ["localhost:2222", "localhost:2224"], "ps": ["localhost:2223"]})
+
+
 @case("gradient-dtype-collectives-cannot-carry", "'bf_emb'", "bfloat16", "CollectiveGatherV2")
 def _(base, tmp, mp):
     graph = tf.Graph()
@@ -658,6 +676,18 @@ CLI_CASES = [
                  False, ["'ps'", "'ps' tasks"], id="ps-without-ps-tasks"),
     pytest.param(lambda b, t: b.pb, ["--cluster", '{"worker": ['], False, ["cluster spec", "JSON"],
                  id="cluster-malformed-json"),
+    pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "0"], True,
+                 ["accumulation_steps", "integer >= 1", "got 0"], id="accumulation-steps-0-existing-out"),
+    pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "-3"], False,
+                 ["accumulation_steps", "got -3"], id="accumulation-steps-negative"),
+    pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "2.5"], False,
+                 ["--accumulation-steps", "'2.5'"], id="accumulation-steps-float"),
+    pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "2", "--strategy", "ps", "--async"], False,
+                 ["accumulation_steps", "sync=False"], id="accumulation-steps-async"),
+    pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "2", "--strategy", "hybrid", "--task", "worker:0",
+                                     "--cluster", '{"worker": ["localhost:2222", "localhost:2224"], '
+                                                  '"ps": ["localhost:2223"]}'], True,
+                 ["accumulation_steps=2", "'w'", "'emb'"], id="accumulation-steps-hybrid-between-graph-existing-out"),
 ]
 
 

@@ -45,9 +45,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 from graph_rewriter import cost_model  # noqa: E402  (pure Python: no TensorFlow)
 from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES  # noqa: E402
 from graph_rewriter.errors import GraphRewriteError  # noqa: E402
+from graph_rewriter.plan import PLAN_FORMAT, Plan, assign_packs, place_for_strategy  # noqa: E402  (no TensorFlow either)
 
 PROG = "simulate"
-PLAN_FORMAT = "graph_rewriter.plan/1"       # graph_rewriter.plan.PLAN_FORMAT (that module imports TensorFlow)
 DEFAULT_GPUS = [2 ** k for k in range(11)]  # 1, 2, 4, ..., 1024
 MB = 1e6
 MiB = 1 << 20
@@ -69,21 +69,30 @@ class _Parser(argparse.ArgumentParser):
 
 class PlanView:
     """A plan dict (what ``Plan.to_dict()``, ``graph-rewrite plan`` and a rewritten graph's
-    metadata hold) with the attributes ``cost_model.predict`` reads, so that simulating
-    needs no TensorFlow (``graph_rewriter.plan`` imports it)."""
+    metadata hold) with the attributes ``cost_model.predict`` reads. Unlike
+    ``Plan.from_dict`` it accepts a hand-written plan that gives only what the model
+    reads: the fields it leaves out get Plan's defaults."""
+
+    CUT_DEFAULTS = {"role": "gradient", "sync": "allreduce", "dtype": "float32", "shape": None, "bytes": None,
+                    "rows_per_example": None, "index_dtype": None}
+    VARIABLE_DEFAULTS = {"ps_task": None, "shards": None, "placement": "mirrored", "slot_of": None}
 
     def __init__(self, data, source="plan"):
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise UsageError(f"{source}: not a graph_rewriter plan (expected \"format\": \"{PLAN_FORMAT}\")")
         try:
             self.data = data
-            self.packs = [types.SimpleNamespace(**p) for p in data["packs"]]
-            self.cuts = [types.SimpleNamespace(**c) for c in data["cuts"]]
-            self._variables = {v["name"]: types.SimpleNamespace(**v) for v in data["variables"]}
+            self.packs = [types.SimpleNamespace(bytes=p["bytes"]) for p in data["packs"]]
+            self.cuts = [types.SimpleNamespace(**{**self.CUT_DEFAULTS, **c}) for c in data["cuts"]]
+            self._variables = {v["name"]: types.SimpleNamespace(**{**self.VARIABLE_DEFAULTS, **v})
+                               for v in data["variables"]}
             self.strategy = data["strategy"]
             self.num_ps = data.get("num_ps", 0)
+            missing = [k for c in self.cuts for k in ("variable", "kind") if not hasattr(c, k)]
         except (KeyError, TypeError) as e:
-            raise UsageError(f"{source}: malformed plan: {e}") from None
+            raise UsageError(f"{source}: malformed plan: missing or bad {e}") from None
+        if missing:
+            raise UsageError(f"{source}: malformed plan: a cut has no '{missing[0]}'")
         for c in self.cuts:
             if c.variable not in self._variables:
                 raise UsageError(f"{source}: malformed plan: cut of unknown variable '{c.variable}'")
@@ -99,7 +108,7 @@ class PlanView:
         """One line: strategy, gradient bytes, packs, variables on ps."""
         grad = sum(c.bytes or 0 for c in self.cuts)
         ps = len(self.ps_variables())
-        return (f"{self.strategy}, {len(self.cuts)} gradients of {grad / MB:.1f} MB, "
+        return (f"{self.strategy}, {len(self.cuts)} gradients for {grad / MB:.1f} MB of variables, "
                 f"{len(self.packs)} allreduce pack(s)"
                 + (f", {ps} on {self.num_ps} ps task(s)" if ps else ""))
 
@@ -214,10 +223,10 @@ MODELS = {  # name: (variables, optimizer slots per trainable variable, what it 
 
 def synthetic_plan(model, strategy="allreduce", num_ps=1, bytes_per_pack=DEFAULT_BYTES_PER_PACK,
                    ps_shard_bytes=DEFAULT_PS_SHARD_BYTES):
-    """A plan dict for one of MODELS, made as ``graph_rewriter.plan.make_plan`` makes one
-    for that strategy: every variable mirrored (allreduce), all on the parameter servers
-    (ps), or those with sparse gradients there (hybrid); ps variables balanced over
-    ``num_ps`` tasks; allreduced gradients packed."""
+    """A plan dict for one of MODELS, placed and packed by graph_rewriter.plan's own
+    functions for that strategy: every variable mirrored (allreduce), all on the
+    parameter servers (ps), or those with sparse gradients there (hybrid); ps variables
+    balanced over ``num_ps`` tasks; allreduced gradients packed."""
     build, slots, _ = MODELS[model]
     variables, cuts = [], []
     for v in build():
@@ -225,7 +234,7 @@ def synthetic_plan(model, strategy="allreduce", num_ps=1, bytes_per_pack=DEFAULT
         variables.append(dict(name=v.name, role=v.role, dtype="float32", shape=v.shape, bytes=nbytes,
                               placement="mirrored", slot_of=None, kind="resource", ps_task=None, shards=None))
         sparse = v.rows_per_example is not None
-        cuts.append(dict(variable=v.name, kind="sparse" if sparse else "dense",
+        cuts.append(dict(variable=v.name, kind="sparse" if sparse else "dense", values=f"{v.name}/gradient:0",
                          role="state" if v.role == "state" else "gradient",
                          sync="allgather" if sparse else "allreduce", dtype="float32", shape=v.shape,
                          bytes=nbytes, pack=None, rows_per_example=v.rows_per_example,
@@ -237,96 +246,10 @@ def synthetic_plan(model, strategy="allreduce", num_ps=1, bytes_per_pack=DEFAULT
     plan = {"format": PLAN_FORMAT, "strategy": strategy, "num_replicas": 1, "devices_per_worker": 1,
             "device_type": "GPU", "variables": variables, "cuts": cuts, "packs": [], "batch_inputs": [],
             "broadcast_inputs": [], "step_counters": [], "num_ps": max(num_ps, 1)}
-    place(plan, strategy, ps_shard_bytes)
-    assign_packs(plan, bytes_per_pack)
-    return plan
-
-
-def _group(plan, name):
-    """A variable and its optimizer slots (``Plan.group`` on a plan dict)."""
-    by_name = {v["name"]: v for v in plan["variables"]}
-    primary = by_name[name]
-    if primary["slot_of"]:
-        primary = by_name[primary["slot_of"]]
-    return [primary] + [v for v in plan["variables"] if v["slot_of"] == primary["name"]]
-
-
-def place(plan, strategy, shard_bytes):
-    """``make_plan``'s placement for ``strategy`` on a plan dict whose variables are all
-    mirrored: ``Plan.set_placement`` for the chosen variables, then ``balance_ps``."""
-    if strategy == "allreduce":
-        return plan
-    if strategy == "ps":
-        chosen = [v["name"] for v in plan["variables"]]
-    else:
-        sparse = {c["variable"] for c in plan["cuts"] if c["kind"] == "sparse"}
-        chosen = [v["name"] for v in plan["variables"] if v["name"] in sparse or v["slot_of"] in sparse]
-    for name in chosen:
-        group = _group(plan, name)
-        names = {m["name"] for m in group}
-        for m in group:
-            m.update(placement="ps", ps_task=0, shards=None)
-        for c in plan["cuts"]:
-            if c["variable"] in names:
-                c["sync"] = "accumulate"
-    balance_ps(plan, shard_bytes)
-    return plan
-
-
-def balance_ps(plan, shard_bytes):
-    """``graph_rewriter.plan.balance_ps`` on a plan dict: groups largest first, each to
-    the least loaded task; a group above ``shard_bytes`` split by rows across every task."""
-    num_ps = plan["num_ps"]
-    loads = [0] * num_ps
-    groups, seen = [], set()
-    for v in plan["variables"]:
-        if v["placement"] != "ps" or v["name"] in seen:
-            continue
-        group = [g for g in _group(plan, v["name"]) if g["placement"] == "ps"]
-        seen.update(g["name"] for g in group)
-        groups.append(group)
-    groups.sort(key=lambda g: -sum(m["bytes"] or 0 for m in g))
-    for group in groups:
-        primary = group[0]
-        rows = primary["shape"][0] if primary["shape"] else None
-        count = num_ps if shard_bytes and (primary["bytes"] or 0) > shard_bytes else 1
-        shardable = (count > 1 and rows is not None and rows >= count
-                     and all(m["kind"] == "resource" and m["shape"] and m["shape"][0] == rows for m in group))
-        if shardable:
-            base, extra = divmod(rows, count)
-            tasks = sorted(sorted(range(num_ps), key=lambda i: (loads[i], i))[:count])
-            shards = [{"ps_task": t, "rows": base + (1 if k < extra else 0)} for k, t in enumerate(tasks)]
-            for m in group:
-                m["shards"], m["ps_task"] = [dict(s) for s in shards], None
-            for s in shards:
-                loads[s["ps_task"]] += sum(m["bytes"] or 0 for m in group) * s["rows"] // rows
-            continue
-        k = min(range(num_ps), key=lambda i: (loads[i], i))
-        for m in group:
-            m["ps_task"], m["shards"] = k, None
-        loads[k] += sum(m["bytes"] or 0 for m in group)
-
-
-def assign_packs(plan, bytes_per_pack):
-    """``graph_rewriter.plan.assign_packs`` on a plan dict: allreduced gradients in
-    same-dtype packs of at most ``bytes_per_pack`` (0: one per dtype), in the cuts'
-    order, batch statistics first in packs of their own."""
-    plan["packs"], plan["bytes_per_pack"] = [], bytes_per_pack
-    open_pack = {}
-    ordered = [c for c in plan["cuts"] if c["role"] == "state"] + [c for c in plan["cuts"] if c["role"] != "state"]
-    for c in ordered:
-        c["pack"] = None
-        if c["sync"] != "allreduce":
-            continue
-        size, key = c["bytes"], (c["dtype"], c["role"] == "state")
-        p = open_pack.get(key)
-        if p is None or size is None or (bytes_per_pack and p["bytes"] + size > bytes_per_pack and p["cuts"]):
-            p = {"dtype": c["dtype"], "cuts": [], "bytes": 0}
-            plan["packs"].append(p)
-            open_pack[key] = p if size is not None else None
-        p["cuts"].append(c["variable"])
-        p["bytes"] += size or 0
-        c["pack"] = next(i for i, q in enumerate(plan["packs"]) if q is p)
+    planned = Plan.from_dict(plan, model)
+    place_for_strategy(planned, strategy, ps_shard_bytes)
+    assign_packs(planned, bytes_per_pack)
+    return planned.to_dict()
 
 
 def remap_ps(plan, num_ps):
@@ -451,6 +374,7 @@ def write_png(rows, path, title):
 
 PER_REPLICA_BATCH = 8
 CAL_BIG = 16 * MiB          # float32 elements: 64 MiB
+CAL_PACK = 8 * MiB          # 32 MiB: the default allreduce pack
 CAL_TINY = 1                # one float32: 4 B
 
 
@@ -475,8 +399,8 @@ def validation_graph(seed):
         x = tf.compat.v1.placeholder(tf.float32, [None, 1024], name="x")
         y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
         h = x
-        for v in dense4096():
-            init = tf.compat.v1.random_normal_initializer(stddev=0.01, seed=seed)
+        for i, v in enumerate(dense4096()):
+            init = tf.compat.v1.random_normal_initializer(stddev=0.01, seed=seed * 10 + i)
             w = tf.compat.v1.get_variable(v.name, v.shape, initializer=init, use_resource=True)
             h = tf.matmul(h, w)
             if v.shape[1] != 1:
@@ -541,26 +465,28 @@ def calibrate(cluster, steps, rounds, warmup, timeout):
     Link: a 64 MiB and a 4 B tensor read on worker 1 from a variable on worker 0, each
     against a control step that touches both workers without moving anything (so only
     the transfer differs): bandwidth = (64 MiB - 4 B) / (t_64MiB - t_4B), latency = t_4B.
-    Also 64 MiB both ways at once (how a ring uses a link) and a 2-worker
-    CollectiveReduceV2 of 64 MiB and of 4 B (its ring moves the whole tensor in two
-    messages per worker): the collective's own effective bandwidth and message latency.
+    Also 64 MiB both ways at once (how a ring uses a link), and a 2-worker
+    CollectiveReduceV2 of 32 MiB (the default pack size) and of 4 B: its ring sends the
+    whole tensor in two messages per worker, which gives the collective's own
+    effective bandwidth and latency per message.
     """
     tf = _quiet_tf()
     g = tf.Graph()
     dev = [f"/job:worker/task:{i}/device:CPU:0" for i in range(2)]
     fetch = {}
+
+    def first(t, on):
+        with tf.device(dev[on]):
+            return tf.strided_slice(t, [0], [1]) + 1.0
+
     with g.as_default():
-        for label, size in (("big", CAL_BIG), ("tiny", CAL_TINY)):
+        for key, (label, size) in enumerate((("big", CAL_BIG), ("tiny", CAL_TINY), ("pack", CAL_PACK)), start=1):
             reads = []
             for i in range(2):
                 with tf.device(dev[i]):
                     v = tf.compat.v1.get_variable(f"simulate_calibration/{label}_{i}", [size],
                                                   initializer=tf.compat.v1.ones_initializer(), use_resource=True)
                     reads.append(v.read_value())
-
-            def first(t, on):
-                with tf.device(dev[on]):
-                    return tf.strided_slice(t, [0], [1]) + 1.0
             fetch[f"{label}_control"] = [first(reads[0], 0), first(reads[1], 1)]
             fetch[f"{label}_one_way"] = [first(reads[0], 1), first(reads[1], 1)]
             fetch[f"{label}_both_ways"] = [first(reads[0], 1), first(reads[1], 0)]
@@ -568,7 +494,7 @@ def calibrate(cluster, steps, rounds, warmup, timeout):
             for i in range(2):
                 with tf.device(dev[i]):
                     r = tf.raw_ops.CollectiveReduceV2(
-                        input=reads[i], group_size=2, group_key=7, instance_key=1 if label == "big" else 2,
+                        input=reads[i], group_size=2, group_key=7, instance_key=key,
                         ordering_token=[], merge_op="Add", final_op="Div", communication_hint="auto",
                         timeout_seconds=float(timeout))
                     reduced.append(tf.strided_slice(r, [0], [1]))
@@ -576,20 +502,21 @@ def calibrate(cluster, steps, rounds, warmup, timeout):
         init = tf.compat.v1.global_variables_initializer()
     opts = _options(tf, timeout)
     config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=int(timeout * 1000))
+    figures = (("big", "one_way"), ("tiny", "one_way"), ("big", "both_ways"),
+               ("pack", "collective"), ("tiny", "collective"))
     out = {}
     with tf.compat.v1.Session(cluster.target("worker", 0), graph=g, config=config) as sess:
         sess.run(init, options=opts)
-        for label in ("big", "tiny"):
-            control = fetch[f"{label}_control"]
-            for kind in ("one_way", "both_ways", "collective"):
-                t, base, _ = _interleaved(lambda: sess.run(fetch[f"{label}_{kind}"], options=opts),
-                                          lambda: sess.run(control, options=opts), steps, rounds, warmup)
-                out[f"{label}_{kind}"] = max(t - base, 1e-7)
-    big, tiny = CAL_BIG * 4, CAL_TINY * 4
+        for label, kind in figures:
+            t, base, _ = _interleaved(lambda: sess.run(fetch[f"{label}_{kind}"], options=opts),
+                                      lambda: sess.run(fetch[f"{label}_control"], options=opts),
+                                      steps, rounds, warmup)
+            out[f"{label}_{kind}"] = max(t - base, 1e-7)
+    big, tiny, pack = CAL_BIG * 4, CAL_TINY * 4, CAL_PACK * 4
     latency = out["tiny_one_way"]
     bandwidth = (big - tiny) / max(out["big_one_way"] - latency, 1e-9)
     coll_latency = out["tiny_collective"] / 2                  # 2 (n - 1) messages, n = 2
-    coll_bandwidth = (big - tiny) / max(out["big_collective"] - out["tiny_collective"], 1e-9)
+    coll_bandwidth = (pack - tiny) / max(out["pack_collective"] - out["tiny_collective"], 1e-9)
     return {"bandwidth": bandwidth, "latency": latency, "collective_bandwidth": coll_bandwidth,
             "collective_latency": coll_latency, "seconds": out,
             "duplex_factor": out["big_both_ways"] / out["big_one_way"]}
@@ -644,6 +571,21 @@ def measure_case(strategy, workers, ps, seed, models, args):
     return row
 
 
+class MeasurementError(Exception):
+    """A --validate measurement failed (a server did not start, a step ran past
+    --call-timeout): one line and exit status 1, the input was fine."""
+
+
+def _guard(what, measure):
+    """``measure()``, with a failure of the cluster or of TensorFlow turned into a
+    MeasurementError naming ``what`` (every cluster is stopped by then: its ``with``)."""
+    tf = _quiet_tf()
+    try:
+        return measure()
+    except (GraphRewriteError, tf.errors.OpError, OSError) as e:
+        raise MeasurementError(f"{what}: {type(e).__name__}: {' '.join(str(e).split())[:400]}") from None
+
+
 def validate(args):
     """Calibrates the loopback link, then measures each case; returns the report dict."""
     from graph_rewriter.local_cluster import LocalCluster
@@ -654,14 +596,17 @@ def validate(args):
               "rounds": args.rounds, "cases": []}
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     say(f"calibrating the loopback link (2 workers; {args.rounds} rounds x {args.steps} steps per figure) ...")
-    with LocalCluster(workers=2, device_type="CPU", start_timeout=args.start_timeout) as c:
-        cal = calibrate(c, args.steps, args.rounds, args.warmup, args.call_timeout)
+
+    def calibration():
+        with LocalCluster(workers=2, device_type="CPU", start_timeout=args.start_timeout) as c:
+            return calibrate(c, args.steps, args.rounds, args.warmup, args.call_timeout)
+    cal = _guard("calibration", calibration)
     report["calibration"] = cal
     s = cal["seconds"]
     say(f"  one way:   64 MiB {s['big_one_way'] * 1e3:.1f} ms, 4 B {s['tiny_one_way'] * 1e3:.3f} ms"
         f"  => link {cal['bandwidth'] / 1e9:.2f} GB/s, latency {cal['latency'] * 1e6:.0f} us")
     say(f"  both ways: 64 MiB {s['big_both_ways'] * 1e3:.1f} ms  = {cal['duplex_factor']:.2f} x one way")
-    say(f"  CollectiveReduceV2, 2 workers: 64 MiB {s['big_collective'] * 1e3:.1f} ms, 4 B "
+    say(f"  CollectiveReduceV2, 2 workers: 32 MiB {s['pack_collective'] * 1e3:.1f} ms, 4 B "
         f"{s['tiny_collective'] * 1e3:.3f} ms  => {cal['collective_bandwidth'] / 1e9:.2f} GB/s, "
         f"{cal['collective_latency'] * 1e6:.0f} us per message")
     link = cost_model.CostModel(inter_bandwidth=cal["bandwidth"], inter_latency=cal["latency"],
@@ -673,7 +618,8 @@ def validate(args):
         models = {"link": dataclasses.replace(link, batch_size=workers * PER_REPLICA_BATCH),
                   "collective": dataclasses.replace(coll, batch_size=workers * PER_REPLICA_BATCH)
                   if strategy == "allreduce" else None}
-        row = measure_case(strategy, workers, ps, seed=101 + k, models=models, args=args)
+        row = _guard(f"{strategy} on {workers} workers",
+                     lambda: measure_case(strategy, workers, ps, seed=101 + k, models=models, args=args))
         report["cases"].append(row)
         say(f"  step {row['step_s'] * 1e3:.1f} ms, without communication {row['no_comm_s'] * 1e3:.1f} ms; "
             f"per round: " + ", ".join(f"{x * 1e3:.0f}" for x in row["measured_per_round_s"]) + " ms")
@@ -716,10 +662,10 @@ def _cost_model(args):
         value = getattr(args, flag)
         if value is None:
             continue
-        ok = value >= 0 if "latency" in flag else value > 0
-        if not ok or not math.isfinite(value):
-            raise UsageError(f"--{flag.replace('_', '-')} must be a {'non-negative' if 'latency' in flag else 'positive'} "
-                             f"number ({'microseconds' if 'latency' in flag else 'GB/s'}), got {value:g}")
+        latency = "latency" in flag
+        if not (value >= 0 if latency else value > 0) or not math.isfinite(value):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a {'non-negative' if latency else 'positive'} "
+                             f"number ({'microseconds' if latency else 'GB/s'}), got {value:g}")
         fields[flag] = value * scale
     if args.batch_size is not None:
         if args.batch_size < 1:
@@ -794,7 +740,8 @@ def _check(args):
     if args.plan is not None:
         for flag in ("strategy", "bytes_per_pack", "ps_shard_bytes"):
             if getattr(args, flag) is not None:
-                raise UsageError(f"--{flag.replace('_', '-')} applies to --model only: a rewritten graph's plan fixes it")
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --model only: "
+                                 f"a rewritten graph's plan fixes it")
     if args.bytes_per_pack is not None and args.bytes_per_pack < 0:
         raise UsageError(f"--bytes-per-pack must be 0 or a positive number of bytes, got {args.bytes_per_pack}")
     if args.ps_shard_bytes is not None and args.ps_shard_bytes < 0:
@@ -842,7 +789,7 @@ def run(args):
         print(json.dumps({"plan": source, "strategy": plan.strategy, "devices_per_worker": args.devices_per_worker,
                           "ps_tasks": ps, "cost_model": model.to_dict(), "rows": rows}, indent=1))
     else:
-        print(f"# {' '.join(['simulate.py'] + sys.argv[1:])}")
+        print(f"# {args.command}")
         print(f"# {header}")
         print(format_table(rows))
         if args.png:
@@ -850,21 +797,26 @@ def run(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser().parse_args(argv)
+    args.command = " ".join(["simulate.py"] + argv)
     try:
         _check(args)
-        if args.validate:
-            report = validate(args)
-            if args.json:
-                print(json.dumps(report, indent=1, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else str(o)))
-            else:
-                print(f"# {' '.join(['simulate.py'] + sys.argv[1:])}   (cores: {os.cpu_count()})")
-                print(format_validation(report))
-        else:
+        if not args.validate:
             run(args)
+            return 0
+        report = validate(args)
     except UsageError as e:
         sys.stderr.write(f"{PROG}: error: {' '.join(str(e).split())}\n")
         return 2
+    except MeasurementError as e:
+        sys.stderr.write(f"{PROG}: error: --validate failed: {e}\n")
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=1, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else str(o)))
+    else:
+        print(f"# {args.command}   (cores: {os.cpu_count()})")
+        print(format_validation(report))
     return 0
 
 

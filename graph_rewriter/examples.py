@@ -672,32 +672,59 @@ def _train(sess, example, steps, batch_size, feeds):
     return losses, {name: np.asarray(v) for name, v in values.items()}
 
 
-def read_replica_copies(sess, example, prefixes):
-    """{prefix + variable: value} for every replica prefix ("" is the master) and every
-    variable of ``example`` that the session's graph holds under that prefix.
+class ReplicaCopies:
+    """Reads every replica's copy of every variable of an example ({prefix + variable:
+    value}; prefix "" is the master, the others the rewritten graph's replica prefixes),
+    with the read ops built once, so a test can read after every run.
 
     Reads through the variable op itself: a replica's copy of the variable's read op
     may not exist (a read that only the Saver uses is not cloned). Works on a plain
     tf.compat.v1.Session and on graph_rewriter.Session alike."""
+
+    def __init__(self, sess, example, prefixes):
+        import tensorflow as tf
+        self.sess, self.fetches = sess, {}
+        with sess.graph.as_default():
+            for prefix in prefixes:
+                for name in example.variables:
+                    try:
+                        op = sess.graph.get_operation_by_name(prefix + name)
+                    except KeyError:
+                        continue
+                    if op.type == "VarHandleOp":
+                        self.fetches[prefix + name] = tf.raw_ops.ReadVariableOp(
+                            resource=op.outputs[0], dtype=op.get_attr("dtype"),
+                            name=f"{prefix}{name}/examples_read_copy")
+                    else:   # a ref variable: fetching its ref output returns the value
+                        self.fetches[prefix + name] = op.outputs[0]
+
+    def __call__(self):
+        import tensorflow as tf
+        # the plain Session.run: graph_rewriter.Session only knows the rewritten graph's nodes
+        values = tf.compat.v1.Session.run(self.sess, self.fetches)
+        return {name: np.asarray(v) for name, v in values.items()}
+
+
+def assign_ops(graph, values):
+    """Ops that set each variable named in ``values`` ({variable node: value}) of ``graph``
+    (imported from an example) to its value: to start a run from given weights."""
     import tensorflow as tf
-    graph = sess.graph
-    fetches = {}
+    assigns = []
     with graph.as_default():
-        for prefix in prefixes:
-            for name in example.variables:
-                try:
-                    op = graph.get_operation_by_name(prefix + name)
-                except KeyError:
-                    continue
-                if op.type == "VarHandleOp":
-                    fetches[prefix + name] = tf.raw_ops.ReadVariableOp(
-                        resource=op.outputs[0], dtype=op.get_attr("dtype"),
-                        name=f"{prefix}{name}/examples_read_copy")
-                else:   # a ref variable: fetching its ref output returns the value
-                    fetches[prefix + name] = op.outputs[0]
-    # The plain Session.run: graph_rewriter.Session only knows the rewritten graph's nodes.
-    values = tf.compat.v1.Session.run(sess, fetches)
-    return {name: np.asarray(v) for name, v in values.items()}
+        for name, value in values.items():
+            op = graph.get_operation_by_name(name)
+            if op.type == "VarHandleOp":
+                assigns.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value))
+            else:
+                assigns.append(tf.compat.v1.assign(op.outputs[0], value))
+    return assigns
+
+
+def read_replica_copies(sess, example, prefixes):
+    """{prefix + variable: value} for every replica prefix ("" is the master) and every
+    variable of ``example`` that the session's graph holds under that prefix (see
+    ReplicaCopies)."""
+    return ReplicaCopies(sess, example, prefixes)()
 
 
 def sharded_moving_variance(example, feed, replicas, initial_variance):

@@ -28,13 +28,9 @@ k=4. BatchNorm is left out: its moving statistics are not gradients and update o
 micro-batch (a documented limitation).
 """
 
-import contextlib
 import functools
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -44,6 +40,7 @@ import graph_rewriter as gr
 from graph_rewriter import examples
 from graph_rewriter.local_cluster import LocalCluster
 
+from test_cluster import procs  # noqa: F401  (a fixture: client processes, ended by their ids)
 from test_equivalence import ATOL, RTOL, _case_id, _step_counter_name
 
 V1 = examples.OPTIMIZERS_V1
@@ -111,33 +108,6 @@ def _reference(model, optimizer, resource, k, seed=0):
 
 # ----- running the rewritten graph run by run -------------------------------------------
 
-class Copies:
-    """Reads every replica's copy of every variable of ``ex`` ({prefix + name: value};
-    prefix "" is the master) through the variable ops, with read ops built once."""
-
-    def __init__(self, sess, ex, prefixes):
-        graph = sess.graph
-        self.sess, self.fetches = sess, {}
-        with graph.as_default():
-            for prefix in prefixes:
-                for name in ex.variables:
-                    try:
-                        op = graph.get_operation_by_name(prefix + name)
-                    except KeyError:
-                        continue
-                    if op.type == "VarHandleOp":
-                        self.fetches[prefix + name] = tf.raw_ops.ReadVariableOp(
-                            resource=op.outputs[0], dtype=op.get_attr("dtype"),
-                            name=f"{prefix}{name}/test_accumulation_read")
-                    else:
-                        self.fetches[prefix + name] = op.outputs[0]
-
-    def __call__(self):
-        # the plain Session.run: graph_rewriter.Session only knows the rewritten graph's nodes
-        values = tf.compat.v1.Session.run(self.sess, self.fetches)
-        return {n: np.asarray(v) for n, v in values.items()}
-
-
 def _expected_copies(result, ex):
     """{prefix + name} that must exist: every variable on the master, and a copy on every
     other replica of every variable not on a parameter server."""
@@ -167,7 +137,7 @@ def check_windows(model, optimizer, resource=True, strategy="allreduce", replica
     counter = _step_counter_name(ex)
     what = f"{model}/{optimizer} {strategy} R={replicas} k={k}"
     with gr.Session(result, config=_config()) as sess:
-        read = Copies(sess, ex, result.metadata["replica_prefixes"])
+        read = examples.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
         sess.run(ex.init)
         last = read()
         assert set(last) == _expected_copies(result, ex), f"{what}: variable copies"
@@ -273,14 +243,7 @@ def _single_steps_from(ex, start, batches):
     """The original graph on one device with its variables set to ``start`` (every
     variable) and trained on ``batches``: [start, after step 1, ...]."""
     graph = _import(ex.graph_def)
-    with graph.as_default():
-        assigns = []
-        for name, value in start.items():
-            op = graph.get_operation_by_name(name)
-            if op.type == "VarHandleOp":
-                assigns.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value))
-            else:
-                assigns.append(tf.compat.v1.assign(op.outputs[0], value))
+    assigns = examples.assign_ops(graph, start)
     names = dict(ex.variables)
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(ex.init)
@@ -308,7 +271,7 @@ def test_init_resets_a_window_in_progress(case):
                         accumulation_steps=k)
     what = f"{model}/{optimizer} {strategy} k={k}"
     with gr.Session(result, config=_config()) as sess:
-        read = Copies(sess, ex, result.metadata["replica_prefixes"])
+        read = examples.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
         sess.run(ex.init)
         start = read()
         _assert_state(f"{what}: after init", start, states[0])
@@ -359,7 +322,7 @@ def test_checkpoint_restore_resets_a_window_in_progress(case, tmp_path):
     junk = _junk(ex, k)
     mid, after_one = str(tmp_path / "mid.ckpt"), str(tmp_path / "step1.ckpt")
     with gr.Session(result, config=_config()) as sess:
-        read = Copies(sess, ex, result.metadata["replica_prefixes"])
+        read = examples.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
         sess.run(ex.init)
         start = read()
         _train_window(sess, ex, junk, k, runs=k - 1)              # mid-window
@@ -493,63 +456,6 @@ def _between_client_cmd(*args):
     return [sys.executable, "-c", code, TESTS_DIR] + [str(a) for a in args]
 
 
-def _tail(path, lines=25):
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return "(no log)"
-    keep = [line for line in text.splitlines()
-            if not line.startswith(("I0000", "W0000", "WARNING: All log messages"))]
-    return "\n".join(keep[-lines:])
-
-
-@contextlib.contextmanager
-def _clients(tmp_path):
-    """Starts client processes (each in its own session, so its group id is its id) and
-    kills whatever is still running at the end, by that id."""
-    started = []
-
-    def start(name, cmd):
-        log_path = str(tmp_path / f"{name}.log")
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-        env.pop("TF_CONFIG", None)
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        started.append((name, proc, log_path))
-
-    try:
-        yield start, started
-    finally:
-        for _, proc, _ in started:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for _, proc, _ in started:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _wait_all(started, timeout=PROCESS_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    problems = []
-    for name, proc, log_path in started:
-        try:
-            rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            problems.append(f"{name}: still running after {timeout:.0f} s\n{_tail(log_path)}")
-            continue
-        if rc != 0:
-            problems.append(f"{name}: exit status {rc}\n{_tail(log_path)}")
-    if problems:
-        pytest.fail("\n\n".join(problems), pytrace=False)
-
-
 @pytest.fixture
 def cluster_factory(tmp_path):
     """Starts LocalClusters (ports from the OS; every server process ended by its id in
@@ -575,7 +481,7 @@ def cluster_factory(tmp_path):
 @pytest.mark.parametrize("strategy,num_ps,optimizer", [("allreduce", 0, "adam"), ("ps", 1, "adam")])
 @pytest.mark.parametrize("model", ["mlp", "embedding"])
 def test_between_graph_workers_equal_one_device(strategy, num_ps, optimizer, model, cluster_factory,
-                                                tmp_path):
+                                                procs, tmp_path):
     """2 workers x 1 CPU replica, between-graph (one client process per worker, each fed
     its half of every micro-batch), k=2, two windows: the variables equal the
     single-device steps after each window and are unchanged after the other runs; the
@@ -588,25 +494,24 @@ def test_between_graph_workers_equal_one_device(strategy, num_ps, optimizer, mod
     runs = WINDOWS * k
     reads = list(ex.variables.values())
     outs = []
-    with _clients(tmp_path) as (start, started):
-        for w in range(SLOW_WORKERS):
-            result = gr.rewrite(ex.graph_def, cluster.spec, strategy=strategy, device_type="CPU",
-                                devices_per_worker=1, task=f"worker:{w}", accumulation_steps=k)
-            assert result.num_replicas == SLOW_WORKERS and result.plan.accumulation_steps == k
-            graph_path = str(tmp_path / f"worker{w}.pb")
-            result.save(graph_path)
-            feeds = {}
-            for s, batch in enumerate(batches):
-                for j in range(k):
-                    for name, value in _micro(_micro(batch, j, k), w, SLOW_WORKERS).items():
-                        feeds[f"{s * k + j}/{name}"] = value
-            feeds_path = str(tmp_path / f"worker{w}_feeds.npz")
-            np.savez(feeds_path, **feeds)
-            out = str(tmp_path / f"worker{w}_out.npz")
-            start(f"worker{w}", _between_client_cmd(graph_path, cluster.target("worker", w), feeds_path,
-                                                    runs, out, *reads))
-            outs.append(out)
-        _wait_all(started)
+    for w in range(SLOW_WORKERS):
+        result = gr.rewrite(ex.graph_def, cluster.spec, strategy=strategy, device_type="CPU",
+                            devices_per_worker=1, task=f"worker:{w}", accumulation_steps=k)
+        assert result.num_replicas == SLOW_WORKERS and result.plan.accumulation_steps == k
+        graph_path = str(tmp_path / f"worker{w}.pb")
+        result.save(graph_path)
+        feeds = {}
+        for s, batch in enumerate(batches):
+            for j in range(k):
+                for name, value in _micro(_micro(batch, j, k), w, SLOW_WORKERS).items():
+                    feeds[f"{s * k + j}/{name}"] = value
+        feeds_path = str(tmp_path / f"worker{w}_feeds.npz")
+        np.savez(feeds_path, **feeds)
+        out = str(tmp_path / f"worker{w}_out.npz")
+        procs.start(f"worker{w}", _between_client_cmd(graph_path, cluster.target("worker", w), feeds_path,
+                                                      runs, out, *reads))
+        outs.append(out)
+    procs.wait_all(PROCESS_TIMEOUT)
     got = []
     for out in outs:
         with np.load(out) as data:

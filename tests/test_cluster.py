@@ -575,13 +575,7 @@ def _mean_loss_at(ex, values, batches):
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(ex.graph_def, name="")
-        assigns = []
-        for name, value in values.items():
-            op = graph.get_operation_by_name(name)
-            if op.type == "VarHandleOp":
-                assigns.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value))
-            else:
-                assigns.append(tf.compat.v1.assign(op.outputs[0], value))
+    assigns = examples.assign_ops(graph, values)
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(ex.init)
         sess.run(assigns)

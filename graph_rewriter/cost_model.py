@@ -239,9 +239,8 @@ def choose(plan, topo, model, can_use_ps, mode="mixed"):
             cut.costs = {"allreduce": allreduce_cost(cut.bytes or 0, topo, model, fill).to_dict()}
             continue
         var = plan.variable(cut.variable)
-        group_ok = can_use_ps and all(m.kind in ("resource", "ref") for m in plan.group(var.name))
-        shards = best_shards(cut, var, topo, model, max(topo.ps_tasks, 1)) if group_ok else 1
-        costs = cut_costs(cut, topo, model, fill, shards, group_ok)
+        shards = best_shards(cut, var, topo, model, max(topo.ps_tasks, 1)) if can_use_ps else 1
+        costs = cut_costs(cut, topo, model, fill, shards, can_use_ps)
         # ties (one replica: all free) keep the mirrored default
         order = ["allreduce", "allgather", "accumulate"]
         allowed = {"mixed": order, "mirrored": order[:2], "ps": order[2:]}[mode]

@@ -717,14 +717,32 @@ def _function_written_args(node, library):
         fn_names = [node.op]
     offset = 1 if node.op in ("If", "StatelessIf", "Case", "StatelessCase") else 0
     written = set()
+    index, memo = _library_index(library)
     for name in fn_names:
-        for i in _body_written_args(name, library, set()):
+        args = memo.get(name)
+        if args is None:
+            args = memo[name] = _body_written_args(name, index, set())
+        for i in args:
             written.add(i + offset)
     return written
 
 
-def _body_written_args(fn_name, library, visiting):
-    fn = next((f for f in library.function if f.signature.name == fn_name), None)
+_LIBRARY_INDEX = [None]   # (library, function count, {name: FunctionDef}, {name: written args})
+
+
+def _library_index(library):
+    """The function library by name, with a memo of each body's written arguments, kept
+    for the last library asked about (a graph's calls all ask about the same one; a
+    linear search per call was quadratic in large Keras graphs)."""
+    hit = _LIBRARY_INDEX[0]
+    if hit is None or hit[0] is not library or hit[1] != len(library.function):
+        hit = _LIBRARY_INDEX[0] = (library, len(library.function),
+                                   {f.signature.name: f for f in library.function}, {})
+    return hit[2], hit[3]
+
+
+def _body_written_args(fn_name, index, visiting):
+    fn = index.get(fn_name)
     if fn is None or fn_name in visiting:
         return set()
     visiting.add(fn_name)

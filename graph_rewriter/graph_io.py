@@ -233,7 +233,8 @@ def graph_def_bytes(item):
     controls = {}       # Node -> its serialized "^name" input field
     colocations = {}    # tuple of targets -> the serialized _class attr entry
     chunks = []
-    append = chunks.append
+    append, extend = chunks.append, chunks.extend
+    varints = _VARINTS
     for node in item._nodes.values():
         d = node._def
         cached = attr_bytes.get(id(d))
@@ -251,7 +252,9 @@ def graph_def_bytes(item):
         dev = device_bytes.get(node.device)
         if dev is None:
             dev = device_bytes[node.device] = _string_field(b"\x22", node.device) if node.device else b""
-        body = [_string_field(b"\x0a", node._name), op]
+        name = node._name.encode("utf-8")
+        size = len(name)
+        body = [b"\x0a", varints[size] if size < 128 else _varint(size), name, op]
         for t in node._inputs:
             field = inputs.get(t)
             if field is None:
@@ -270,8 +273,10 @@ def graph_def_bytes(item):
             if entry is None:
                 entry = colocations[key] = _colocation_entry(key)
             body.append(entry)
-        data = b"".join(body)
-        append(b"\x0a" + _varint(len(data)) + data)
+        size = sum(map(len, body))
+        append(b"\x0a")
+        append(varints[size] if size < 128 else _varint(size))
+        extend(body)
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)
         chunks.append(b"\x12" + _varint(len(lib)) + lib)

@@ -39,7 +39,7 @@ class Node:
 
     __slots__ = ("graph", "_name", "op", "_device", "_def", "_shared_def",
                  "_inputs", "_control_inputs", "_consumers", "_control_consumers",
-                 "_colocate", "replica", "_arg_info", "_ord", "__weakref__")
+                 "_colocate", "replica", "_arg_info", "_ord", "_by_output", "__weakref__")
 
     def __init__(self, graph, name, op, device, node_def, shared_def=False):
         self.graph = graph
@@ -52,6 +52,7 @@ class Node:
         self._inputs = []
         self._control_inputs = []
         self._consumers = {}          # (consumer Node, input position) -> None, ordered
+        self._by_output = None        # {output index: {(consumer, position): None}}, see consumers()
         self._control_consumers = {}  # consumer Node -> None, ordered
         self._colocate = []           # Node references (or unresolved names, flagged by the verifier)
         self.replica = UNKNOWN_REPLICA  # set by replication: the replica index, or GLOBAL
@@ -133,7 +134,16 @@ class Node:
         """[(consumer Node, input position)] reading this node's outputs (one output if index)."""
         if index is None:
             return list(self._consumers)
-        return [(c, p) for (c, p) in self._consumers if c._inputs[p].index == index]
+        by_output = self._by_output
+        if by_output is None:
+            if len(self._consumers) <= _INDEX_CONSUMERS_ABOVE:
+                return [(c, p) for (c, p) in self._consumers if c._inputs[p].index == index]
+            # A node with many outputs and readers (a gradient IdentityN feeding every
+            # variable's update): asking per output would cost its whole fan-out each time.
+            by_output = self._by_output = {}
+            for key in self._consumers:
+                by_output.setdefault(key[0]._inputs[key[1]].index, {})[key] = None
+        return list(by_output.get(index, ()))
 
     @property
     def control_consumers(self):
@@ -145,22 +155,22 @@ class Node:
 
     def set_input(self, position, tensor):
         old = self._inputs[position]
-        del old.node._consumers[(self, position)]
+        _unlink(old, self, position)
         self._inputs[position] = tensor
-        tensor.node._consumers[(self, position)] = None
+        _link(tensor, self, position)
         self.graph._edge(tensor.node, self)
 
     def add_input(self, tensor):
         self._inputs.append(tensor)
-        tensor.node._consumers[(self, len(self._inputs) - 1)] = None
+        _link(tensor, self, len(self._inputs) - 1)
         self.graph._edge(tensor.node, self)
 
     def set_inputs(self, tensors):
         for pos, t in enumerate(self._inputs):
-            del t.node._consumers[(self, pos)]
+            _unlink(t, self, pos)
         self._inputs = list(tensors)
         for pos, t in enumerate(self._inputs):
-            t.node._consumers[(self, pos)] = None
+            _link(t, self, pos)
         self.graph._touch(self, edges=True)
         for t in self._inputs:
             self.graph._edge(t.node, self)
@@ -193,6 +203,24 @@ class Node:
         self.graph._touch(self)
 
 
+_INDEX_CONSUMERS_ABOVE = 64
+
+
+def _link(tensor, consumer, position):
+    """Records that ``consumer`` reads ``tensor`` at ``position`` in the producer's tables."""
+    p = tensor.node
+    p._consumers[(consumer, position)] = None
+    if p._by_output is not None:
+        p._by_output.setdefault(tensor.index, {})[(consumer, position)] = None
+
+
+def _unlink(tensor, consumer, position):
+    p = tensor.node
+    del p._consumers[(consumer, position)]
+    if p._by_output is not None:
+        p._by_output[tensor.index].pop((consumer, position), None)
+
+
 class GraphItem:
     """A GraphDef as a mutable graph of Node objects, plus what travels with it:
     the function library, versions, and (when loaded from one) the MetaGraphDef parts."""
@@ -212,6 +240,7 @@ class GraphItem:
         # new edge (Node._ord), so "no new cycle" costs the edges added, not the graph.
         self._dirty_edges = {}
         self._dirty_attrs = {}
+        self._dirty_bulk = False     # clone_nodes ran: clones are not queued one by one
         self._next_ord = 0.0
         self._order_ok = True
 
@@ -247,6 +276,7 @@ class GraphItem:
         """Forgets the changes so far (the verifier has checked them)."""
         self._dirty_edges = {}
         self._dirty_attrs = {}
+        self._dirty_bulk = False
 
     def cached(self, key, compute):
         """Returns compute(self), computed once per graph version (analysis caching)."""
@@ -299,12 +329,17 @@ class GraphItem:
 
     # ----- mutation ---------------------------------------------------------------
     def add_node(self, name, op, inputs=(), control_inputs=(), attrs=None, device="",
-                 colocate_with=()):
-        """Creates a node; ``attrs`` maps names to AttrValue or python scalars."""
+                 colocate_with=(), shared_def=None):
+        """Creates a node; ``attrs`` maps names to AttrValue or python scalars.
+        ``shared_def`` is a NodeDef holding the node's attributes, shared (copy on
+        write) with other nodes made from it: op_builder's templates."""
         from tensorflow.core.framework import node_def_pb2
         if name in self._nodes:
             raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
-        node = Node(self, name, op, device, node_def_pb2.NodeDef())
+        if shared_def is not None:
+            node = Node(self, name, op, device, shared_def, shared_def=True)
+        else:
+            node = Node(self, name, op, device, node_def_pb2.NodeDef())
         node._ord = self._next_ord
         self._next_ord += 1.0
         self._nodes[name] = node
@@ -321,6 +356,18 @@ class GraphItem:
             node.replica = _replica_from_producers(node)
         self._touch()
         return node
+
+    def set_devices(self, devices):
+        """Gives each node of ``{node: device}`` its device (one bulk edit: placement
+        sets every node's). Returns the nodes whose device changed."""
+        changed = [n for n, d in devices.items() if n._device != d]
+        dirty = self._dirty_attrs
+        for n in changed:
+            n._device = devices[n]
+            dirty[n] = None
+        if changed:
+            self.version += 1
+        return changed
 
     def mark_new_global(self, names_before):
         """Nodes added since ``names_before`` (a set of names) whose replica is still
@@ -368,6 +415,7 @@ class GraphItem:
             table[name] = c
             mapping[n] = c
         self._next_ord = base + len(rank)
+        self._dirty_bulk = True
         get = mapping.get
         new_tensor = tuple.__new__
         for n, c in mapping.items():
@@ -377,6 +425,8 @@ class GraphItem:
                 nt = new_tensor(Tensor, (p, t[1]))
                 ins.append(nt)
                 p._consumers[(c, pos)] = None
+                if p._by_output is not None:
+                    p._by_output.setdefault(t[1], {})[(c, pos)] = None
             if n._control_inputs:
                 cis = c._control_inputs
                 for q in n._control_inputs:
@@ -415,6 +465,8 @@ class GraphItem:
         for n in doomed:
             for pos, t in enumerate(n._inputs):
                 t.node._consumers.pop((n, pos), None)
+                if t.node._by_output is not None:
+                    t.node._by_output.get(t.index, {}).pop((n, pos), None)
             for c in n._control_inputs:
                 c._control_consumers.pop(n, None)
             n._inputs = []

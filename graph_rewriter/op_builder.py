@@ -7,7 +7,7 @@ List arguments (``number_attr`` or ``type_list_attr``) are passed as python list
 """
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2
 from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
 from graph_rewriter import opdefs
@@ -83,22 +83,62 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     for k, v in (type_attrs or {}).items():
         values[k] = dtypes.as_dtype(v)
     values.update(given)
+    key = _template_key(op_type, values)
+    template = _TEMPLATES.get(key) if key is not None else None
+    if template is None:
+        template = node_def_pb2.NodeDef()
+        for a in od.attr:
+            if a.name in values:
+                template.attr[a.name].CopyFrom(_attr_value(values[a.name]))
+            elif a.HasField("default_value"):
+                template.attr[a.name].CopyFrom(a.default_value)
+        for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
+            if k.startswith("_"):
+                template.attr[k].CopyFrom(_attr_value(v))
+        if key is not None:
+            _remember(_TEMPLATES, key, template)
     node = graph.add_node(graph.unique_name(name), op_type, inputs=flat,
-                          control_inputs=control_inputs, device=device, colocate_with=colocate_with)
-    for a in od.attr:
-        if a.name in values:
-            node.set_attr(a.name, _attr_value(values[a.name]))
-        elif a.HasField("default_value"):
-            node.set_attr(a.name, a.default_value)
-    for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
-        if k.startswith("_"):
-            node.set_attr(k, _attr_value(v))
+                          control_inputs=control_inputs, device=device, colocate_with=colocate_with,
+                          shared_def=template)
     if replica is not None:
         node.replica = replica
     return node
 
 
+# Attribute sets already built, shared (copy on write) by the nodes made from them: a
+# pass makes the same Reshape or Const for every gradient of every replica. Pure facts
+# of TensorFlow's OpDefs, so sharing them across graphs is safe.
+_TEMPLATES = {}
 _CONSTS = {}
+
+
+def _remember(cache, key, value):
+    if len(cache) > 100000:
+        cache.clear()
+    cache[key] = value
+
+
+def _template_key(op_type, values):
+    """A hashable key for an op's attribute values, or None when one is not hashable
+    (an AttrValue given as is)."""
+    items = []
+    for k in sorted(values):
+        v = _hashable(values[k])
+        if v is None:
+            return None
+        items.append((k, v))
+    return (op_type, tuple(items))
+
+
+def _hashable(v):
+    if isinstance(v, dtypes.DType):
+        return ("dtype", v.as_datatype_enum)
+    if isinstance(v, (bool, int, float, str, bytes)):
+        return (type(v).__name__, v)
+    if isinstance(v, (list, tuple)):
+        items = tuple(_hashable(x) for x in v)
+        return None if None in items else ("list", items)
+    return None
 
 
 def _const_attrs(value, dtype):
@@ -109,20 +149,19 @@ def _const_attrs(value, dtype):
     hit = _CONSTS.get(key)
     if hit is None:
         proto = tensor_util.make_tensor_proto(np.asarray(value, dtype=dt.as_numpy_dtype), dtype=dt)
-        hit = _CONSTS[key] = (_attr_value(dt), attr_value_pb2.AttrValue(tensor=proto))
-        if len(_CONSTS) > 100000:
-            _CONSTS.clear()
+        hit = node_def_pb2.NodeDef()
+        hit.attr["dtype"].CopyFrom(_attr_value(dt))
+        hit.attr["value"].CopyFrom(attr_value_pb2.AttrValue(tensor=proto))
+        _remember(_CONSTS, key, hit)
     return hit
 
 
 def const(graph, name, value, dtype, device="", replica=None):
     """A Const node holding ``value`` (anything numpy converts) as ``dtype``; returns its Tensor."""
-    dtype_attr, value_attr = _const_attrs(value, dtype)
-    node = graph.add_node(graph.unique_name(name), "Const", device=device)
+    node = graph.add_node(graph.unique_name(name), "Const", device=device,
+                          shared_def=_const_attrs(value, dtype))
     if replica is not None:
         node.replica = replica
-    node.set_attr("dtype", dtype_attr)
-    node.set_attr("value", value_attr)
     return Tensor(node, 0)
 
 

@@ -23,6 +23,7 @@ _DEVICE = re.compile(
 COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2",
                          "CollectiveBcastRecvV2", "CollectiveReduce", "CollectiveGather",
                          "CollectiveAllToAllV2", "CollectiveReduceScatterV2"))
+_ISOLATED = frozenset(("Enter", "RefEnter"))
 SHARED_RESOURCE_OPS = frozenset(("VarHandleOp", "VariableV2", "HashTableV2", "MutableHashTableV2",
                                  "FIFOQueueV2", "ConditionalAccumulator",
                                  "SparseConditionalAccumulator", "ResourceConditionalAccumulator"))
@@ -59,9 +60,20 @@ def verify_changes(graph, ctx=None):
     options = ctx.options if ctx is not None else None
     _check_devices(graph, attred, cluster, options)
     _check_colocation(graph, attred)
-    _check_collectives(graph)
-    _check_replica_isolation(graph)
+    if graph._dirty_bulk or any(_concerns_group_checks(n) for n in edged + attred):
+        _check_collectives(graph)
+        _check_replica_isolation(graph)
     graph.clean()
+
+
+def _concerns_group_checks(n):
+    """Whether a changed node can break a collective group or replica isolation, which
+    are checked across the whole graph: a collective, a constant feeding one (its keys),
+    a loop frame's entry or a shared resource (a rename changes its replica)."""
+    op = n.op
+    if op in COLLECTIVES or op in _ISOLATED or op in SHARED_RESOURCE_OPS:
+        return True
+    return op == "Const" and any(c.op in COLLECTIVES for c, _ in n._consumers)
 
 
 def _check_edges(graph, nodes):

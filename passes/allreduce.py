@@ -39,6 +39,7 @@ class AllReducePass(Pass):
         gkey = group_key(rm.group_devices)
         cuts = {c.variable: c for c in plan.cuts}
         self._state_readers = {}
+        self._consts = {}
         for i in range(rm.num_local):
             previous = None
             for p, pack in enumerate(plan.packs):
@@ -75,11 +76,11 @@ class AllReducePass(Pass):
                     f"variable '{cut.variable}' has no static shape, which allreduce packing needs",
                     hint="give the variable a fully defined shape")
             sizes.append(n)
-            flat = make_op(graph, "Reshape", f"{scope}/flat", [values, const(graph, f"{scope}/minus_one", [-1], "int32", device)],
+            flat = make_op(graph, "Reshape", f"{scope}/flat", [values, self._const(graph, i, [-1], "int32", device)],
                            device=device)
             flats.append(flat.output(0))
         packed = flats[0] if len(flats) == 1 else make_op(
-            graph, "ConcatV2", f"{scope}/concat", [flats, const(graph, f"{scope}/axis", 0, "int32", device)],
+            graph, "ConcatV2", f"{scope}/concat", [flats, self._const(graph, i, 0, "int32", device)],
             device=device).output(0)
         wire = dtypes.as_dtype(cuts[0].dtype)
         compressed = ctx.options.compression and wire.is_floating and wire.size > 2
@@ -97,26 +98,35 @@ class AllReducePass(Pass):
         if len(cuts) > 1:
             split = make_op(graph, "SplitV", f"{scope}/split",
                             [out, const(graph, f"{scope}/sizes", sizes, "int64", device),
-                             const(graph, f"{scope}/split_axis", 0, "int32", device)],
+                             self._const(graph, i, 0, "int32", device)],
                             attrs={"num_split": len(cuts)}, device=device)
             parts = [split.output(k) for k in range(len(cuts))]
         else:
             parts = [out]
         for cut, part, (value_readers, index_readers) in zip(cuts, parts, readers):
             shaped = make_op(graph, "Reshape", f"{scope}/{cut.variable}/mean",
-                             [part, const(graph, f"{scope}/{cut.variable}/shape", cut.shape, "int64", device)],
+                             [part, self._const(graph, i, cut.shape, "int64", device)],
                              device=device).output(0)
             for c, pos in value_readers:
                 c.set_input(pos, shaped)
             if index_readers is not None:
                 rows = make_op(graph, "Range", f"{scope}/{cut.variable}/rows",
-                               [const(graph, f"{scope}/zero", 0, _index_dtype(graph, rm, i, cut), device),
-                                const(graph, f"{scope}/num_rows", cut.shape[0], _index_dtype(graph, rm, i, cut), device),
-                                const(graph, f"{scope}/one", 1, _index_dtype(graph, rm, i, cut), device)],
+                               [self._const(graph, i, 0, _index_dtype(graph, rm, i, cut), device),
+                                self._const(graph, i, cut.shape[0], _index_dtype(graph, rm, i, cut), device),
+                                self._const(graph, i, 1, _index_dtype(graph, rm, i, cut), device)],
                                device=device).output(0)
                 for c, pos in index_readers:
                     c.set_input(pos, rows)
         return reduced
+
+    def _const(self, graph, i, value, dtype, device):
+        """One Const per replica and value: every gradient's flattening reads the same
+        [-1], and gradients of one shape the same shape (fewer nodes to place and export)."""
+        key = (i, dtype, repr(value))
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = const(graph, f"{graph.replicas.prefixes[i]}allreduce/const", value, dtype, device)
+        return t
 
     def _densify(self, graph, scope, cut, values, indices, device):
         """The dense gradient of the rows: duplicates summed, untouched rows zero."""

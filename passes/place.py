@@ -33,8 +33,8 @@ class PlacePass(Pass):
         rm = graph.replicas
         device_type = ctx.options.device_type
         nodes = graph.nodes
-        pinned = {n for n in nodes if n.device}
-        placed = {n: n.device for n in pinned}
+        pinned = {n for n in nodes if n._device}
+        placed = {n: n._device for n in pinned}
         host_of = {}
         for vp in ctx.plan.variables:
             if vp.placement == "ps" and vp.name in graph and not graph.node(vp.name).device:
@@ -42,6 +42,17 @@ class PlacePass(Pass):
                 placed[graph.node(vp.name)] = ctx.cluster.ps_device(task)
                 pinned.add(graph.node(vp.name))
         devices, hosts, global_device = rm.devices, rm.hosts, rm.global_device
+        # Kernel and resource facts depend only on a node's op and attributes, which
+        # clones (and nodes made from one template) share: ask once per attribute proto.
+        kernel_of, positions_of = {}, {}
+
+        def has_kernel(n):
+            key = (id(n._def), n.op)
+            ok = kernel_of.get(key)
+            if ok is None:
+                ok = kernel_of[key] = opdefs.has_kernel(n, device_type)
+            return ok
+
         for n in nodes:
             r = n.replica
             if r < 0:
@@ -50,18 +61,23 @@ class PlacePass(Pass):
             device, host = (global_device, global_device) if r < 0 else (devices[r], hosts[r])
             host_of[n] = host
             if n not in pinned:
-                placed[n] = device if opdefs.has_kernel(n, device_type) else host
+                placed[n] = device if has_kernel(n) else host
         # A resource (variable, iterator, table...) and every op using it share a device.
         groups = {}
         for n in nodes:
-            positions = opdefs.resource_positions(n) if n._inputs else ()
+            if not n._inputs:
+                continue
+            key = (id(n._def), n.op, len(n._inputs))
+            positions = positions_of.get(key)
+            if positions is None:
+                positions = positions_of[key] = opdefs.resource_positions(n)
             if positions:
                 groups.setdefault(_resource_root(n._inputs[positions[0]]), []).append(n)
         for root, users in groups.items():
             members = [root] + users
             if root in pinned:
                 target = placed[root]
-            elif any(not opdefs.has_kernel(m, device_type) for m in members):
+            elif not all(has_kernel(m) for m in members):
                 target = host_of[root]
             else:
                 target = placed[root]
@@ -74,16 +90,13 @@ class PlacePass(Pass):
         for _ in range(2):
             for n in colocated:
                 placed[n] = placed.get(n._colocate[0], placed[n])
-        changed = False
-        for n in nodes:
-            if n.device != placed[n]:
-                n.device = placed[n]
-                changed = True
+        changed = bool(graph.set_devices(placed))
+        for n in [n for n in nodes if n._colocate]:
             # TensorFlow's placer treats colocation as a hard constraint. Where a resource
             # (or a pass) put a node elsewhere than its colocation target, e.g. Adam's
             # beta powers colocated with a variable now on a parameter server, the
             # resource wins and the stale hint goes.
-            if n._colocate and any(not isinstance(t, str) and placed.get(t) != placed[n] for t in n._colocate):
+            if any(not isinstance(t, str) and placed.get(t) != placed[n] for t in n._colocate):
                 n.set_colocation([t for t in n._colocate if isinstance(t, str) or placed.get(t) == placed[n]])
                 changed = True
         return changed

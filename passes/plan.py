@@ -7,7 +7,7 @@ Rejects graphs that do not train: no variables, or no update that depends on the
 import hashlib
 
 from graph_rewriter.analysis import analyze, shardable_user
-from graph_rewriter.graph_io import to_graph_def
+from graph_rewriter.graph_io import graph_def_bytes
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter import opdefs
@@ -63,11 +63,11 @@ class PlanPass(Pass):
         self._check_shared_step_ids(ctx)
         self._check_collective_dtypes(ctx, r)
         self._keep_unshardable_whole(graph, ctx, analysis)
+        planned = {vp.name: vp for vp in ctx.plan.variables}
         for v in analysis.variables.values():
-            init = v.initializer
-            for vp in ctx.plan.variables:
-                if vp.name == v.name:
-                    vp.initializer = init.name if init is not None else None
+            vp = planned.get(v.name)
+            if vp is not None:
+                vp.initializer = v.initializer.name if v.initializer is not None else None
         ctx.info(f"plan: {len(analysis.variables)} variables, {len(ctx.plan.cuts)} gradients "
                  f"({sum(c.kind == 'sparse' for c in ctx.plan.cuts)} sparse), "
                  f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
@@ -154,4 +154,4 @@ class PlanPass(Pass):
 def graph_fingerprint(graph):
     """A digest of the single-device graph: two different graphs rewritten in one process
     (or on one cluster) get different collective instance keys."""
-    return hashlib.sha256(to_graph_def(graph).SerializeToString(deterministic=True)).hexdigest()[:16]
+    return hashlib.sha256(graph_def_bytes(graph)).hexdigest()[:16]

@@ -102,11 +102,9 @@ def _check_edges(graph, nodes):
 
 
 def _check_devices(graph, nodes, cluster, options):
-    seen = {}
+    seen = {"": None}
     for n in nodes:
-        dev = n.device
-        if not dev:
-            continue
+        dev = n._device
         ok = seen.get(dev, False)
         if ok is False:
             ok = seen[dev] = _device_problem(dev, cluster, options)
@@ -144,6 +142,8 @@ def _device_problem(dev, cluster, options):
 
 def _check_colocation(graph, nodes):
     for n in nodes:
+        if not n._colocate:
+            continue
         for t in n._colocate:
             if not isinstance(t, Node) or graph._nodes.get(t._name) is not t:
                 name = t if isinstance(t, str) else t.name

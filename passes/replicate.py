@@ -13,7 +13,7 @@ Ops nothing reads (the train op, the init op) run every replica's copy: the orig
 gains control edges on its clones, so running it by name runs the whole step.
 """
 
-from graph_rewriter.analysis import PLACEHOLDERS, absorb_exclusive_ancestors, analyze
+from graph_rewriter.analysis import PLACEHOLDERS, VARIABLE_OPS, absorb_exclusive_ancestors, analyze
 from graph_rewriter.traversal import gradient_readers, topological_order
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.pass_manager import Pass
@@ -32,7 +32,8 @@ class ReplicatePass(Pass):
         rm = graph.replicas = replica_map(graph, ctx)
         rm.variant = sorted(n.name for n in analysis.variant)
         global_nodes = _global_nodes(graph, analysis, ctx.plan)
-        cloned = [n for n in graph if n not in global_nodes]
+        shared_initial = _shared_initial_values(graph, ctx, global_nodes)
+        cloned = [n for n in graph if n not in global_nodes and n not in shared_initial]
         # Optimizers colocate their non-slot state (Adam's beta powers) with the first
         # variable; a per-replica copy cannot follow a variable that moved to a ps task.
         on_ps = {graph.node(v.name) for v in ctx.plan.variables if v.placement == "ps"}
@@ -133,6 +134,20 @@ def _global_nodes(graph, analysis, plan):
                 grown = True
         if not grown:
             return region
+
+
+def _shared_initial_values(graph, ctx, global_nodes):
+    """In-graph, the nodes that only compute mirrored variables' initial values. They are
+    not cloned: every copy's initializer reads the master's initial value anyway (one
+    random draw per run, see mirror_variables), so clones of them would be dead nodes.
+    Between-graph, the copies receive the chief's values instead and nothing is shared."""
+    if ctx.cluster.task is not None or ctx.num_replicas < 2:
+        return set()
+    inits = {graph.node(vp.initializer) for vp in ctx.plan.variables
+             if vp.placement == "mirrored" and vp.initializer and vp.initializer in graph}
+    region = absorb_exclusive_ancestors(
+        inits, keep_out=lambda n: n in global_nodes or n.op in VARIABLE_OPS or n in inits)
+    return region - inits
 
 
 def _drop_outer_colocation_in_functions(graph):

@@ -229,11 +229,10 @@ def graph_def_bytes(item):
     from tensorflow.core.framework import node_def_pb2
     attr_bytes = {}     # id(attr proto) -> (serialized attrs, the proto kept alive)
     op_bytes, device_bytes = {}, {}
-    inputs = {}         # Tensor -> its serialized input field (a tensor is read many times)
+    inputs = {}         # Tensor read more than once -> its serialized input field
     controls = {}       # Node -> its serialized "^name" input field
     colocations = {}    # tuple of targets -> the serialized _class attr entry
-    chunks = []
-    append, extend = chunks.append, chunks.extend
+    out = bytearray()   # grown in place: no list of pieces and joined copy (peak memory)
     varints = _VARINTS
     for node in item._nodes.values():
         d = node._def
@@ -258,7 +257,10 @@ def graph_def_bytes(item):
         for t in node._inputs:
             field = inputs.get(t)
             if field is None:
-                field = inputs[t] = _string_field(b"\x1a", t.node._name if t.index == 0 else f"{t.node._name}:{t.index}")
+                p = t.node
+                field = _string_field(b"\x1a", p._name if t.index == 0 else f"{p._name}:{t.index}")
+                if len(p._consumers) > 1:
+                    inputs[t] = field
             body.append(field)
         for c in node._control_inputs:
             field = controls.get(c)
@@ -273,17 +275,18 @@ def graph_def_bytes(item):
             if entry is None:
                 entry = colocations[key] = _colocation_entry(key)
             body.append(entry)
-        size = sum(map(len, body))
-        append(b"\x0a")
-        append(varints[size] if size < 128 else _varint(size))
-        extend(body)
+        data = b"".join(body)
+        size = len(data)
+        out += b"\x0a"
+        out += varints[size] if size < 128 else _varint(size)
+        out += data
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)
-        chunks.append(b"\x12" + _varint(len(lib)) + lib)
+        out += b"\x12" + _varint(len(lib)) + lib
     if item.versions is not None:
         ver = item.versions.SerializeToString(deterministic=True)
-        chunks.append(b"\x22" + _varint(len(ver)) + ver)
-    return b"".join(chunks)
+        out += b"\x22" + _varint(len(ver)) + ver
+    return bytes(out)
 
 
 def _colocation_entry(targets):

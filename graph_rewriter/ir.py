@@ -403,27 +403,32 @@ class GraphItem:
         for n in nodes:  # check every name first: a rejected clone leaves the graph as it was
             if prefix + n._name in table:
                 raise GraphRewriteError(f"{self.source}: a node named '{prefix + n._name}' already exists")
-        # clones keep their originals' topological order, after every existing node
-        rank = {n: i for i, n in enumerate(sorted(nodes, key=lambda n: n._ord))}
-        base = self._next_ord
+        if not nodes:
+            return mapping
+        # clones keep their originals' topological order, shifted after every existing node
+        lowest = min(n._ord for n in nodes)
+        shift = self._next_ord - lowest
         for n in nodes:
             name = prefix + n._name
             n._shared_def = True
             c = Node(self, name, n.op, n._device, n._def, shared_def=True)
             c._arg_info = n._arg_info
-            c._ord = base + rank[n]
+            c._ord = n._ord + shift
             table[name] = c
             mapping[n] = c
-        self._next_ord = base + len(rank)
+        self._next_ord = max(n._ord for n in nodes) + shift + 1.0
         self._dirty_bulk = True
         get = mapping.get
         new_tensor = tuple.__new__
         for n, c in mapping.items():
             ins = c._inputs
             for pos, t in enumerate(n._inputs):
-                p = get(t[0], t[0])
-                nt = new_tensor(Tensor, (p, t[1]))
-                ins.append(nt)
+                p = get(t[0])
+                if p is None:   # a node not cloned: the same (immutable) Tensor
+                    p = t[0]
+                    ins.append(t)
+                else:
+                    ins.append(new_tensor(Tensor, (p, t[1])))
                 p._consumers[(c, pos)] = None
                 if p._by_output is not None:
                     p._by_output.setdefault(t[1], {})[(c, pos)] = None

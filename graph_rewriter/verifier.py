@@ -60,20 +60,19 @@ def verify_changes(graph, ctx=None):
     options = ctx.options if ctx is not None else None
     _check_devices(graph, attred, cluster, options)
     _check_colocation(graph, attred)
-    if graph._dirty_bulk or any(_concerns_group_checks(n) for n in edged + attred):
+    # The two checks below span the whole graph; a change can only break them through
+    # the nodes they concern, so they run when such a node changed.
+    changed = edged + attred
+    if graph._dirty_bulk or any(_concerns_collectives(n) for n in changed):
         _check_collectives(graph)
+    if graph._dirty_bulk or any(n.op in _ISOLATED or n.op in SHARED_RESOURCE_OPS for n in changed):
         _check_replica_isolation(graph)
     graph.clean()
 
 
-def _concerns_group_checks(n):
-    """Whether a changed node can break a collective group or replica isolation, which
-    are checked across the whole graph: a collective, a constant feeding one (its keys),
-    a loop frame's entry or a shared resource (a rename changes its replica)."""
-    op = n.op
-    if op in COLLECTIVES or op in _ISOLATED or op in SHARED_RESOURCE_OPS:
-        return True
-    return op == "Const" and any(c.op in COLLECTIVES for c, _ in n._consumers)
+def _concerns_collectives(n):
+    """A collective, or a constant feeding one (its group and instance keys)."""
+    return n.op in COLLECTIVES or (n.op == "Const" and any(c.op in COLLECTIVES for c, _ in n._consumers))
 
 
 def _check_edges(graph, nodes):

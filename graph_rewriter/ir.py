@@ -266,9 +266,9 @@ class GraphItem:
     def renumber(self):
         """Takes a full topological sort as the maintained order; on a cycle, gives the
         order up (the verifier's full check then names the cycle)."""
-        from graph_rewriter.traversal import topological_order
+        from graph_rewriter.traversal import any_topological_order
         try:
-            self.reset_order(topological_order(self))
+            self.reset_order(any_topological_order(self))
         except GraphRewriteError:
             self._order_ok = False
 

@@ -84,8 +84,8 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
         values[k] = dtypes.as_dtype(v)
     values.update(given)
     key = _template_key(op_type, values)
-    template = _TEMPLATES.get(key) if key is not None else None
-    if template is None:
+    entry = _TEMPLATES.get(key) if key is not None else None
+    if entry is None:
         template = node_def_pb2.NodeDef()
         for a in od.attr:
             if a.name in values:
@@ -95,11 +95,16 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
         for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
             if k.startswith("_"):
                 template.attr[k].CopyFrom(_attr_value(v))
+        entry = [template, None]   # the attributes, and the OpDef facts they imply
         if key is not None:
-            _remember(_TEMPLATES, key, template)
+            _remember(_TEMPLATES, key, entry)
     node = graph.add_node(graph.unique_name(name), op_type, inputs=flat,
                           control_inputs=control_inputs, device=device, colocate_with=colocate_with,
-                          shared_def=template)
+                          shared_def=entry[0])
+    if entry[1] is None:
+        entry[1] = opdefs.arg_info(node)
+    else:
+        node._arg_info = entry[1]
     if replica is not None:
         node.replica = replica
     return node

@@ -123,6 +123,12 @@ def _info(node):
     return info
 
 
+def arg_info(node):
+    """The node's OpDef argument facts (cached on the node). Nodes sharing an attribute
+    proto share them: op_builder hands them on with its templates."""
+    return _info(node)
+
+
 def _compute_info(node):
     if op_def_registry.get(node.op) is None:
         return _ArgInfo(require_op_def(node), node.attr)

@@ -62,6 +62,46 @@ def topological_order(graph):
     return order
 
 
+def any_topological_order(graph):
+    """Some topological order (loop back-edges ignored), cheaper than
+    topological_order's (no priority among ready nodes): what renumbering the IR's
+    maintained order needs. On a cycle, topological_order raises naming it."""
+    nodes = graph._nodes.values()
+    indeg = {}
+    ready = []
+    for n in nodes:
+        d = len(n._inputs) + len(n._control_inputs)
+        if n.op in _MERGES:
+            d -= sum(1 for t in n._inputs if t.node.op in _BACK_EDGE_SOURCES)
+            d -= sum(1 for p in n._control_inputs if p.op in _BACK_EDGE_SOURCES)
+        indeg[n] = d
+        if d == 0:
+            ready.append(n)
+    order = []
+    push, pop = ready.append, ready.pop
+    while ready:
+        n = pop()
+        order.append(n)
+        back = n.op in _BACK_EDGE_SOURCES
+        for c, _ in n._consumers:
+            if back and c.op in _MERGES:
+                continue
+            d = indeg[c] - 1
+            indeg[c] = d
+            if d == 0:
+                push(c)
+        for c in n._control_consumers:
+            if back and c.op in _MERGES:
+                continue
+            d = indeg[c] - 1
+            indeg[c] = d
+            if d == 0:
+                push(c)
+    if len(order) != len(indeg):
+        return topological_order(graph)   # raises, naming the cycle
+    return order
+
+
 def find_cycle(graph):
     """A list of nodes forming a cycle that is not a loop back-edge, or [] if none."""
     WHITE, GREY, BLACK = 0, 1, 2

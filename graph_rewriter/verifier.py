@@ -15,7 +15,7 @@ import re
 from graph_rewriter import opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Node
-from graph_rewriter.traversal import topological_order
+from graph_rewriter.traversal import any_topological_order, topological_order
 
 _DEVICE = re.compile(
     r"^(?:/job:(?P<job>[A-Za-z0-9_]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?"
@@ -55,7 +55,7 @@ def verify_changes(graph, ctx=None):
     attred = [n for n in graph._dirty_attrs if live.get(n._name) is n]
     _check_edges(graph, edged)
     if not graph._order_ok:
-        graph.reset_order(topological_order(graph))   # raises, naming the cycle, if there is one
+        graph.reset_order(any_topological_order(graph))   # raises, naming the cycle, if there is one
     cluster = ctx.cluster if ctx is not None else None
     options = ctx.options if ctx is not None else None
     _check_devices(graph, attred, cluster, options)

@@ -35,7 +35,6 @@ class PlacePass(Pass):
         nodes = graph.nodes
         pinned = {n for n in nodes if n._device}
         placed = {n: n._device for n in pinned}
-        host_of = {}
         for vp in ctx.plan.variables:
             if vp.placement == "ps" and vp.name in graph and not graph.node(vp.name).device:
                 task = vp.ps_task if vp.ps_task is not None else 0
@@ -53,15 +52,27 @@ class PlacePass(Pass):
                 ok = kernel_of[key] = opdefs.has_kernel(n, device_type)
             return ok
 
-        for n in nodes:
+        def replica(n):
             r = n.replica
             if r < 0:
                 r = rm.replica_of(graph, n.name)
                 r = -1 if r is None else r
-            device, host = (global_device, global_device) if r < 0 else (devices[r], hosts[r])
-            host_of[n] = host
-            if n not in pinned:
-                placed[n] = device if has_kernel(n) else host
+            return r
+
+        def host_of(n):
+            r = replica(n)
+            return global_device if r < 0 else hosts[r]
+
+        for n in nodes:
+            if n in pinned:
+                continue
+            r = n.replica
+            if r < 0:
+                r = replica(n)
+            if r < 0:
+                placed[n] = global_device
+            else:
+                placed[n] = devices[r] if has_kernel(n) else hosts[r]
         # A resource (variable, iterator, table...) and every op using it share a device.
         groups = {}
         for n in nodes:
@@ -78,15 +89,16 @@ class PlacePass(Pass):
             if root in pinned:
                 target = placed[root]
             elif not all(has_kernel(m) for m in members):
-                target = host_of[root]
+                target = host_of(root)
             else:
                 target = placed[root]
             for m in members:
                 if m not in pinned or m is root:
                     placed[m] = target
-        bound = pinned | set(groups) | {m for users in groups.values() for m in users}
+        users = {m for members in groups.values() for m in members}
         # Colocation (_class) follows its target (twice: a target may itself follow one).
-        colocated = [n for n in nodes if n._colocate and not isinstance(n._colocate[0], str) and n not in bound]
+        colocated = [n for n in nodes if n._colocate and not isinstance(n._colocate[0], str)
+                     and n not in pinned and n not in groups and n not in users]
         for _ in range(2):
             for n in colocated:
                 placed[n] = placed.get(n._colocate[0], placed[n])

@@ -266,3 +266,36 @@ def test_root_ops_fan_out_once_per_replica_and_the_output_grows_linearly():
                 assert not other, f"replica_{k}/{root} waits for other replicas' copies: {other}"
     # 4x the replicas: at most ~4x the bytes (nothing grows with replicas squared)
     assert sizes[8] < 4.6 * sizes[2], sizes
+
+
+def _initial_value_nodes(graph_def):
+    """Names of the nodes an initializer's value input depends on, and the initializers."""
+    nodes = {n.name: n for n in graph_def.node}
+    inits = [n for n in graph_def.node if n.op == "AssignVariableOp" and n.name.endswith("/Assign")]
+    seen, stack = set(), [n.input[1].split(":")[0] for n in inits]
+    while stack:
+        name = stack.pop()
+        if name in seen or nodes[name].op == "VarHandleOp":
+            continue
+        seen.add(name)
+        stack.extend(i.lstrip("^").split(":")[0] for i in nodes[name].input)
+    return seen, [n.name for n in inits]
+
+
+def test_in_graph_copies_initialize_from_the_masters_initial_values_not_dead_clones():
+    """In-graph, a replica's initializer reads the master's initial value (one random
+    draw), so the initial-value subgraph is not cloned: no replica_1/ copy of it exists
+    and replica_1's initializers read the original tensors. Between-graph, each worker's
+    copies receive the chief's values by broadcast instead."""
+    gd = _train_graph(sparse=False, summary=False)
+    values, inits = _initial_value_nodes(gd)
+    assert values and inits
+    nodes = _nodes(gr.rewrite(gd, devices_per_worker=2, device_type="GPU"))
+    for name in values:
+        assert f"replica_1/{name}" not in nodes, name
+    for init in inits:
+        copy = nodes[f"replica_1/{init}"]
+        assert copy.input[1] == nodes[init].input[1], (init, copy.input[1])
+    cluster = {"worker": ["localhost:1", "localhost:2"]}
+    between = _nodes(gr.rewrite(gd, cluster, devices_per_worker=2, device_type="GPU", task="worker:1"))
+    assert any(f"replica_1/{name}" in between for name in values)

@@ -350,6 +350,11 @@ def assert_consistent(g):
         for t in n.colocate_with:
             assert isinstance(t, Node) and g.get(t.name) is t, \
                 f"{n.name} is colocated with {t!r}, which is not a node of the graph"
+        if n._by_output is not None:   # the per-output index of a large fan-out, if built
+            for index in {c._inputs[p].index for c, p in n._consumers} | set(n._by_output):
+                scanned = [(c, p) for c, p in n._consumers if c._inputs[p].index == index]
+                assert list(n._by_output.get(index, ())) == scanned, \
+                    f"{n.name}'s reader index for output {index} is stale"
     reloaded = graph_io.load_graph(graph_io.to_graph_def(g))
     assert structure(reloaded) == structure(g)
 
@@ -678,6 +683,28 @@ def test_random_mutation_sequences_keep_edges_consistent(data):
         apply_and_check(b, MUTATORS[data.draw(st.sampled_from(names), label="mutator")])
 
 
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_reader_indexes_of_large_fan_outs_stay_exact_under_mutation(data):
+    """With the threshold at zero every node indexes its readers per output on the first
+    consumers(i) query; every mutator must then keep the index equal to a scan."""
+    from graph_rewriter import ir
+    old = ir._INDEX_CONSUMERS_ABOVE
+    ir._INDEX_CONSUMERS_ABOVE = 0
+    try:
+        g, b = random_dag(data)
+        names = sorted(MUTATORS)
+        for _ in range(data.draw(st.integers(1, 12), label="steps")):
+            if not g.nodes:
+                b.add_random_node()
+            for n in g.nodes:   # build (or use) the indexes before each mutation
+                for i in range(3):
+                    n.consumers(i)
+            apply_and_check(b, MUTATORS[data.draw(st.sampled_from(names), label="mutator")])
+    finally:
+        ir._INDEX_CONSUMERS_ABOVE = old
+
+
 @pytest.mark.parametrize("name", sorted(MUTATORS))
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -784,6 +811,20 @@ def test_clone_shares_attrs_until_one_side_writes():
     second.set_attr("_z", True)
     assert "_z" not in clone.attr and "_z" not in a.attr
     assert "dtype" not in second.attr
+    assert_consistent(g)
+
+
+def test_ops_built_from_one_attribute_set_share_it_until_one_writes():
+    g = GraphItem()
+    x = const(g, "x", [1.0, 2.0], "float32")
+    one, two = (make_op(g, "Reshape", "r", [x, const(g, "s", [-1], "int32")]) for _ in range(2))
+    assert one._def is two._def and one._arg_info is two._arg_info   # one template
+    one.set_attr("_marker", 1)
+    assert "_marker" in one.attr and "_marker" not in two.attr
+    three = make_op(g, "Reshape", "r", [x, const(g, "s", [-1], "int32")])
+    assert "_marker" not in three.attr and three._def is two._def
+    assert const(g, "c", 3, "int32").node._def is const(g, "c", 3, "int32").node._def
+    assert const(g, "c", 3, "int32").node._def is not const(g, "c", 4, "int32").node._def
     assert_consistent(g)
 
 
@@ -915,6 +956,9 @@ def test_topological_order_of_random_dags(data):
     assert_topological(g, order)
     assert traversal.topological_order(g) == order  # deterministic
     assert traversal.find_cycle(g) == []
+    quick = traversal.any_topological_order(g)
+    assert sorted(n.name for n in quick) == sorted(n.name for n in order)
+    assert_topological(g, quick)
 
 
 def _v1_loop():
@@ -944,6 +988,7 @@ def _v1_loop():
 
 def test_topological_order_ignores_only_loop_back_edges():
     g = _v1_loop()
+    assert_topological(g, traversal.any_topological_order(g))
     order = traversal.topological_order(g)
     assert_topological(g, order)
     names = [n.name for n in order]

@@ -14,7 +14,9 @@ replica count R, prints (medians over --repeat runs, each in a fresh process):
 - peak memory: the rewrite process's peak resident size above its size before the
   rewrite, against the serialized output's size.
 
-Ratios are computed in one run because the machine is noisy. The figures in
+Ratios are computed in one run because the machine is noisy: the runs are interleaved
+in rounds (floor, ours, peer), each ratio is taken within a round, and the table shows
+the median of the per-round ratios next to the median seconds. The figures in
 docs/performance.md come from this script; the command line is printed with them.
 """
 
@@ -130,21 +132,30 @@ def main():
                             f"from tools.bench_rewrite import build_model; build_model({model!r}, {path!r})"],
                            check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         for r in [int(x) for x in args.replicas.split(",")]:
-            floor = [_run("floor", path, r, 600) for _ in range(args.repeat)]
-            ours = [_run("ours", path, r, 3600) for _ in range(args.repeat)]
-            peer = [_run("peer", path, r, 3600) for _ in range(max(1, args.repeat // 3))] \
-                if str(r) in args.peer_replicas.split(",") else []
+            # Interleaved rounds (floor, ours, then peer in the first rounds): this
+            # machine's speed drifts by tens of percent over minutes, so each ratio is
+            # taken within a round, then the median over rounds.
+            with_peer = str(r) in args.peer_replicas.split(",")
+            floor, ours, peer = [], [], []
+            for k in range(args.repeat):
+                floor.append(_run("floor", path, r, 600))
+                ours.append(_run("ours", path, r, 3600))
+                if with_peer and k < max(1, args.repeat // 3):
+                    peer.append(_run("peer", path, r, 3600))
             f_s = statistics.median(m["seconds"] for m in floor)
             o_s = statistics.median(m["seconds"] for m in ours)
             p_s = statistics.median(m["seconds"] for m in peer) if peer else None
+            ours_floor = statistics.median(o["seconds"] / f["seconds"] for o, f in zip(ours, floor))
+            peer_ours = statistics.median(p["seconds"] / o["seconds"] for p, o in zip(peer, ours)) if peer else None
             out_b = ours[0]["bytes_out"]
             peak = statistics.median(m["peak_extra_bytes"] for m in ours)
             row = {"model": model, "nodes_in": ours[0]["nodes_in"], "nodes_out": ours[0]["nodes_out"],
                    "replicas": r, "floor_s": f_s, "ours_s": o_s, "peer_s": p_s, "out_bytes": out_b,
-                   "peak_extra_bytes": peak, "passes": ours[0]["passes"]}
+                   "peak_extra_bytes": peak, "passes": ours[0]["passes"],
+                   "ours_over_floor": ours_floor, "peer_over_ours": peer_ours}
             rows.append(row)
-            print(f"{model:13} {row['nodes_in']:>6} {r:>3} {f_s:>8.2f} {o_s:>8.2f} {o_s / f_s:>10.1f} "
-                  f"{(f'{p_s:8.2f}' if p_s else '       -'):>8} {(f'{p_s / o_s:9.1f}' if p_s else '        -'):>9} "
+            print(f"{model:13} {row['nodes_in']:>6} {r:>3} {f_s:>8.2f} {o_s:>8.2f} {ours_floor:>10.1f} "
+                  f"{(f'{p_s:8.2f}' if p_s else '       -'):>8} {(f'{peer_ours:9.1f}' if p_s else '        -'):>9} "
                   f"{out_b / 1e6:>7.1f} {peak / out_b:>8.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -6,6 +6,7 @@ allows; every walk here ignores them, and ``find_cycle`` reports any other.
 """
 
 import heapq
+import itertools
 
 from graph_rewriter.errors import GraphRewriteError
 
@@ -83,14 +84,7 @@ def any_topological_order(graph):
         n = pop()
         order.append(n)
         back = n.op in _BACK_EDGE_SOURCES
-        for c, _ in n._consumers:
-            if back and c.op in _MERGES:
-                continue
-            d = indeg[c] - 1
-            indeg[c] = d
-            if d == 0:
-                push(c)
-        for c in n._control_consumers:
+        for c in itertools.chain([c for c, _ in n._consumers], n._control_consumers):
             if back and c.op in _MERGES:
                 continue
             d = indeg[c] - 1

@@ -717,7 +717,7 @@ def _function_written_args(node, library):
         fn_names = [node.op]
     offset = 1 if node.op in ("If", "StatelessIf", "Case", "StatelessCase") else 0
     written = set()
-    index, memo = _library_index(library)
+    index, memo = _library_index(node, library)
     for name in fn_names:
         args = memo.get(name)
         if args is None:
@@ -727,18 +727,15 @@ def _function_written_args(node, library):
     return written
 
 
-_LIBRARY_INDEX = [None]   # (library, function count, {name: FunctionDef}, {name: written args})
-
-
-def _library_index(library):
-    """The function library by name, with a memo of each body's written arguments, kept
-    for the last library asked about (a graph's calls all ask about the same one; a
-    linear search per call was quadratic in large Keras graphs)."""
-    hit = _LIBRARY_INDEX[0]
-    if hit is None or hit[0] is not library or hit[1] != len(library.function):
-        hit = _LIBRARY_INDEX[0] = (library, len(library.function),
-                                   {f.signature.name: f for f in library.function}, {})
-    return hit[2], hit[3]
+def _library_index(node, library):
+    """({name: FunctionDef}, memo of each body's written arguments) for ``library``,
+    cached on the node's graph until it changes: a linear search of the library per
+    call node was quadratic in large Keras graphs."""
+    def build(_):
+        return {f.signature.name: f for f in library.function}, {}
+    if library is node.graph.library:
+        return node.graph.cached("function_index", build)
+    return build(None)
 
 
 def _body_written_args(fn_name, index, visiting):

@@ -429,7 +429,7 @@ class GraphItem:
                     ins.append(t)
                 else:
                     ins.append(new_tensor(Tensor, (p, t[1])))
-                p._consumers[(c, pos)] = None
+                p._consumers[(c, pos)] = None   # _link, inlined: this loop runs per edge of R x N
                 if p._by_output is not None:
                     p._by_output.setdefault(t[1], {})[(c, pos)] = None
             if n._control_inputs:

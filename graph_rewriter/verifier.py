@@ -141,8 +141,6 @@ def _device_problem(dev, cluster, options):
 
 def _check_colocation(graph, nodes):
     for n in nodes:
-        if not n._colocate:
-            continue
         for t in n._colocate:
             if not isinstance(t, Node) or graph._nodes.get(t._name) is not t:
                 name = t if isinstance(t, str) else t.name

@@ -66,9 +66,7 @@ class PlacePass(Pass):
         for n in nodes:
             if n in pinned:
                 continue
-            r = n.replica
-            if r < 0:
-                r = replica(n)
+            r = replica(n)
             if r < 0:
                 placed[n] = global_device
             else:

@@ -205,12 +205,7 @@ def to_graph_def(item):
     return graph_pb2.GraphDef.FromString(graph_def_bytes(item))
 
 
-_VARINTS = [bytes([i]) for i in range(128)]
-
-
-def _varint(n):
-    if n < 128:
-        return _VARINTS[n]
+def _encode_varint(n):
     out = bytearray()
     while n >= 128:
         out.append((n & 0x7F) | 0x80)
@@ -219,9 +214,19 @@ def _varint(n):
     return bytes(out)
 
 
+# Every length below 2**14 (one or two varint bytes: names, input fields, most nodes),
+# encoded once: export asks for two lengths per node.
+_VARINTS = [_encode_varint(i) for i in range(1 << 14)]
+
+
+def _varint(n):
+    return _VARINTS[n] if n < 16384 else _encode_varint(n)
+
+
 def _string_field(tag, text):
     data = text.encode("utf-8")
-    return tag + _varint(len(data)) + data
+    n = len(data)
+    return tag + (_VARINTS[n] if n < 16384 else _encode_varint(n)) + data
 
 
 def graph_def_bytes(item):
@@ -253,7 +258,7 @@ def graph_def_bytes(item):
             dev = device_bytes[node.device] = _string_field(b"\x22", node.device) if node.device else b""
         name = node._name.encode("utf-8")
         size = len(name)
-        body = [b"\x0a", varints[size] if size < 128 else _varint(size), name, op]
+        body = [b"\x0a", varints[size] if size < 16384 else _encode_varint(size), name, op]
         for t in node._inputs:
             field = inputs.get(t)
             if field is None:
@@ -278,7 +283,7 @@ def graph_def_bytes(item):
         data = b"".join(body)
         size = len(data)
         out += b"\x0a"
-        out += varints[size] if size < 128 else _varint(size)
+        out += varints[size] if size < 16384 else _encode_varint(size)
         out += data
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)

@@ -204,6 +204,7 @@ class Node:
 
 
 _INDEX_CONSUMERS_ABOVE = 64
+_AFTER = 2.0 ** -20   # a new node's offset after its latest producer in the order
 
 
 def _link(tensor, consumer, position):
@@ -242,6 +243,7 @@ class GraphItem:
         self._dirty_attrs = {}
         self._dirty_bulk = False     # clone_nodes ran: clones are not queued one by one
         self._next_ord = 0.0
+        self._first_ord = 0.0        # below every position given so far (for source nodes)
         self._order_ok = True
 
     def _touch(self, node=None, edges=False):
@@ -261,6 +263,7 @@ class GraphItem:
         for i, n in enumerate(order):
             n._ord = float(i)
         self._next_ord = float(len(order))
+        self._first_ord = 0.0
         self._order_ok = True
 
     def renumber(self):
@@ -340,8 +343,7 @@ class GraphItem:
             node = Node(self, name, op, device, shared_def, shared_def=True)
         else:
             node = Node(self, name, op, device, node_def_pb2.NodeDef())
-        node._ord = self._next_ord
-        self._next_ord += 1.0
+        node._ord = self._position_after(inputs, control_inputs)
         self._nodes[name] = node
         self._dirty_edges[node] = None
         self._dirty_attrs[node] = None
@@ -356,6 +358,25 @@ class GraphItem:
             node.replica = _replica_from_producers(node)
         self._touch()
         return node
+
+    def _position_after(self, inputs, control_inputs):
+        """An order position for a new node: just after its latest producer, not at the
+        end. A pass inserting ops between a value and its readers (a gradient's
+        allreduce) then rewires readers that already sit after the new ops, so no edge
+        needs the order repaired; a node with no producers (a Const) goes first."""
+        latest = None
+        for t in inputs:
+            o = t[0]._ord
+            if latest is None or o > latest:
+                latest = o
+        for c in control_inputs:
+            o = c._ord
+            if latest is None or o > latest:
+                latest = o
+        if latest is None:
+            self._first_ord -= 1.0
+            return self._first_ord
+        return latest + _AFTER
 
     def set_devices(self, devices):
         """Gives each node of ``{node: device}`` its device (one bulk edit: placement

@@ -63,14 +63,24 @@ class PlacePass(Pass):
             r = replica(n)
             return global_device if r < 0 else hosts[r]
 
+        lacking = set()   # unpinned nodes with no kernel on the replica's device type
         for n in nodes:
             if n in pinned:
                 continue
-            r = replica(n)
+            r = n.replica
             if r < 0:
-                placed[n] = global_device
+                r = replica(n)
+                if r < 0:
+                    placed[n] = global_device
+                    continue
+            ok = kernel_of.get((id(n._def), n.op))   # has_kernel, inlined: this loop runs per node
+            if ok is None:
+                ok = has_kernel(n)
+            if ok:
+                placed[n] = devices[r]
             else:
-                placed[n] = devices[r] if has_kernel(n) else hosts[r]
+                placed[n] = hosts[r]
+                lacking.add(n)
         # A resource (variable, iterator, table...) and every op using it share a device.
         groups = {}
         for n in nodes:
@@ -86,7 +96,7 @@ class PlacePass(Pass):
             members = [root] + users
             if root in pinned:
                 target = placed[root]
-            elif not all(has_kernel(m) for m in members):
+            elif any(m in lacking or (m in pinned and not has_kernel(m)) for m in members):
                 target = host_of(root)
             else:
                 target = placed[root]

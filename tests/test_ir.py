@@ -1089,9 +1089,10 @@ def _edges(g):
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_maintained_order_stays_topological_and_catches_every_cycle(data):
-    """Random DAGs, then random new edges (data or control, any direction): after each,
-    either the IR's order puts every producer before its consumer, or the IR has marked
-    the order broken, which it must whenever the new edge closed a cycle."""
+    """Random DAGs, then random new edges (data or control, any direction) and new
+    nodes (placed just after their latest producer, or first): after each, either the
+    IR's order puts every producer before its consumer, or the IR has marked the order
+    broken, which it must whenever the new edge closed a cycle."""
     from graph_rewriter.traversal import find_cycle
     g = GraphItem()
     nodes = []
@@ -1100,6 +1101,13 @@ def test_maintained_order_stays_topological_and_catches_every_cycle(data):
         nodes.append(g.add_node(f"n{i}", "AddN" if ins else "Const", inputs=[n.output(0) for n in ins]))
     assert g._order_ok and all(p._ord < c._ord for p, c in _edges(g))
     for k in range(data.draw(st.integers(1, 10), "new edges")):
+        if data.draw(st.booleans(), f"new node {k}"):
+            ins = data.draw(st.lists(st.sampled_from(nodes), max_size=2), f"new inputs {k}")
+            ctl = data.draw(st.lists(st.sampled_from(nodes), max_size=2), f"new controls {k}")
+            nodes.append(g.add_node(f"m{k}", "AddN" if ins else "Const", inputs=[n.output(0) for n in ins],
+                                    control_inputs=ctl))
+            if g._order_ok:
+                assert all(a._ord < b._ord for a, b in _edges(g)), "a new node broke the kept order"
         p = data.draw(st.sampled_from(nodes), f"producer {k}")
         c = data.draw(st.sampled_from(nodes), f"consumer {k}")
         if data.draw(st.booleans(), f"control {k}"):

@@ -343,6 +343,7 @@ class GraphItem:
             node = Node(self, name, op, device, shared_def, shared_def=True)
         else:
             node = Node(self, name, op, device, node_def_pb2.NodeDef())
+        inputs, control_inputs = list(inputs), list(control_inputs)   # read twice below
         node._ord = self._position_after(inputs, control_inputs)
         self._nodes[name] = node
         self._dirty_edges[node] = None

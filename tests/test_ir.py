@@ -1120,3 +1120,23 @@ def test_maintained_order_stays_topological_and_catches_every_cycle(data):
         else:
             assert find_cycle(g) or p is c, "the order was given up without a cycle"
             return
+
+
+def test_new_nodes_sit_just_after_their_latest_producer_and_sources_first():
+    """add_node positions a node after its latest data or control producer (so rewiring
+    later readers to it needs no repair of the kept order) and a source node before all;
+    inputs given as generators are read once and still linked."""
+    g = GraphItem()
+    a = g.add_node("a", "Const")
+    b = g.add_node("b", "Identity", inputs=[a.output()])
+    c = g.add_node("c", "Identity", inputs=[b.output()])
+    d = g.add_node("d", "AddN", inputs=[c.output()])
+    late = g.add_node("late", "Identity", inputs=(t for t in [a.output()]), control_inputs=iter([b]))
+    assert late.inputs == (a.output(),) and late.control_inputs == (b,)
+    assert b._ord < late._ord < d._ord
+    src = g.add_node("src", "Const")
+    assert src._ord < a._ord
+    ords = {n: n._ord for n in g}
+    d.add_input(late.output())          # a reader already after the new node: no repair
+    assert g._order_ok and {n: n._ord for n in g} == ords
+    assert all(p._ord < n._ord for p, n in _edges(g))

@@ -216,17 +216,17 @@ def _encode_varint(n):
 
 # Every length below 2**14 (one or two varint bytes: names, input fields, most nodes),
 # encoded once: export asks for two lengths per node.
-_VARINTS = [_encode_varint(i) for i in range(1 << 14)]
+_SHORT = 1 << 14
+_VARINTS = [_encode_varint(i) for i in range(_SHORT)]
 
 
 def _varint(n):
-    return _VARINTS[n] if n < 16384 else _encode_varint(n)
+    return _VARINTS[n] if n < _SHORT else _encode_varint(n)
 
 
 def _string_field(tag, text):
     data = text.encode("utf-8")
-    n = len(data)
-    return tag + (_VARINTS[n] if n < 16384 else _encode_varint(n)) + data
+    return tag + _varint(len(data)) + data
 
 
 def graph_def_bytes(item):
@@ -258,7 +258,7 @@ def graph_def_bytes(item):
             dev = device_bytes[node.device] = _string_field(b"\x22", node.device) if node.device else b""
         name = node._name.encode("utf-8")
         size = len(name)
-        body = [b"\x0a", varints[size] if size < 16384 else _encode_varint(size), name, op]
+        body = [b"\x0a", varints[size] if size < _SHORT else _encode_varint(size), name, op]
         for t in node._inputs:
             field = inputs.get(t)
             if field is None:
@@ -283,7 +283,7 @@ def graph_def_bytes(item):
         data = b"".join(body)
         size = len(data)
         out += b"\x0a"
-        out += varints[size] if size < 16384 else _encode_varint(size)
+        out += varints[size] if size < _SHORT else _encode_varint(size)
         out += data
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)

@@ -365,19 +365,12 @@ class GraphItem:
         end. A pass inserting ops between a value and its readers (a gradient's
         allreduce) then rewires readers that already sit after the new ops, so no edge
         needs the order repaired; a node with no producers (a Const) goes first."""
-        latest = None
-        for t in inputs:
-            o = t[0]._ord
-            if latest is None or o > latest:
-                latest = o
-        for c in control_inputs:
-            o = c._ord
-            if latest is None or o > latest:
-                latest = o
-        if latest is None:
+        ords = [t.node._ord for t in inputs]
+        ords.extend(c._ord for c in control_inputs)
+        if not ords:
             self._first_ord -= 1.0
             return self._first_ord
-        return latest + _AFTER
+        return max(ords) + _AFTER
 
     def set_devices(self, devices):
         """Gives each node of ``{node: device}`` its device (one bulk edit: placement

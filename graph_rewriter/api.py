@@ -128,7 +128,8 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
             compression=None, sparse_as_dense=False, merge=None, gradients=None,
             timeout_seconds=DEFAULT_TIMEOUT_SECONDS, sync=True, staleness=0,
             ps_shard_bytes=DEFAULT_PS_SHARD_BYTES, verify_each=True, dump_after=(),
-            dump_dir=".", log=None, accumulation_steps=1, cost_model=None):
+            dump_dir=".", log=None, accumulation_steps=1, cost_model=None,
+            materialize_replicas=False):
     """Rewrites a single-device training graph for data-parallel training.
 
     See API.md for the contract. Beyond it: ``bytes_per_pack`` (dense gradients are
@@ -146,7 +147,9 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
     worker may run ahead of the applied updates), ``ps_shard_bytes`` (parameter-server
     variables larger than this are split by rows across the ps tasks), ``verify_each`` (run
     the verifier after every pass), ``dump_after`` (pass names; write the graph after
-    them into ``dump_dir``), ``log`` (a callable receiving progress lines).
+    them into ``dump_dir``), ``log`` (a callable receiving progress lines),
+    ``materialize_replicas`` (build every replica in the IR instead of one template for
+    replicas 1..R-1: the same output graph, slower; for debugging the passes).
     """
     # The IR allocates many small objects; CPython's cyclic collector would otherwise walk
     # all of TensorFlow's module objects again and again while it does (a third of the
@@ -157,7 +160,8 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
         return _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
                         bytes_per_pack, compression, sparse_as_dense, merge, gradients,
                         timeout_seconds, sync, staleness, ps_shard_bytes, verify_each,
-                        dump_after, dump_dir, log, accumulation_steps, cost_model)
+                        dump_after, dump_dir, log, accumulation_steps, cost_model,
+                        materialize_replicas)
     finally:
         if collecting:
             gc.enable()
@@ -166,7 +170,7 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
 def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
              bytes_per_pack, compression, sparse_as_dense, merge, gradients, timeout_seconds,
              sync, staleness, ps_shard_bytes, verify_each, dump_after, dump_dir, log,
-             accumulation_steps, cost_model):
+             accumulation_steps, cost_model, materialize_replicas):
     started = time.perf_counter()
     plan = None
     if isinstance(strategy, Plan):
@@ -182,7 +186,8 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
         sync=sync, staleness=staleness, ps_shard_bytes=ps_shard_bytes,
         verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir,
         accumulation_steps=accumulation_steps,
-        cost_model=CostModel.from_value(cost_model)).validate()
+        cost_model=CostModel.from_value(cost_model),
+        materialize_replicas=materialize_replicas).validate()
     cluster = parse_cluster(cluster_spec, task)
     ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)
     passes = pipeline(options, cluster)

@@ -37,6 +37,7 @@ class Options:
     dump_dir: str = "."
     accumulation_steps: int = 1
     cost_model: object = None        # graph_rewriter.cost_model.CostModel (strategy auto)
+    materialize_replicas: bool = False  # build every replica in the IR (no template replica)
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -86,6 +87,9 @@ class Options:
                 "accumulation_steps with sync=False: asynchronous workers apply their own gradients "
                 "as they come, so there is no step to accumulate towards",
                 hint="train synchronously, or drop accumulation_steps")
+        if not isinstance(self.materialize_replicas, bool):
+            raise GraphRewriteError(
+                f"materialize_replicas must be True or False, got {self.materialize_replicas!r}")
         for name, how in self.merge.items():
             if how not in MERGES:
                 raise GraphRewriteError(

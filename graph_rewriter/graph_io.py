@@ -230,26 +230,50 @@ def _string_field(tag, text):
 
 
 def graph_def_bytes(item):
-    """The serialized GraphDef of ``item`` (deterministic: same item, same bytes)."""
+    """The serialized GraphDef of ``item`` (deterministic: same item, same bytes).
+    A graph whose replica 1 is a template (ReplicaMap.template) is written with every
+    replica (replica_export)."""
+    out = bytearray()   # grown in place: no list of pieces and joined copy (peak memory)
+    rm = item.replicas
+    if rm is not None and rm.template:
+        from graph_rewriter.replica_export import write_replicated_nodes
+        write_replicated_nodes(item, out, nodes_bytes)
+    else:
+        nodes_bytes(item._nodes.values(), out)
+    if item.library is not None:
+        lib = item.library.SerializeToString(deterministic=True)
+        out += b"\x12" + _varint(len(lib)) + lib
+    if item.versions is not None:
+        ver = item.versions.SerializeToString(deterministic=True)
+        out += b"\x22" + _varint(len(ver)) + ver
+    return bytes(out)
+
+
+def attrs_bytes(d):
+    """A NodeDef's fields other than name, op, device and inputs, serialized (attrs)."""
     from tensorflow.core.framework import node_def_pb2
+    rest = node_def_pb2.NodeDef()
+    rest.CopyFrom(d)
+    rest.ClearField("name")
+    rest.ClearField("op")
+    rest.ClearField("device")
+    rest.ClearField("input")
+    return rest.SerializeToString(deterministic=True)
+
+
+def nodes_bytes(nodes, out):
+    """Appends ``nodes`` as GraphDef node fields to the bytearray ``out``."""
     attr_bytes = {}     # id(attr proto) -> (serialized attrs, the proto kept alive)
     op_bytes, device_bytes = {}, {}
     inputs = {}         # Tensor read more than once -> its serialized input field
     controls = {}       # Node -> its serialized "^name" input field
     colocations = {}    # tuple of targets -> the serialized _class attr entry
-    out = bytearray()   # grown in place: no list of pieces and joined copy (peak memory)
     varints = _VARINTS
-    for node in item._nodes.values():
+    for node in nodes:
         d = node._def
         cached = attr_bytes.get(id(d))
         if cached is None or cached[1] is not d:
-            rest = node_def_pb2.NodeDef()
-            rest.CopyFrom(d)
-            rest.ClearField("name")
-            rest.ClearField("op")
-            rest.ClearField("device")
-            rest.ClearField("input")
-            cached = attr_bytes[id(d)] = (rest.SerializeToString(deterministic=True), d)
+            cached = attr_bytes[id(d)] = (attrs_bytes(d), d)
         op = op_bytes.get(node.op)
         if op is None:
             op = op_bytes[node.op] = _string_field(b"\x12", node.op)
@@ -285,13 +309,6 @@ def graph_def_bytes(item):
         out += b"\x0a"
         out += varints[size] if size < _SHORT else _encode_varint(size)
         out += data
-    if item.library is not None:
-        lib = item.library.SerializeToString(deterministic=True)
-        out += b"\x12" + _varint(len(lib)) + lib
-    if item.versions is not None:
-        ver = item.versions.SerializeToString(deterministic=True)
-        out += b"\x22" + _varint(len(ver)) + ver
-    return bytes(out)
 
 
 def _colocation_entry(targets):

@@ -8,6 +8,15 @@ A graph holds the *local* replicas: all of them in-graph, one task's in between-
 replication. ``group_devices`` lists every replica of the synchronisation group (all
 workers), in the order that defines replica ranks; local replica i is group member
 ``first_replica + i``.
+
+Template replicas: replicas 1..R-1 are identical up to their name prefix, their device
+and host, and the batch slice they read. When ``template`` is set, the IR builds only
+replicas 0 and 1 (``built``), and replica 1 stands for every replica from 1 on: the
+export writes its nodes once per replica, substituting the prefix, the device and the
+replica-relative output index (see graph_io), and expands every reference a single
+node makes to a replica-1 node into references to all of them. Passes loop over
+``built``; everything that depends on the replica count (group sizes, split counts,
+means) reads ``num_local``/``group_size``, which always count every replica.
 """
 
 import dataclasses
@@ -27,6 +36,10 @@ class ReplicaMap:
     variant: list = dataclasses.field(default_factory=list)  # original nodes that differ per replica
     # (replica, original tensor name) -> the Tensor that replica's readers of it now read
     rerouted: dict = dataclasses.field(default_factory=dict)
+    template: bool = False  # replica 1 stands for replicas 1..num_local-1 (module doc)
+    # names of single nodes whose output i is read by replica i (the batch split): a
+    # template reader of output 1 reads output k in replica k
+    per_replica_outputs: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if self.group_devices is None:
@@ -35,6 +48,11 @@ class ReplicaMap:
     @property
     def num_local(self):
         return len(self.prefixes)
+
+    @property
+    def built(self):
+        """The local replicas whose nodes exist in the IR (all, or 0 and the template)."""
+        return range(2) if self.template else range(self.num_local)
 
     @property
     def group_size(self):
@@ -81,6 +99,15 @@ class ReplicaMap:
         if self.num_local == 1 or self.is_cloned(graph, name):
             return 0
         return None
+
+    def expanded_size(self, graph):
+        """The node count of the exported graph: the template's nodes count once per
+        replica it stands for."""
+        if not self.template:
+            return len(graph)
+        prefix = self.prefixes[1]
+        template = sum(1 for name in graph._nodes if name.startswith(prefix))
+        return len(graph) + template * (self.num_local - 2)
 
     def to_dict(self):
         return dataclasses.asdict(self)

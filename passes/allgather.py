@@ -37,7 +37,7 @@ class AllGatherPass(Pass):
         gkey = group_key(rm.group_devices)
         for k, cut in enumerate(gathered):
             keys = sparse_instance_keys(plan, k)
-            for i in range(rm.num_local):
+            for i in rm.built:
                 self._gather(graph, ctx, i, cut, gkey, keys)
         return True
 

@@ -40,7 +40,7 @@ class AllReducePass(Pass):
         cuts = {c.variable: c for c in plan.cuts}
         self._state_readers = {}
         self._consts = {}
-        for i in range(rm.num_local):
+        for i in rm.built:
             previous = None
             for p, pack in enumerate(plan.packs):
                 members = [cuts[v] for v in pack.cuts]

@@ -34,7 +34,7 @@ class MergeSummariesPass(Pass):
             value = node.inputs[1]
             if value.node.name not in variant:
                 continue
-            copies = [rm.tensor(graph, i, value.name) for i in range(rm.num_local)]
+            copies = [rm.tensor(graph, i, value.name) for i in rm.built]
             dt = dtypes.as_dtype(dtype_of(value))
             scope = f"{node.name}/mean_over_replicas"
             total = make_op(graph, "AddN", f"{scope}/sum", [copies], device=rm.global_device).output(0)

@@ -42,7 +42,7 @@ class MetadataPass(Pass):
             "plan": ctx.plan.to_dict(),
             "passes": ctx.passes_run + [self.name],
             "source": graph.source,
-            "num_nodes": len(graph) + 1,
+            "num_nodes": rm.expanded_size(graph) + 1,
         }
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         if METADATA_NODE in graph:

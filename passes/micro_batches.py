@@ -66,7 +66,7 @@ class MicroBatchesPass(Pass):
         branch = make_op(graph, "Switch", f"{MICRO_BATCHES}/branch", [apply, apply], replica=GLOBAL)
         fingerprint = plan.fingerprint
         outputs, dones = [], []
-        for i in range(rm.num_local):
+        for i in rm.built:
             stores, resets = [], []
             for cut in cuts:
                 outputs += self._accumulate(graph, ctx, i, cut, apply, inits, stores, resets, fingerprint)
@@ -189,7 +189,7 @@ class MicroBatchesPass(Pass):
         gate = make_op(graph, "Identity", f"{MICRO_BATCHES}/applying", [applying], replica=GLOBAL)
         state = {v.name for v in plan.variables if v.role == "state"}
         gated = {rm.prefixes[i] + v.name for v in plan.variables if v.name not in state
-                 for i in range(rm.num_local)}
+                 for i in rm.built}
         for n in ancestors(roots):
             if any(var.name in gated for var, _ in written_variables(n, graph.library)):
                 n.add_control_input(gate)

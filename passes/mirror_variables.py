@@ -52,13 +52,13 @@ class MirrorVariablesPass(Pass):
                 # init op), since running it runs the copies' assigns first.
                 master_init = graph.node(vp.initializer)
                 value = master_init.inputs[opdefs.input_position(master_init, "value")]
-                for i in range(1, rm.num_local):
+                for i in rm.built[1:]:
                     init = rm.node(graph, i, vp.initializer)
                     init.set_input(opdefs.input_position(init, "value"), value)
                     changed = True
             for restore in _restore_assigns(graph, rm, master):
                 waiting = restore.control_consumers  # e.g. save/restore_all, before we add readers
-                for i in range(1, rm.num_local):
+                for i in rm.built[1:]:
                     copy = rm.node(graph, i, vp.name)
                     value = _read(graph, master, f"{rm.prefixes[i]}{vp.name}/restored_value",
                                   control_inputs=[restore])

@@ -11,6 +11,11 @@ saver. Clones get their own v1 loop frame names and shared_names (two VarHandleO
 one shared_name on one device are one variable), and colocation follows the clone.
 Ops nothing reads (the train op, the init op) run every replica's copy: the original
 gains control edges on its clones, so running it by name runs the whole step.
+
+With three or more local replicas in-graph, only replica 1 is cloned and stands for
+replicas 1..R-1 (``ReplicaMap.template``): the later passes build their per-replica ops
+once for it, and the export writes it R-1 times. The output is the same graph as with
+every replica built (``materialize_replicas=True``), at a fraction of the cost.
 """
 
 from graph_rewriter.analysis import PLACEHOLDERS, VARIABLE_OPS, absorb_exclusive_ancestors, analyze
@@ -30,6 +35,7 @@ class ReplicatePass(Pass):
     def run(self, graph, ctx):
         analysis = analyze(graph, ctx.options.gradients)
         rm = graph.replicas = replica_map(graph, ctx)
+        rm.template = use_template(ctx, rm)
         rm.variant = sorted(n.name for n in analysis.variant)
         global_nodes = _global_nodes(graph, analysis, ctx.plan)
         shared_initial = _shared_initial_values(graph, ctx, global_nodes)
@@ -56,7 +62,7 @@ class ReplicatePass(Pass):
         shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
         clones_of_roots = []
-        for i in range(1, r):
+        for i in rm.built[1:]:
             prefix = rm.prefixes[i]
             mapping = graph.clone_nodes(cloned, prefix)
             for n in shared_name_nodes:
@@ -75,9 +81,23 @@ class ReplicatePass(Pass):
         for clones in clones_of_roots:
             for n, c in zip(roots, clones):
                 n.add_control_input(c)
-        ctx.info(f"replicate: {len(cloned)} nodes cloned {r - 1} times, "
-                 f"{len(global_nodes)} global, {len(roots)} root ops run every replica")
+        ctx.info(f"replicate: {len(cloned)} nodes cloned {r - 1} times"
+                 + (" (replica 1 built, the template of the others)" if rm.template else "")
+                 + f", {len(global_nodes)} global, {len(roots)} root ops run every replica")
         return True
+
+
+def use_template(ctx, rm):
+    """Whether replica 1 can stand for replicas 1..R-1: in-graph (between-graph, a
+    worker's replicas differ in rank: the chief's replica 0 broadcasts), three or more
+    replicas (with two there is nothing to save), and no parameter-server variable (the
+    accumulate and sync_queues passes build per-replica ops around each ps variable's
+    single update; they build every replica)."""
+    plan = ctx.plan
+    return (not ctx.options.materialize_replicas and ctx.cluster.task is None
+            and rm.num_local >= 3
+            and not any(v.placement == "ps" for v in plan.variables)
+            and not any(c.sync == "accumulate" for c in plan.cuts))
 
 
 def _global_nodes(graph, analysis, plan):

@@ -40,6 +40,8 @@ class SplitInputsPass(Pass):
             axis = const(graph, f"{x.node.name}/split_for_replicas/axis", 0, "int32", rm.global_device)
             split = make_op(graph, "Split", f"{x.node.name}/split_for_replicas", [axis, x],
                             attrs={"num_split": r}, device=rm.global_device)
+            if rm.template:
+                rm.per_replica_outputs.append(split.name)   # replica k reads output k
             for c, pos in readers:
                 replica = rm.replica_of(graph, c.name)
                 if replica is None:

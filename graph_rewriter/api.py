@@ -5,6 +5,7 @@ import gc
 import os
 import time
 
+import passes
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.context import (DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS, Options,
@@ -111,7 +112,6 @@ class RewriteResult:
 
 def pipeline(options, cluster):
     """The passes a strategy runs, in order (data: nothing else decides the order)."""
-    import passes
     if cluster.task is not None and cluster.task[0] not in ("chief", "worker"):
         job, index = cluster.task
         raise GraphRewriteError(

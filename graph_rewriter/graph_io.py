@@ -16,6 +16,8 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import COLOCATION_ATTR, GraphItem, Node, Tensor
+from graph_rewriter.replica_export import write_replicated_nodes
+from graph_rewriter.wire import SHORT, VARINTS, attrs_bytes, encode_varint, string_field, varint
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-/>]*$")
 TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
@@ -205,30 +207,6 @@ def to_graph_def(item):
     return graph_pb2.GraphDef.FromString(graph_def_bytes(item))
 
 
-def _encode_varint(n):
-    out = bytearray()
-    while n >= 128:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-# Every length below 2**14 (one or two varint bytes: names, input fields, most nodes),
-# encoded once: export asks for two lengths per node.
-_SHORT = 1 << 14
-_VARINTS = [_encode_varint(i) for i in range(_SHORT)]
-
-
-def _varint(n):
-    return _VARINTS[n] if n < _SHORT else _encode_varint(n)
-
-
-def _string_field(tag, text):
-    data = text.encode("utf-8")
-    return tag + _varint(len(data)) + data
-
-
 def graph_def_bytes(item):
     """The serialized GraphDef of ``item`` (deterministic: same item, same bytes).
     A graph whose replica 1 is a template (ReplicaMap.template) is written with every
@@ -236,29 +214,16 @@ def graph_def_bytes(item):
     out = bytearray()   # grown in place: no list of pieces and joined copy (peak memory)
     rm = item.replicas
     if rm is not None and rm.template:
-        from graph_rewriter.replica_export import write_replicated_nodes
         write_replicated_nodes(item, out, nodes_bytes)
     else:
         nodes_bytes(item._nodes.values(), out)
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)
-        out += b"\x12" + _varint(len(lib)) + lib
+        out += b"\x12" + varint(len(lib)) + lib
     if item.versions is not None:
         ver = item.versions.SerializeToString(deterministic=True)
-        out += b"\x22" + _varint(len(ver)) + ver
+        out += b"\x22" + varint(len(ver)) + ver
     return bytes(out)
-
-
-def attrs_bytes(d):
-    """A NodeDef's fields other than name, op, device and inputs, serialized (attrs)."""
-    from tensorflow.core.framework import node_def_pb2
-    rest = node_def_pb2.NodeDef()
-    rest.CopyFrom(d)
-    rest.ClearField("name")
-    rest.ClearField("op")
-    rest.ClearField("device")
-    rest.ClearField("input")
-    return rest.SerializeToString(deterministic=True)
 
 
 def nodes_bytes(nodes, out):
@@ -268,7 +233,7 @@ def nodes_bytes(nodes, out):
     inputs = {}         # Tensor read more than once -> its serialized input field
     controls = {}       # Node -> its serialized "^name" input field
     colocations = {}    # tuple of targets -> the serialized _class attr entry
-    varints = _VARINTS
+    varints = VARINTS
     for node in nodes:
         d = node._def
         cached = attr_bytes.get(id(d))
@@ -276,25 +241,25 @@ def nodes_bytes(nodes, out):
             cached = attr_bytes[id(d)] = (attrs_bytes(d), d)
         op = op_bytes.get(node.op)
         if op is None:
-            op = op_bytes[node.op] = _string_field(b"\x12", node.op)
+            op = op_bytes[node.op] = string_field(b"\x12", node.op)
         dev = device_bytes.get(node.device)
         if dev is None:
-            dev = device_bytes[node.device] = _string_field(b"\x22", node.device) if node.device else b""
+            dev = device_bytes[node.device] = string_field(b"\x22", node.device) if node.device else b""
         name = node._name.encode("utf-8")
         size = len(name)
-        body = [b"\x0a", varints[size] if size < _SHORT else _encode_varint(size), name, op]
+        body = [b"\x0a", varints[size] if size < SHORT else encode_varint(size), name, op]
         for t in node._inputs:
             field = inputs.get(t)
             if field is None:
                 p = t.node
-                field = _string_field(b"\x1a", p._name if t.index == 0 else f"{p._name}:{t.index}")
+                field = string_field(b"\x1a", p._name if t.index == 0 else f"{p._name}:{t.index}")
                 if len(p._consumers) > 1:
                     inputs[t] = field
             body.append(field)
         for c in node._control_inputs:
             field = controls.get(c)
             if field is None:
-                field = controls[c] = _string_field(b"\x1a", "^" + c._name)
+                field = controls[c] = string_field(b"\x1a", "^" + c._name)
             body.append(field)
         body.append(dev)
         body.append(cached[0])
@@ -307,7 +272,7 @@ def nodes_bytes(nodes, out):
         data = b"".join(body)
         size = len(data)
         out += b"\x0a"
-        out += varints[size] if size < _SHORT else _encode_varint(size)
+        out += varints[size] if size < SHORT else encode_varint(size)
         out += data
 
 
@@ -315,10 +280,10 @@ def _colocation_entry(targets):
     """The attr map entry ``_class: {list {s: "loc:@name" ...}}`` as NodeDef field 5."""
     value = attr_value_pb2.AttrValue()
     value.list.s.extend(("loc:@" + (t._name if isinstance(t, Node) else t)).encode() for t in targets)
-    entry = _string_field(b"\x0a", COLOCATION_ATTR)
+    entry = string_field(b"\x0a", COLOCATION_ATTR)
     v = value.SerializeToString(deterministic=True)
-    entry += b"\x12" + _varint(len(v)) + v
-    return b"\x2a" + _varint(len(entry)) + entry
+    entry += b"\x12" + varint(len(v)) + v
+    return b"\x2a" + varint(len(entry)) + entry
 
 
 def to_meta_graph_def(item):

@@ -24,8 +24,8 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from graph_rewriter import opdefs
-from graph_rewriter.graph_io import _string_field, _varint, attrs_bytes
 from graph_rewriter.ir import COLOCATION_ATTR, UNKNOWN_REPLICA, Node
+from graph_rewriter.wire import attrs_bytes, string_field, varint
 
 PREFIX, INDEX, DEVICE, HOST = range(4)   # kinds of hole
 _RENAMED_ATTRS = ("shared_name", "frame_name")   # made per replica by the replicate pass
@@ -49,7 +49,7 @@ def write_replicated_nodes(item, out, nodes_bytes):
     for n in fan_in:
         nd = _fan_in_node_def(n, rm, prefix, replicas)
         data = nd.SerializeToString(deterministic=True)
-        out += b"\x0a" + _varint(len(data)) + data
+        out += b"\x0a" + varint(len(data)) + data
     renderer = _TemplateRenderer(template, rm)
     for group in _groups(rm, replicas):
         block, holes = renderer.render(group[0])
@@ -141,15 +141,19 @@ def _fix_list_lengths(n, nd, grown):
 
 
 class _TemplateRenderer:
-    """Serializes the template nodes as replica k's copies, noting the holes' offsets."""
+    """Serializes the template nodes as replica k's copies, noting the holes' offsets.
+
+    Each node is first turned into a recipe (once): serialized fields where nothing
+    depends on the replica, and for the rest the pieces around each hole. Rendering a
+    replica then only joins pieces and computes lengths."""
 
     def __init__(self, template, rm):
-        self.template = template
         self.rm = rm
         self.prefix = rm.prefixes[1]
         self.indexed = frozenset(rm.per_replica_outputs)
         self._attrs = {}     # id(attr proto) -> (serialized attrs, proto) when no hole
         self._literal = {}   # input or control string -> its serialized field
+        self.recipes = [self._recipe(n) for n in template]
 
     def value(self, kind, k):
         rm = self.rm
@@ -163,46 +167,12 @@ class _TemplateRenderer:
 
     def render(self, k):
         """(replica k's serialized nodes, {kind: [offset of each hole]})."""
-        rm, prefix, cut = self.rm, self.prefix, len(self.prefix)
-        pk = rm.prefixes[k]
-        kk = str(k)
-        dev1, host1 = rm.devices[1], rm.hosts[1]
+        values = [self.value(kind, k) for kind in (PREFIX, INDEX, DEVICE, HOST)]
         holes = {PREFIX: [], INDEX: [], DEVICE: [], HOST: []}
         out = bytearray()
-        for n in self.template:
-            body = _Body()
-            body.string(b"\x0a", pk + n._name[cut:], [(PREFIX, 0)])
-            body.literal(_string_field(b"\x12", n.op))
-            for t in n._inputs:
-                p = t.node
-                name = p._name
-                if name.startswith(prefix):
-                    body.string(b"\x1a", pk + name[cut:] + (f":{t.index}" if t.index else ""), [(PREFIX, 0)])
-                elif name in self.indexed:
-                    if t.index != 1:
-                        raise AssertionError(f"template node {n.name} reads output {t.index} of "
-                                             f"per-replica output {name}, expected output 1")
-                    body.string(b"\x1a", f"{name}:{kk}", [(INDEX, len(name.encode()) + 1)])
-                else:
-                    body.literal(self._field(name if t.index == 0 else f"{name}:{t.index}"))
-            for c in n._control_inputs:
-                if c._name.startswith(prefix):
-                    body.string(b"\x1a", "^" + pk + c._name[cut:], [(PREFIX, 1)])
-                else:
-                    body.literal(self._field("^" + c._name))
-            device = n.device
-            replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
-            if device and replica == 1 and device == dev1:
-                body.string(b"\x22", rm.devices[k], [(DEVICE, 0)])
-            elif device and replica == 1 and device == host1:
-                body.string(b"\x22", rm.hosts[k], [(HOST, 0)])
-            elif device:
-                body.literal(_string_field(b"\x22", device))
-            self._attributes(n, body, pk)
-            if n._colocate:
-                self._colocation(n, body, pk)
-            data, local = body.finish()
-            head = b"\x0a" + _varint(len(data))
+        for recipe in self.recipes:
+            data, local = _evaluate(recipe, values)
+            head = b"\x0a" + varint(len(data))
             base = len(out) + len(head)
             for kind, offset in local:
                 holes[kind].append(base + offset)
@@ -210,95 +180,131 @@ class _TemplateRenderer:
             out += data
         return bytes(out), holes
 
+    def _recipe(self, n):
+        prefix, cut = self.prefix, len(self.prefix)
+        items = [(PREFIX, b"\x0a", b"", n._name[cut:].encode()), string_field(b"\x12", n.op)]
+        for t in n._inputs:
+            name = t.node._name
+            if name.startswith(prefix):
+                items.append((PREFIX, b"\x1a", b"", (name[cut:] + (f":{t.index}" if t.index else "")).encode()))
+            elif name in self.indexed:
+                if t.index != 1:
+                    raise AssertionError(f"template node {n.name} reads output {t.index} of "
+                                         f"per-replica output {name}, expected output 1")
+                items.append((INDEX, b"\x1a", f"{name}:".encode(), b""))
+            else:
+                items.append(self._field(name if t.index == 0 else f"{name}:{t.index}"))
+        for c in n._control_inputs:
+            if c._name.startswith(prefix):
+                items.append((PREFIX, b"\x1a", b"^", c._name[cut:].encode()))
+            else:
+                items.append(self._field("^" + c._name))
+        device = n.device
+        replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
+        if device and replica == 1 and device == self.rm.devices[1]:
+            items.append((DEVICE, b"\x22", b"", b""))
+        elif device and replica == 1 and device == self.rm.hosts[1]:
+            items.append((HOST, b"\x22", b"", b""))
+        elif device:
+            items.append(string_field(b"\x22", device))
+        self._attributes(n, items)
+        if n._colocate:
+            self._colocation(n, items)
+        return _merge_literals(items)
+
     def _field(self, text):
         field = self._literal.get(text)
         if field is None:
-            field = self._literal[text] = _string_field(b"\x1a", text)
+            field = self._literal[text] = string_field(b"\x1a", text)
         return field
 
-    def _attributes(self, n, body, pk):
+    def _attributes(self, n, items):
         d = n._def
-        renamed = [key for key in _RENAMED_ATTRS
-                   if key in d.attr and self.prefix.encode() in d.attr[key].s]
+        marker = self.prefix.encode()
+        renamed = [key for key in _RENAMED_ATTRS if key in d.attr and marker in d.attr[key].s]
         if not renamed:
             cached = self._attrs.get(id(d))
             if cached is None or cached[1] is not d:
                 cached = self._attrs[id(d)] = (attrs_bytes(d), d)
-            body.literal(cached[0])
+            items.append(cached[0])
             return
         # Deterministic serialization writes the attr map sorted by key, then the other
         # fields: the same here, with the renamed strings' prefixes as holes.
         for key in sorted(d.attr):
             if key in renamed:
-                parts = d.attr[key].s.split(self.prefix.encode())
-                value = _Body()
-                value.string(b"\x12", pk.encode().join(parts),
-                             _prefix_holes(parts, len(pk.encode())))
-                entry = _Body()
-                entry.literal(_string_field(b"\x0a", key))
-                entry.nested(b"\x12", value)
-                body.nested(b"\x2a", entry)
+                value = [(_JOINED, b"\x12", d.attr[key].s.split(marker))]
+                entry = [string_field(b"\x0a", key), (_NESTED, b"\x12", value)]
+                items.append((_NESTED, b"\x2a", entry))
             else:
                 single = node_def_pb2.NodeDef()
                 single.attr[key].CopyFrom(d.attr[key])
-                body.literal(single.SerializeToString(deterministic=True))
+                items.append(single.SerializeToString(deterministic=True))
         rest = node_def_pb2.NodeDef()
         rest.CopyFrom(d)
         rest.ClearField("attr")
-        body.literal(attrs_bytes(rest))
+        items.append(attrs_bytes(rest))
 
-    def _colocation(self, n, body, pk):
-        cut = len(self.prefix)
-        items = _Body()
+    def _colocation(self, n, items):
+        prefix, cut = self.prefix, len(self.prefix)
+        targets = []
         for t in n._colocate:
             name = t._name if isinstance(t, Node) else t
-            if name.startswith(self.prefix):
-                items.string(b"\x12", "loc:@" + pk + name[cut:], [(PREFIX, 5)])
+            if name.startswith(prefix):
+                targets.append((PREFIX, b"\x12", b"loc:@", name[cut:].encode()))
             else:
-                items.literal(_string_field(b"\x12", "loc:@" + name))
-        value = _Body()
-        value.nested(b"\x0a", items)
-        entry = _Body()
-        entry.literal(_string_field(b"\x0a", COLOCATION_ATTR))
-        entry.nested(b"\x12", value)
-        body.nested(b"\x2a", entry)
+                targets.append(string_field(b"\x12", "loc:@" + name))
+        value = [(_NESTED, b"\x0a", targets)]
+        entry = [string_field(b"\x0a", COLOCATION_ATTR), (_NESTED, b"\x12", value)]
+        items.append((_NESTED, b"\x2a", entry))
 
 
-def _prefix_holes(parts, width):
-    """Offsets of the prefixes joining ``parts`` (a string split at every prefix)."""
-    holes, offset = [], 0
-    for part in parts[:-1]:
-        offset += len(part)
-        holes.append((PREFIX, offset))
-        offset += width
-    return holes
+_NESTED, _JOINED = 4, 5   # recipe items beside the hole kinds: a message field, a joined string
 
 
-class _Body:
-    """Serialized protobuf fields under construction, with hole offsets (kind, offset)."""
-    __slots__ = ("parts", "size", "holes")
+def _merge_literals(items):
+    """The recipe with neighbouring serialized fields joined (fewer pieces to render)."""
+    out = []
+    for item in items:
+        if type(item) is bytes and out and type(out[-1]) is bytes:
+            out[-1] += item
+        else:
+            out.append(item)
+    return out
 
-    def __init__(self):
-        self.parts, self.size, self.holes = [], 0, []
 
-    def literal(self, data):
-        self.parts.append(data)
-        self.size += len(data)
-
-    def string(self, tag, text, holes):
-        """A length-delimited field holding ``text``; holes are offsets within the text."""
-        data = text.encode("utf-8") if isinstance(text, str) else text
-        head = tag + _varint(len(data))
-        start = self.size + len(head)
-        self.holes.extend((kind, start + offset) for kind, offset in holes)
-        self.parts.append(head)
-        self.parts.append(data)
-        self.size += len(head) + len(data)
-
-    def nested(self, tag, inner):
-        """A length-delimited field holding the message built in ``inner``."""
-        data, holes = inner.finish()
-        self.string(tag, data, holes)
-
-    def finish(self):
-        return b"".join(self.parts), self.holes
+def _evaluate(items, values):
+    """Serializes a recipe with the replica's strings (``values``, indexed by hole kind):
+    (bytes, [(kind, offset)]). An item is serialized fields (bytes); a string field
+    ``(kind, tag, lead, tail)`` holding lead + the replica's value + tail; a message field
+    ``(_NESTED, tag, items)``; or ``(_JOINED, tag, chunks)``, a string of the chunks
+    joined by the replica's prefix."""
+    parts, holes, size = [], [], 0
+    for item in items:
+        if type(item) is bytes:
+            parts.append(item)
+            size += len(item)
+            continue
+        kind, tag = item[0], item[1]
+        if kind == _NESTED:
+            data, inner = _evaluate(item[2], values)
+            head = tag + varint(len(data))
+            start = size + len(head)
+            holes.extend((k, start + offset) for k, offset in inner)
+        elif kind == _JOINED:
+            chunks, value = item[2], values[PREFIX]
+            data = value.join(chunks)
+            head = tag + varint(len(data))
+            offset = size + len(head)
+            for chunk in chunks[:-1]:
+                offset += len(chunk)
+                holes.append((PREFIX, offset))
+                offset += len(value)
+        else:
+            lead, value, tail = item[2], values[kind], item[3]
+            data = lead + value + tail
+            head = tag + varint(len(data))
+            holes.append((kind, size + len(head) + len(lead)))
+        parts.append(head)
+        parts.append(data)
+        size += len(head) + len(data)
+    return b"".join(parts), holes

@@ -12,6 +12,7 @@
 
 import os
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -28,7 +29,7 @@ from graph_rewriter.ir import GraphItem, Node, Tensor
 from graph_rewriter.op_builder import const, make_op
 
 tf1 = tf.compat.v1
-PYTHON = "/work/venv/bin/python"
+PYTHON = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

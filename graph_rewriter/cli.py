@@ -107,6 +107,9 @@ def _rewrite_parser():
                    help="write the graph after this pass (repeatable; 'all' for every pass)")
     p.add_argument("--dump-dir", default=".", metavar="DIR", help="where --dump-after writes (default .)")
     p.add_argument("--no-verify", action="store_true", help="verify only the final graph, not after every pass")
+    p.add_argument("--materialize-replicas", action="store_true",
+                   help="build every replica while rewriting instead of one template for replicas 1..R-1 "
+                        "(the same output, slower; for debugging a pass)")
     return p
 
 
@@ -237,6 +240,7 @@ def cmd_rewrite(argv):
         kwargs["strategy"] = args.plan if args.plan.endswith(".json") else _plan_from(args.plan)
     started = time.perf_counter()
     result = rewrite(args.input, **kwargs, verify_each=not args.no_verify,
+                     materialize_replicas=args.materialize_replicas,
                      dump_after=args.dump_after, dump_dir=args.dump_dir,
                      log=_log if args.verbose else None)
     result.save(args.output)

@@ -39,7 +39,8 @@ class RewriteResult:
         return self._graph_def
 
     def serialized(self):
-        """The binary GraphDef, deterministic: the same input and options give the same bytes."""
+        """The binary GraphDef (bytes, or the bytearray the export assembled),
+        deterministic: the same input and options give the same bytes."""
         if self._serialized is not None:
             return self._serialized
         return self._graph_def.SerializeToString(deterministic=True)

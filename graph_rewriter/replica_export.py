@@ -20,6 +20,8 @@ those bytes with its own strings written at the holes: numpy does that per repli
 Python per node.
 """
 
+import array
+
 import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
@@ -50,21 +52,27 @@ def write_replicated_nodes(item, out, nodes_bytes):
         nd = _fan_in_node_def(n, rm, prefix, replicas)
         data = nd.SerializeToString(deterministic=True)
         out += b"\x0a" + varint(len(data)) + data
-    renderer = _TemplateRenderer(template, rm)
-    for group in _groups(rm, replicas):
-        block, holes = renderer.render(group[0])
+    renderer = _TemplateRenderer(rm)
+    groups = _groups(rm, replicas)
+    rendered = renderer.render(template, [group[0] for group in groups])
+    del template
+    for group, (block, holes) in zip(groups, rendered):
         out += block
         if len(group) == 1:
             continue
-        base = np.frombuffer(block, dtype=np.uint8)
-        where = {kind: (np.asarray(offsets, dtype=np.int64)[:, None]
-                        + np.arange(len(renderer.value(kind, group[0])), dtype=np.int64)).ravel()
-                 for kind, offsets in holes.items() if offsets}
-        for k in group[1:]:
-            copy = base.copy()
-            for kind, index in where.items():
-                value = np.frombuffer(renderer.value(kind, k), dtype=np.uint8)
-                copy[index] = np.tile(value, len(index) // len(value))
+        # Within a group the values differ in a few bytes only (the digits of
+        # "replica_3/" and "replica_4/"): write just those.
+        writes = []
+        for kind, offsets in holes.items():
+            values = [renderer.value(kind, k) for k in group]
+            differ = [j for j in range(len(values[0])) if len({v[j] for v in values}) > 1]
+            if offsets and differ:
+                index = (np.frombuffer(offsets, dtype=np.int64)[:, None] + np.asarray(differ)).ravel()
+                writes.append((index, [bytes(v[j] for j in differ) for v in values], len(offsets)))
+        copy = np.frombuffer(block, dtype=np.uint8).copy()
+        for member in range(1, len(group)):
+            for index, values, count in writes:
+                copy[index] = np.tile(np.frombuffer(values[member], dtype=np.uint8), count)
             out += copy.data
 
 
@@ -143,17 +151,16 @@ def _fix_list_lengths(n, nd, grown):
 class _TemplateRenderer:
     """Serializes the template nodes as replica k's copies, noting the holes' offsets.
 
-    Each node is first turned into a recipe (once): serialized fields where nothing
-    depends on the replica, and for the rest the pieces around each hole. Rendering a
-    replica then only joins pieces and computes lengths."""
+    Each node is turned into a recipe: serialized fields where nothing depends on the
+    replica, and for the rest the pieces around each hole. Rendering it for a replica
+    then only joins pieces and computes lengths."""
 
-    def __init__(self, template, rm):
+    def __init__(self, rm):
         self.rm = rm
         self.prefix = rm.prefixes[1]
         self.indexed = frozenset(rm.per_replica_outputs)
         self._attrs = {}     # id(attr proto) -> (serialized attrs, proto) when no hole
         self._literal = {}   # input or control string -> its serialized field
-        self.recipes = [self._recipe(n) for n in template]
 
     def value(self, kind, k):
         rm = self.rm
@@ -165,20 +172,23 @@ class _TemplateRenderer:
             return rm.devices[k].encode()
         return rm.hosts[k].encode()
 
-    def render(self, k):
-        """(replica k's serialized nodes, {kind: [offset of each hole]})."""
-        values = [self.value(kind, k) for kind in (PREFIX, INDEX, DEVICE, HOST)]
-        holes = {PREFIX: [], INDEX: [], DEVICE: [], HOST: []}
-        out = bytearray()
-        for recipe in self.recipes:
-            data, local = _evaluate(recipe, values)
-            head = b"\x0a" + varint(len(data))
-            base = len(out) + len(head)
-            for kind, offset in local:
-                holes[kind].append(base + offset)
-            out += head
-            out += data
-        return bytes(out), holes
+    def render(self, template, replicas):
+        """Per replica in ``replicas``: (its copies of the ``template`` nodes serialized,
+        {hole kind: [offset of each hole]}). One recipe per node serves every replica."""
+        values = [[self.value(kind, k) for kind in (PREFIX, INDEX, DEVICE, HOST)] for k in replicas]
+        blocks = [(bytearray(), {kind: array.array("q") for kind in (PREFIX, INDEX, DEVICE, HOST)})
+                  for _ in replicas]
+        for n in template:
+            recipe = self._recipe(n)
+            for (out, holes), vals in zip(blocks, values):
+                data, local = _evaluate(recipe, vals)
+                head = b"\x0a" + varint(len(data))
+                base = len(out) + len(head)
+                for kind, offset in local:
+                    holes[kind].append(base + offset)
+                out += head
+                out += data
+        return blocks
 
     def _recipe(self, n):
         prefix, cut = self.prefix, len(self.prefix)

@@ -9,7 +9,10 @@ The same model three ways, each in a fresh process, on this machine's CPU:
 - rewritten: that graph rewritten by graph_rewriter for --replicas CPU replicas
   (allreduce), run through graph_rewriter.Session on the same batches;
 - MirroredStrategy: TensorFlow's own tf.distribute.MirroredStrategy over --replicas
-  logical CPUs running the same model (tf_keras layers, SGD momentum, tf.function step).
+  logical CPUs running the same model (tf_keras layers, SGD momentum, tf.function step);
+- no communication: the rewritten graph with every CollectiveReduceV2 replaced by an
+  Identity of its input (each replica applies its own gradient: numerically wrong, and
+  only a measurement): the step time that no way of averaging gradients can beat.
 
 Prints median step times and the ratios the performance targets name
 (rewritten/one device, rewritten/MirroredStrategy). The figures in
@@ -109,11 +112,28 @@ def measure(kind, replicas, steps, warmup):
         sess = tf.compat.v1.Session(graph=graph)
     else:
         import graph_rewriter as gr
-        sess = gr.Session(gr.rewrite(gd, devices_per_worker=replicas, device_type="CPU"))
+        result = gr.rewrite(gd, devices_per_worker=replicas, device_type="CPU")
+        if kind == "no_comm":
+            _drop_collectives(result.graph_def)
+        sess = gr.Session(result)
     sess.run("init")
     seconds = _time(lambda x, y: sess.run("train_op", {"x:0": x, "y:0": y}), batches, steps, warmup)
     sess.close()
     return {"kind": kind, "seconds": seconds}
+
+
+def _drop_collectives(graph_def):
+    """Replaces every all-reduce by an Identity of the tensor it would reduce (in place)."""
+    for n in graph_def.node:
+        if n.op == "CollectiveReduceV2":
+            data = [n.input[0]] + [i for i in n.input if i.startswith("^")]
+            dtype = n.attr["T"].type
+            n.op = "Identity"
+            del n.input[:]
+            n.input.extend(data)
+            for key in list(n.attr):
+                del n.attr[key]
+            n.attr["T"].type = dtype
 
 
 def main():
@@ -122,7 +142,7 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of (one device, rewritten, MirroredStrategy); ratios are per round, "
+                   help="rounds of (one device, rewritten, MirroredStrategy, no communication); ratios are per round, "
                         "then the median: the machine's speed drifts between processes")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -130,7 +150,7 @@ def main():
         print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup)))
         return
     print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
-    kinds = ("single", "rewritten", "mirrored")
+    kinds = ("single", "rewritten", "mirrored", "no_comm")
     rounds = []
     for r in range(args.rounds):
         results = {}
@@ -152,6 +172,8 @@ def main():
     print(f"rewritten / one device       = {ratio('rewritten', 'single'):.2f}   (target <= 1.2; median of rounds)")
     print(f"rewritten / MirroredStrategy = {ratio('rewritten', 'mirrored'):.2f}   (target <= 0.75)")
     print(f"MirroredStrategy / one device = {ratio('mirrored', 'single'):.2f}")
+    print(f"no communication / one device = {ratio('no_comm', 'single'):.2f}   "
+          f"(no_comm / MirroredStrategy = {ratio('no_comm', 'mirrored'):.2f}: the best any reduction reaches)")
 
 
 if __name__ == "__main__":

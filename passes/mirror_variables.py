@@ -80,7 +80,7 @@ class MirrorVariablesPass(Pass):
             ikey = init_instance_key(ctx.plan, k)
             sizes = [_num_elements(vp) for vp in members]
             total = sum(sizes)
-            for i in range(rm.num_local):
+            for i in rm.built:
                 rank = rm.first_replica + i
                 device = rm.devices[i]
                 scope = f"{rm.prefixes[i]}initial_values/{dtype}"

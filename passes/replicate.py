@@ -12,7 +12,7 @@ one shared_name on one device are one variable), and colocation follows the clon
 Ops nothing reads (the train op, the init op) run every replica's copy: the original
 gains control edges on its clones, so running it by name runs the whole step.
 
-With three or more local replicas in-graph, only replica 1 is cloned and stands for
+With three or more local replicas, only replica 1 is cloned and stands for
 replicas 1..R-1 (``ReplicaMap.template``): the later passes build their per-replica ops
 once for it, and the export writes it R-1 times. The output is the same graph as with
 every replica built (``materialize_replicas=True``), at a fraction of the cost.
@@ -88,13 +88,13 @@ class ReplicatePass(Pass):
 
 
 def use_template(ctx, rm):
-    """Whether replica 1 can stand for replicas 1..R-1: in-graph (between-graph, a
-    worker's replicas differ in rank: the chief's replica 0 broadcasts), three or more
-    replicas (with two there is nothing to save), and no parameter-server variable (the
+    """Whether replica 1 can stand for replicas 1..R-1: three or more local replicas
+    (with two there is nothing to save), and no parameter-server variable (the
     accumulate and sync_queues passes build per-replica ops around each ps variable's
-    single update; they build every replica)."""
+    single update; they build every replica). Between-graph, only the chief's replica 0
+    differs in role (it broadcasts the initial values); it is built either way."""
     plan = ctx.plan
-    return (not ctx.options.materialize_replicas and ctx.cluster.task is None
+    return (not ctx.options.materialize_replicas
             and rm.num_local >= 3
             and not any(v.placement == "ps" for v in plan.variables)
             and not any(c.sync == "accumulate" for c in plan.cuts))

@@ -7,7 +7,7 @@ and attributes.
 Every example model is compared on single-machine CPU and GPU replicas (the GPU case
 crosses ten replicas, so prefixes and indices change length), on in-graph multi-worker
 clusters (hosts differ per replica; with CPU replicas a host equals another replica's
-device), and with the options that add per-replica ops (accumulation, compression,
+device), on between-graph workers' graphs (the chief's and another's), and with the options that add per-replica ops (accumulation, compression,
 sparse_as_dense, many packs) or single nodes reading every replica (summaries). The
 numeric equivalence tests (test_equivalence.py, R=4) run template graphs as well.
 """
@@ -35,6 +35,10 @@ CONFIGS = {
     "gpu11": dict(devices_per_worker=11, device_type="GPU"),
     "2workers_gpu2": dict(cluster_spec=_cluster(2), devices_per_worker=2, device_type="GPU"),
     "3workers_cpu2": dict(cluster_spec=_cluster(3), devices_per_worker=2, device_type="CPU"),
+    # between-graph: the chief's graph (its replica 0 broadcasts the initial values) and
+    # another worker's (every replica receives them)
+    "chief_of_2_gpu4": dict(cluster_spec=_cluster(2), task="worker:0", devices_per_worker=4, device_type="GPU"),
+    "worker1_of_3_cpu3": dict(cluster_spec=_cluster(3), task="worker:1", devices_per_worker=3, device_type="CPU"),
 }
 
 
@@ -85,14 +89,14 @@ def _used_template(lines):
 @pytest.mark.parametrize("model", examples.MODELS)
 def test_template_output_equals_every_replica_built(model, config):
     example = examples.build(model, _optimizer(model))
-    built, template, lines, _ = _rewrite_both(example.graph_def, **CONFIGS[config])
+    built, template, lines, result = _rewrite_both(example.graph_def, **CONFIGS[config])
     assert _used_template(lines), lines
     _assert_same_graph(built, template)
-    replicas = CONFIGS[config]["devices_per_worker"] * len(CONFIGS[config].get("cluster_spec", {"w": [0]})
-                                                          .get("worker", [0]))
-    # every replica exists, with its own copy of every variable
+    # every local replica exists, with its own copy of every variable
+    local = result.metadata["local_replicas"]
+    assert local >= 3
     for name in example.variables:
-        for k in range(1, replicas):
+        for k in range(1, local):
             assert f"replica_{k}/{name}" in template
 
 
@@ -160,7 +164,7 @@ def test_template_expands_single_nodes_reading_every_replica():
     dict(devices_per_worker=2, device_type="CPU"),                 # two replicas: nothing to save
     dict(devices_per_worker=4, device_type="CPU", strategy="ps"),  # per-replica ps accumulation
     dict(devices_per_worker=4, device_type="CPU", materialize_replicas=True),
-    dict(cluster_spec=_cluster(2), task="worker:1", devices_per_worker=4, device_type="CPU"),
+    dict(cluster_spec=_cluster(3), task="worker:1", devices_per_worker=2, device_type="CPU"),
 ])
 def test_every_replica_is_built_where_a_template_does_not_apply(kw):
     lines = []

@@ -227,9 +227,12 @@ def graph_def_bytes(item):
     return out
 
 
-def nodes_bytes(nodes, out):
-    """Appends ``nodes`` as GraphDef node fields to the bytearray ``out``."""
-    attr_bytes = {}     # id(attr proto) -> (serialized attrs, the proto kept alive)
+def nodes_bytes(nodes, out, attr_bytes=None):
+    """Appends ``nodes`` as GraphDef node fields to the bytearray ``out``. ``attr_bytes``
+    caches serialized attribute protos (id -> (bytes, the proto kept alive)) within one
+    export: clones share their original's proto."""
+    if attr_bytes is None:
+        attr_bytes = {}
     op_bytes, device_bytes = {}, {}
     inputs = {}         # Tensor read more than once -> its serialized input field
     controls = {}       # Node -> its serialized "^name" input field

@@ -46,13 +46,14 @@ def write_replicated_nodes(item, out, nodes_bytes):
             fan_in.append(n)
         else:
             plain.append(n)
-    nodes_bytes(plain, out)
+    attr_bytes = {}   # shared: a template node shares its attribute proto with its original
+    nodes_bytes(plain, out, attr_bytes)
     replicas = range(1, rm.num_local)
     for n in fan_in:
         nd = _fan_in_node_def(n, rm, prefix, replicas)
         data = nd.SerializeToString(deterministic=True)
         out += b"\x0a" + varint(len(data)) + data
-    renderer = _TemplateRenderer(rm)
+    renderer = _TemplateRenderer(rm, attr_bytes)
     groups = _groups(rm, replicas)
     rendered = renderer.render(template, [group[0] for group in groups])
     del template
@@ -155,11 +156,11 @@ class _TemplateRenderer:
     replica, and for the rest the pieces around each hole. Rendering it for a replica
     then only joins pieces and computes lengths."""
 
-    def __init__(self, rm):
+    def __init__(self, rm, attr_bytes):
         self.rm = rm
         self.prefix = rm.prefixes[1]
         self.indexed = frozenset(rm.per_replica_outputs)
-        self._attrs = {}     # id(attr proto) -> (serialized attrs, proto) when no hole
+        self._attrs = attr_bytes   # id(attr proto) -> (serialized attrs, proto), as graph_io's
         self._literal = {}   # input or control string -> its serialized field
 
     def value(self, kind, k):

@@ -65,7 +65,7 @@ class VariablePlan:
 
 def _plain(value):
     """``dataclasses.asdict`` without its deep copy of every leaf (a plan's leaves are
-    JSON scalars; asdict's copying was a tenth of a 16-replica rewrite)."""
+    JSON scalars; asdict's copying was 4% of a profiled 16-replica rewrite)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):

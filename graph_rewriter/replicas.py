@@ -13,7 +13,7 @@ Template replicas: replicas 1..R-1 are identical up to their name prefix, their 
 and host, and the batch slice they read. When ``template`` is set, the IR builds only
 replicas 0 and 1 (``built``), and replica 1 stands for every replica from 1 on: the
 export writes its nodes once per replica, substituting the prefix, the device and the
-replica-relative output index (see graph_io), and expands every reference a single
+replica-relative output index (see replica_export), and expands every reference a single
 node makes to a replica-1 node into references to all of them. Passes loop over
 ``built``; everything that depends on the replica count (group sizes, split counts,
 means) reads ``num_local``/``group_size``, which always count every replica.
@@ -21,6 +21,7 @@ means) reads ``num_local``/``group_size``, which always count every replica.
 
 import dataclasses
 
+from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL, UNKNOWN_REPLICA
 
 
@@ -64,6 +65,13 @@ class ReplicaMap:
     def node(self, graph, replica, original):
         """Replica ``replica``'s copy of original node ``original`` (the global node itself
         when it was not cloned), or None if neither exists."""
+        if replica >= 2 and self.template:
+            # replica k > 1 exists only in the export; falling back to the global node
+            # here would silently wire it to the master
+            raise GraphRewriteError(
+                f"internal: replica {replica}'s copy of '{original}' was asked for, but only "
+                "replicas 0 and 1 are built (ReplicaMap.template)",
+                hint="loop over ReplicaMap.built, or rewrite with materialize_replicas=True")
         n = graph.get(self.prefixes[replica] + original)
         return n if n is not None else graph.get(original)
 

@@ -176,3 +176,20 @@ def test_every_replica_is_built_where_a_template_does_not_apply(kw):
 def test_materialize_replicas_must_be_a_bool():
     with pytest.raises(gr.GraphRewriteError, match="materialize_replicas must be True or False"):
         gr.rewrite(examples.build("mlp", "sgd").graph_def, devices_per_worker=4, materialize_replicas="yes")
+
+
+def test_asking_for_an_unbuilt_replica_is_an_error_not_the_master():
+    """A pass that looped over every replica instead of ReplicaMap.built would get the
+    master's node for replica 2 (the fallback for nodes that were never cloned) and wire
+    replica 2's ops to it: the map refuses instead."""
+    from graph_rewriter import graph_io
+    from graph_rewriter.replicas import ReplicaMap
+    graph = graph_io.load_graph(examples.build("mlp", "sgd").graph_def)
+    rm = ReplicaMap(prefixes=["", "replica_1/", "replica_2/"], devices=["/cpu:0"] * 3,
+                    hosts=["/cpu:0"] * 3, global_device="/cpu:0", template=True)
+    assert list(rm.built) == [0, 1]
+    assert rm.node(graph, 0, "loss").name == "loss"
+    with pytest.raises(gr.GraphRewriteError, match="replica 2's copy of 'loss'.*only replicas 0 and 1"):
+        rm.node(graph, 2, "loss")
+    with pytest.raises(gr.GraphRewriteError, match="ReplicaMap.built"):
+        rm.tensor(graph, 2, "loss:0")

@@ -103,7 +103,9 @@ def _fan_in_node_def(n, rm, prefix, replicas):
     """The NodeDef of a single node, each reference to a template node expanded to every
     replica's copy; list arguments' length attributes follow their inputs."""
     nd = node_def_pb2.NodeDef()
-    nd.CopyFrom(n._def)
+    nd.CopyFrom(n._def)   # the attribute proto: its name, op, device and inputs are stale
+    nd.ClearField("input")
+    nd.ClearField("device")
     nd.name = n._name
     nd.op = n.op
     if n.device:

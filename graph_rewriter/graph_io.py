@@ -11,13 +11,13 @@ import tempfile
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
-from tensorflow.core.framework import attr_value_pb2, graph_pb2
+from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import COLOCATION_ATTR, GraphItem, Node, Tensor
 from graph_rewriter.replica_export import write_replicated_nodes
-from graph_rewriter.wire import SHORT, VARINTS, attrs_bytes, encode_varint, string_field, varint
+from graph_rewriter.wire import SHORT, VARINTS, attrs_bytes, colocation_entry, encode_varint, string_field, varint
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-/>]*$")
 TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
@@ -281,13 +281,8 @@ def nodes_bytes(nodes, out, attr_bytes=None):
 
 
 def _colocation_entry(targets):
-    """The attr map entry ``_class: {list {s: "loc:@name" ...}}`` as NodeDef field 5."""
-    value = attr_value_pb2.AttrValue()
-    value.list.s.extend(("loc:@" + (t._name if isinstance(t, Node) else t)).encode() for t in targets)
-    entry = string_field(b"\x0a", COLOCATION_ATTR)
-    v = value.SerializeToString(deterministic=True)
-    entry += b"\x12" + varint(len(v)) + v
-    return b"\x2a" + varint(len(entry)) + entry
+    """The ``_class`` attr entry of colocation targets (Nodes, or unresolved names)."""
+    return colocation_entry([t._name if isinstance(t, Node) else t for t in targets])
 
 
 def to_meta_graph_def(item):

@@ -26,8 +26,9 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from graph_rewriter import opdefs
+from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import COLOCATION_ATTR, UNKNOWN_REPLICA, Node
-from graph_rewriter.wire import attrs_bytes, string_field, varint
+from graph_rewriter.wire import attrs_bytes, colocation_entry, string_field, varint
 
 PREFIX, INDEX, DEVICE, HOST = range(4)   # kinds of hole
 _RENAMED_ATTRS = ("shared_name", "frame_name")   # made per replica by the replicate pass
@@ -202,8 +203,10 @@ class _TemplateRenderer:
                 items.append((PREFIX, b"\x1a", b"", (name[cut:] + (f":{t.index}" if t.index else "")).encode()))
             elif name in self.indexed:
                 if t.index != 1:
-                    raise AssertionError(f"template node {n.name} reads output {t.index} of "
-                                         f"per-replica output {name}, expected output 1")
+                    raise GraphRewriteError(
+                        f"internal: template node '{n.name}' reads output {t.index} of the "
+                        f"per-replica output '{name}', expected output 1 (replica 1's)",
+                        hint="rewrite with materialize_replicas=True")
                 items.append((INDEX, b"\x1a", f"{name}:".encode(), b""))
             else:
                 items.append(self._field(name if t.index == 0 else f"{name}:{t.index}"))
@@ -259,9 +262,12 @@ class _TemplateRenderer:
 
     def _colocation(self, n, items):
         prefix, cut = self.prefix, len(self.prefix)
+        names = [t._name if isinstance(t, Node) else t for t in n._colocate]
+        if not any(name.startswith(prefix) for name in names):
+            items.append(colocation_entry(names))
+            return
         targets = []
-        for t in n._colocate:
-            name = t._name if isinstance(t, Node) else t
+        for name in names:
             if name.startswith(prefix):
                 targets.append((PREFIX, b"\x12", b"loc:@", name[cut:].encode()))
             else:

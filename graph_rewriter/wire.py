@@ -1,7 +1,9 @@
 """Protobuf wire-format primitives for writing serialized GraphDefs directly (the
 export assembles bytes instead of building message objects; see graph_io)."""
 
-from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2
+
+from graph_rewriter.ir import COLOCATION_ATTR
 
 
 def encode_varint(n):
@@ -27,6 +29,16 @@ def string_field(tag, text):
     """A length-delimited field: ``tag`` (the field's key byte), length, UTF-8 text."""
     data = text.encode("utf-8")
     return tag + varint(len(data)) + data
+
+
+def colocation_entry(names):
+    """The NodeDef attr-map entry ``_class: {list {s: "loc:@name" ...}}`` (field 5)."""
+    value = attr_value_pb2.AttrValue()
+    value.list.s.extend(("loc:@" + name).encode() for name in names)
+    entry = string_field(b"\x0a", COLOCATION_ATTR)
+    v = value.SerializeToString(deterministic=True)
+    entry += b"\x12" + varint(len(v)) + v
+    return b"\x2a" + varint(len(entry)) + entry
 
 
 def attrs_bytes(d):

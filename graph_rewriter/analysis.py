@@ -131,19 +131,28 @@ class GradientCut:
     linear: bool = False
     source: str = "fused-op"
     role: str = "gradient"        # "gradient" | "state"
+    # Set when the cut was moved back from where the updates receive the gradient to
+    # where the backward pass produces it: the tensors the updates received, and the op
+    # types of the post-processing between (clipping, unscaling, all-finite conds, ...).
+    received: list = dataclasses.field(default_factory=list)
+    post_processing: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class Analysis:
     variables: dict               # name -> Variable, in graph order
     cuts: list                    # GradientCut, in graph order of their values' producers
-    batch_inputs: list            # Tensor: the global batch, split across replicas
+    batch_inputs: list            # Tensor: the batch data, split (or drawn) per replica
     broadcast_inputs: list        # Tensor: fed or read once, the same for every replica
     variant: set                  # nodes whose value depends on a batch input (cuts applied)
     init_ops: list                # NoOp nodes that run variable initializers
     saver_nodes: set              # nodes of the Saver's save/restore subgraphs
     input_pipeline: set           # tf.data dataset and iterator nodes
     step_counters: list           # names of step-counter variables
+    # batch inputs with a static first dimension: tensor name -> that dimension (None for
+    # an iterator output without one, drawn with the rest of its element). Each replica
+    # takes its own batch of them (see _find_inputs).
+    static_batch: dict = dataclasses.field(default_factory=dict)
 
     @property
     def trainable(self):
@@ -246,7 +255,7 @@ class _Analyzer:
         cuts.sort(key=lambda c: self.position[c.values.node])
         return Analysis(
             variables=self.variables, cuts=cuts, batch_inputs=batch,
-            broadcast_inputs=broadcast, variant=variant, init_ops=init_ops,
+            broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
             step_counters=[v.name for v in self.variables.values() if v.role == "step"])
 
@@ -307,23 +316,50 @@ class _Analyzer:
         return absorb_exclusive_ancestors(seeds, keep_out=lambda n: n.op in VARIABLE_OPS)
 
     def _find_inputs(self):
-        """Batch inputs (split across replicas) and broadcast inputs (shared by all)."""
-        batch, broadcast = [], []
+        """Batch inputs (split across replicas) and broadcast inputs (shared by all).
+
+        Inputs whose first dimension is unknown are the batch. A graph with none has
+        static batches: then every output of an iterator, and every plain placeholder of
+        rank >= 1 whose first dimension is the batch size (the first dimension most
+        static inputs share; the earliest wins a tie), is a batch input taken per replica
+        (``self.static_batch``); other placeholders (a [num_classes] weight vector) are
+        broadcast. A PlaceholderWithDefault stays broadcast: its default has its shape."""
+        found = []   # (tensor, "dynamic" | "placeholder" | "iterator" | "broadcast", first dim)
         for n in self.order:
             if n.op in PLACEHOLDERS:
                 if not n._consumers:
                     continue
                 shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
-                t = Tensor(n, 0)
-                (batch if shape and shape[0] == -1 else broadcast).append(t)
+                if shape and shape[0] == -1:
+                    found.append((Tensor(n, 0), "dynamic", None))
+                elif shape and n.op != "PlaceholderWithDefault":
+                    found.append((Tensor(n, 0), "placeholder", shape[0]))
+                else:
+                    found.append((Tensor(n, 0), "broadcast", None))
             elif n.op in ITERATOR_GET_NEXT:
                 shapes = n.attr["output_shapes"].list.shape if "output_shapes" in n.attr else []
                 for i, s in enumerate(shapes):
                     shape = _shape_of(s)
-                    t = Tensor(n, i)
                     if not n.consumers(i):
                         continue
-                    (batch if shape and shape[0] == -1 else broadcast).append(t)
+                    if shape and shape[0] == -1:
+                        found.append((Tensor(n, i), "dynamic", None))
+                    else:
+                        found.append((Tensor(n, i), "iterator", shape[0] if shape else None))
+        self.static_batch = {}
+        if any(kind == "dynamic" for _, kind, _ in found):
+            batch = [t for t, kind, _ in found if kind == "dynamic"]
+            broadcast = [t for t, kind, _ in found if kind != "dynamic"]
+            return batch, broadcast
+        sizes = [dim for _, kind, dim in found if kind in ("placeholder", "iterator") and dim is not None]
+        size = max(sizes, key=lambda d: (sizes.count(d), -sizes.index(d))) if sizes else None
+        batch, broadcast = [], []
+        for t, kind, dim in found:
+            if kind == "iterator" or (kind == "placeholder" and dim == size):
+                batch.append(t)
+                self.static_batch[t.name] = dim
+            else:
+                broadcast.append(t)
         return batch, broadcast
 
     # ---- gradient cuts ---------------------------------------------------------------
@@ -396,6 +432,7 @@ class _Analyzer:
                 continue
             grad = _walk_to_gradient(value, variant_mid, batch)
             add(GradientCut(values=grad, kind="dense", source="assign-walk"), n, var)
+        cuts = self._hoist(cuts, batch, variant0)
         # Cuts found through scatters and assigns name their variable: the one the batch
         # computation reads (the trainable one), else the first written.
         out = list(cuts.values())
@@ -404,6 +441,90 @@ class _Analyzer:
                 cut.variable = self._primary_variable(cut, variant_mid)
         self._check_one_optimizer(out)
         return out
+
+    # ---- moving cuts back to the backward pass ------------------------------------------
+    def _hoist(self, cuts, batch, variant0):
+        """Moves every cut from where an update receives its gradient to where the
+        backward pass produces it, so that what runs in between (global-norm and
+        per-tensor clipping, loss-scale unscaling, all-finite checks and the conditional
+        apply they drive, weight decay) runs on averaged gradients and decides the same
+        on every replica, as one device does.
+
+        Walking back from each cut through post-processing ops (element-wise math,
+        predicates, v1 cond routing, the densification of IndexedSlices) ends at
+        "stops": tensors made by other ops (a MatMul, a reduction, an AddN: what backprop
+        and statistics produce). The stops that depend on no other stop are averaged
+        first; a stop that still depends on the batch once they are (a batch variance
+        next to its mean) is averaged too. Each cut then moves to the one averaged stop
+        it reaches; a cut that reaches none (a loss scale updated from the all-finite
+        check of every gradient) needs no averaging of its own. Hints stay as given."""
+        walks = {}
+        for key, cut in cuts.items():
+            if cut.source == "hint":
+                continue
+            walk = _PostProcessingWalk(variant0, batch)
+            if cut.kind == "sparse":
+                stops = walk.sparse(cut.values, cut.indices, cut.deduplicated)
+            else:
+                stops = walk.dense(cut.values)
+            if stops != {key}:
+                walks[key] = (stops, walk.ops)
+        if not walks:
+            return cuts
+        averaged = self._averaged_stops(walks, cuts, batch, variant0)
+        out = {}
+        for key, cut in cuts.items():
+            if key not in walks:
+                out.setdefault(key, cut)
+                continue
+            stops, ops = walks[key]
+            reached = [k for k in stops if k in averaged]
+            if not reached:
+                continue      # the batch reaches these writes only through other cuts
+            if len(reached) > 1:
+                out.setdefault(key, cut)   # several backward outputs meet: keep the join
+                continue
+            values, indices = new_key = reached[0]
+            moved = out.get(new_key)
+            if moved is None:
+                moved = out[new_key] = dataclasses.replace(
+                    cut, values=values, indices=indices, kind="sparse" if indices is not None else "dense",
+                    deduplicated=indices is not None and _dedup_pair(indices) is not None,
+                    linear=False, variables=[], received=[], post_processing=[])
+            elif moved.variable is None:
+                moved.variable = cut.variable
+            for name in cut.variables:
+                if name not in moved.variables:
+                    moved.variables.append(name)
+            moved.received = sorted(set(moved.received) | {t.name for t in key if t is not None})
+            moved.post_processing = sorted(set(moved.post_processing) | ops)
+        return out
+
+    def _averaged_stops(self, walks, cuts, batch, variant0):
+        """The stops to average: those downstream of no other stop, then any stop that
+        still depends on the batch once those are averaged (until none does)."""
+        keys = set()
+        for key, cut in cuts.items():
+            keys |= walks[key][0] if key in walks else {key}
+        nodes = {}        # a sparse key's ids always depend on the batch: its rows decide
+        for k in keys:
+            nodes.setdefault(k[0].node, set()).add(k)
+        last = max(self.position.get(n, 0) for n in nodes)
+        downstream = set()
+        for n in nodes:   # stops reached from another stop
+            for d in _descendants_within(n, variant0, self.position, last):
+                if d is not n and d in nodes:
+                    downstream |= nodes[d]
+        averaged = keys - downstream
+        while True:
+            tensors = {t for k in averaged for t in k if t is not None}
+            variant = variant_nodes(batch, tensors)
+            more = {k for k in keys - averaged if k[0].node in variant or k[0] in batch}
+            if not more:
+                return averaged
+            # the earliest first: a later one may depend on it
+            first = min(more, key=lambda k: self.position.get(k[0].node, 0))
+            averaged.add(first)
 
     def _apply_hints(self, add):
         for var_name, grad in self.hints.items():
@@ -604,6 +725,106 @@ def _gathered_variable(indices):
         elif n.op == "ConcatV2":
             stack.extend(n._inputs[:-1])
     return None
+
+
+# Ops that post-process gradients between the backward pass and the updates, and that
+# the walk from an update back to the backward pass goes through: element-wise math,
+# predicates, and the v1 cond routing (Switch/Merge) of a conditional apply.
+POST_PROCESSING = ELEMENTWISE | frozenset((
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Select", "SelectV2", "IsFinite", "IsNan",
+    "IsInf", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
+    "LogicalOr", "LogicalNot", "Floor", "Ceil", "Round", "Rint", "Reciprocal", "Inv",
+    "ZerosLike", "OnesLike", "Xdivy", "Xlogy", "Softplus", "Erf"))
+
+
+class _PostProcessingWalk:
+    """Walks back from a tensor an update receives through post-processing ops to the
+    tensors the backward pass produced (the "stops"), following only inputs that depend
+    on the batch. A stop is a key of a cut: (values, None) dense, (values, indices)
+    sparse. ``ops`` collects the op types walked through."""
+
+    def __init__(self, variant, batch):
+        self.variant, self.batch = variant, batch
+        self.ops = set()
+
+    def _live(self, t):
+        return t.node in self.variant or t in self.batch
+
+    def _walkable(self, n):
+        if n.op not in POST_PROCESSING:
+            return False
+        if n.op in ("Switch", "RefSwitch"):   # a while loop's, not a cond's
+            return n._inputs[1].node.op != "LoopCond"
+        if n.op in ("Merge", "RefMerge"):
+            return not any(t.node.op in ("NextIteration", "RefNextIteration") for t in n._inputs)
+        return True
+
+    def dense(self, start):
+        stops, seen, stack = set(), {start}, [start]
+        while stack:
+            t = stack.pop()
+            n = t.node
+            if n.op == "UnsortedSegmentSum" and t.index == 0:
+                stops |= self._densified(t)
+                continue
+            if t in self.batch or not self._walkable(n):
+                stops.add((t, None))
+                continue
+            self.ops.add(n.op)
+            for u in n._inputs:
+                if u not in seen and self._live(u):
+                    seen.add(u)
+                    stack.append(u)
+        return stops
+
+    def _densified(self, t):
+        """The dense tensor of IndexedSlices (tf.convert_to_tensor sums the rows into
+        their ids): when its rows were post-processed (clipped), the stop is the rows
+        the backward pass produced, with their ids."""
+        n = t.node
+        values, ids = n._inputs[0], n._inputs[1]
+        if not self._live(values):
+            return {(t, None)}
+        inner = self.dense(values)
+        if inner == {(values, None)} or not self._live(ids):
+            return {(t, None)}
+        self.ops.add("UnsortedSegmentSum")
+        ids = _strip_identity(ids)
+        return {(v, ids) for v, _ in inner}
+
+    def sparse(self, values, indices, deduplicated):
+        """Stops of a sparse cut: its rows walked back (through the optimizer's
+        deduplication, when there is post-processing before it), with their ids."""
+        raw = _raw_rows(values, indices) if deduplicated else None
+        start_values, start_indices = raw if raw is not None else (values, indices)
+        stops = self.dense(start_values)
+        if stops == {(start_values, None)}:
+            return {(values, indices)}
+        out = set()
+        for v, i in stops:
+            out.add((v, i if i is not None else start_indices))
+        return out
+
+
+def _raw_rows(values, indices):
+    """(rows, ids) before an optimizer's deduplication (Unique + UnsortedSegmentSum)."""
+    t = _strip_identity(indices)
+    if t.node.op not in ("Unique", "UniqueV2") or values.node.op != "UnsortedSegmentSum":
+        return None
+    return values.node._inputs[0], _strip_identity(t.node._inputs[0])
+
+
+def _descendants_within(node, region, position, last):
+    """Nodes reached from ``node`` through data edges inside ``region``, not past the
+    topological position ``last``."""
+    out, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        for c, _ in n._consumers:
+            if c not in out and c in region and position.get(c, last + 1) <= last:
+                out.add(c)
+                stack.append(c)
+    return out
 
 
 def _strip_identity(t):

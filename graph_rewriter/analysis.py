@@ -153,6 +153,9 @@ class Analysis:
     # an iterator output without one, drawn with the rest of its element). Each replica
     # takes its own batch of them (see _find_inputs).
     static_batch: dict = dataclasses.field(default_factory=dict)
+    # groups of cut variables whose gradients meet in post-processing before the updates
+    # (a global norm couples every gradient it reads): they must be averaged alike
+    coupled: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -251,9 +254,12 @@ class _Analyzer:
         variant = variant_nodes(seeds, cut_tensors)
         self._check_updates_invariant(variant)
         self._assign_roles(cuts, variant)
+        self._check_cuts_independent(cuts, variant)
         init_ops = self._find_initializers()
         cuts.sort(key=lambda c: self.position[c.values.node])
+        coupled = self._coupled(cuts, variant)
         return Analysis(
+            coupled=coupled,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -467,7 +473,7 @@ class _Analyzer:
                 stops = walk.sparse(cut.values, cut.indices, cut.deduplicated)
             else:
                 stops = walk.dense(cut.values)
-            if stops != {key}:
+            if stops != {key} and not walk.affine:
                 walks[key] = (stops, walk.ops)
         if not walks:
             return cuts
@@ -578,6 +584,69 @@ class _Analyzer:
                     f"updated by two optimizers", hint="give each variable one optimizer, or "
                     "name its gradient with gradients={variable: tensor}")
             seen[cut.variable] = cut
+
+    def _check_cuts_independent(self, cuts, variant):
+        """No cut may depend on another cut's average: the collective that averages it
+        would wait for its own result (a cycle), or average a value that is already
+        global. Every reader of a gradient cut reads its average; a statistic's (state)
+        cut is read averaged only on the way to its update, so only gradient cuts count."""
+        by_node = {}
+        for c in cuts:
+            by_node.setdefault(c.values.node, []).append(c)
+        last = max(self.position[n] for n in by_node)
+        for c in cuts:
+            if c.role != "gradient":
+                continue
+            stack, seen = [r for r, _ in c.values.node.consumers(c.values.index)], set()
+            while stack:
+                n = stack.pop()
+                if n in seen or self.position.get(n, last + 1) > last:
+                    continue
+                seen.add(n)
+                for other in by_node.get(n, ()):
+                    if other is not c:
+                        raise GraphRewriteError(
+                            f"the gradient of variable '{other.variable}' ('{other.values.name}') is "
+                            f"computed from the gradient of variable '{c.variable}' "
+                            f"('{c.values.name}'): averaging both across replicas would average "
+                            "an average, and graph_rewriter cannot tell which one the backward "
+                            "pass produced",
+                            hint="name each variable's gradient as the backward pass produces it: "
+                                 "rewrite(..., gradients={'%s': 'tensor:0', ...})" % other.variable)
+                stack.extend(r for r, _ in n._consumers)
+
+    def _coupled(self, cuts, variant):
+        """Groups of cuts whose averaged gradients meet before the updates (a global norm,
+        an all-finite check): the nodes downstream of each cut, up to the variable writes,
+        are claimed by the first cut that reaches them; a cut reaching a claimed node joins
+        that cut's group."""
+        writers = {n for n, _, _ in self.writes}
+        parent = list(range(len(cuts)))
+
+        def root(i):
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner = {}
+        for i, c in enumerate(cuts):
+            stack = [r for r, _ in c.values.node.consumers(c.values.index)]
+            while stack:
+                n = stack.pop()
+                if n in variant:
+                    continue
+                o = owner.get(n)
+                if o is not None:
+                    parent[root(i)] = root(o)
+                    continue
+                owner[n] = i
+                if n not in writers:
+                    stack.extend(r for r, _ in n._consumers)
+        groups = {}
+        for i, c in enumerate(cuts):
+            groups.setdefault(root(i), []).append(c.variable)
+        return [g for g in groups.values() if len(g) > 1]
 
     def _check_updates_invariant(self, variant):
         """Every write to a variable must now be the same on every replica."""
@@ -743,9 +812,15 @@ class _PostProcessingWalk:
     on the batch. A stop is a key of a cut: (values, None) dense, (values, indices)
     sparse. ``ops`` collects the op types walked through."""
 
+    # Ops through which the average is taken as well before as after: the batch reaches
+    # them through one input, and they are affine in it (x*c, x/c, x+c, -x, casts).
+    AFFINE = frozenset(("Identity", "Snapshot", "StopGradient", "Cast", "Neg", "Mul", "RealDiv",
+                        "Div", "AddV2", "Add", "Sub"))
+
     def __init__(self, variant, batch):
         self.variant, self.batch = variant, batch
         self.ops = set()
+        self.affine = True     # every op walked through is affine in its one live input
 
     def _live(self, t):
         return t.node in self.variant or t in self.batch
@@ -771,8 +846,12 @@ class _PostProcessingWalk:
                 stops.add((t, None))
                 continue
             self.ops.add(n.op)
-            for u in n._inputs:
-                if u not in seen and self._live(u):
+            live = [u for u in n._inputs if self._live(u)]
+            if (n.op not in self.AFFINE or len(live) != 1
+                    or (n.op in ("RealDiv", "Div") and live[0] is not n._inputs[0])):
+                self.affine = False
+            for u in live:
+                if u not in seen:
                     seen.add(u)
                     stack.append(u)
         return stops
@@ -787,6 +866,8 @@ class _PostProcessingWalk:
             return {(t, None)}
         inner = self.dense(values)
         if inner == {(values, None)} or not self._live(ids):
+            return {(t, None)}
+        if self.affine:
             return {(t, None)}
         self.ops.add("UnsortedSegmentSum")
         ids = _strip_identity(ids)

@@ -11,7 +11,7 @@ passes asked for, and names the failing pass and the passes before it in any err
 import os
 import time
 
-from graph_rewriter import graph_io
+from graph_rewriter import graph_io, verifier
 from graph_rewriter.errors import GraphRewriteError
 
 
@@ -96,6 +96,8 @@ class PassManager:
                 self._dump(graph, ctx, p)
         if self.verifier is not None and not self.verify_each:
             self._verify(graph, ctx, self.passes[-1] if self.passes else None, done)
+        if self.verifier is not None and self.passes:
+            self._verify(graph, ctx, self.passes[-1], done, verifier.check_collectives_run)
         return PassResult(graph, changed)
 
     def _where(self, p, done):

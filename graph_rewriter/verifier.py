@@ -196,6 +196,49 @@ def _check_collectives(graph):
                 f"but has size {size}")
 
 
+def check_collectives_run(graph, ctx=None):
+    """Every replica's copy of a collective runs when the ops that run a step run: a
+    collective whose copy in another replica is not reached from the same root op (the
+    train op, the init op) would wait for that copy forever. Checked once, on the final
+    graph: it follows every edge back from the graph's roots."""
+    rm = getattr(graph, "replicas", None)
+    if rm is None or rm.num_local < 2:
+        return
+    members = {}
+    for n in graph._nodes.values():
+        if n.op in COLLECTIVES:
+            r = rm.replica_of(graph, n._name)
+            if r is None:
+                continue
+            prefix = rm.prefixes[r]
+            members.setdefault(n._name[len(prefix):], []).append(n)
+    if not members:
+        return
+    roots = [n for n in graph._nodes.values() if not n._consumers and not n._control_consumers]
+    bit = {n: 1 << i for i, n in enumerate(roots)}
+    reached = {}
+    for n in reversed(any_topological_order(graph)):
+        r = bit.get(n, 0)
+        for c, _ in n._consumers:
+            r |= reached.get(c, 0)
+        for c in n._control_consumers:
+            r |= reached.get(c, 0)
+        reached[n] = r
+    for name, copies in members.items():
+        first = reached[copies[0]]
+        for other in copies[1:]:
+            missing = first ^ reached[other]
+            if missing:
+                root = next(n for n in roots if bit[n] & missing)
+                runs, idle = (copies[0], other) if bit[root] & first else (other, copies[0])
+                raise GraphRewriteError(
+                    f"running '{root.name}' runs collective '{runs.name}' but not its copy "
+                    f"'{idle.name}' in another replica, so the step would wait for it until "
+                    f"the timeout", hint="this is a graph_rewriter bug for this graph's "
+                    "structure: please report it; meanwhile strategy allreduce or a gradients= "
+                    "hint may avoid it")
+
+
 def _check_replica_isolation(graph):
     replicas = getattr(graph, "replicas", None)
     if replicas is None or replicas.num_local < 2:

@@ -62,9 +62,17 @@ class ReplicatePass(Pass):
         shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
         clones_of_roots = []
+        # A replica's node read only by nodes that exist once (global_step's bump after
+        # the mirrored updates, under strategy ps) has copies nothing would run: the other
+        # replicas' updates and the collectives they wait for. The readers wait for every
+        # replica's copy.
+        waits = _read_only_by_global(cloned, global_nodes)
         for i in rm.built[1:]:
             prefix = rm.prefixes[i]
             mapping = graph.clone_nodes(cloned, prefix)
+            for n, readers in waits:
+                for reader in readers:
+                    reader.add_control_input(mapping[n])
             for n in shared_name_nodes:
                 mapping[n].set_attr("shared_name", prefix.encode() + n.attr["shared_name"].s)
             for n in frame_nodes:
@@ -85,6 +93,16 @@ class ReplicatePass(Pass):
                  + (" (replica 1 built, the template of the others)" if rm.template else "")
                  + f", {len(global_nodes)} global, {len(roots)} root ops run every replica")
         return True
+
+
+def _read_only_by_global(cloned, global_nodes):
+    """[(cloned node, its readers)] for cloned nodes all of whose readers are global."""
+    out = []
+    for n in cloned:
+        readers = list(dict.fromkeys([c for c, _ in n._consumers] + list(n._control_consumers)))
+        if readers and all(r in global_nodes for r in readers):
+            out.append((n, readers))
+    return out
 
 
 def use_template(ctx, rm):
@@ -136,9 +154,23 @@ def _global_nodes(graph, analysis, plan):
                 stack.extend(c for c, _ in n._consumers)
     region |= updates
     variant = analysis.variant
+    # What is computed from an all-reduced or gathered gradient (post-processing, the
+    # mirrored updates) runs on every replica, from that replica's average.
+    per_replica = set()
+    stack = []
+    for cut in analysis.cuts:
+        if plan.cut(cut.variable).sync != "accumulate":
+            stack += [c for c, _ in gradient_readers(cut.values, cut.indices)]
+    while stack:
+        n = stack.pop()
+        if n not in per_replica:
+            per_replica.add(n)
+            stack.extend(c for c, _ in n._consumers)
+            stack.extend(n._control_consumers)
 
     def keep_out(n):
-        return n in variant or n in mirrored or n.op in ("VarHandleOp", "VariableV2")
+        return (n in variant or n in mirrored or n in per_replica
+                or n.op in ("VarHandleOp", "VariableV2"))
 
     order = topological_order(graph) if updates else []
     while True:

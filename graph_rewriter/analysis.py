@@ -473,10 +473,10 @@ class _Analyzer:
                 stops = walk.sparse(cut.values, cut.indices, cut.deduplicated)
             else:
                 stops = walk.dense(cut.values)
-            if stops != {key} and not walk.affine:
-                walks[key] = (stops, walk.ops)
-        if not walks:
-            return cuts
+            moved = stops != {key} and not walk.affine
+            walks[key] = (stops if moved else {key}, walk.ops if moved else set())
+        if all(stops == {key} for key, (stops, _) in walks.items()):
+            return cuts       # no post-processing anywhere: every cut stays
         averaged = self._averaged_stops(walks, cuts, batch, variant0)
         out = {}
         for key, cut in cuts.items():
@@ -484,6 +484,9 @@ class _Analyzer:
                 out.setdefault(key, cut)
                 continue
             stops, ops = walks[key]
+            if stops == {key} and key in averaged:
+                out.setdefault(key, cut)
+                continue
             reached = [k for k in stops if k in averaged]
             if not reached:
                 continue      # the batch reaches these writes only through other cuts
@@ -798,9 +801,10 @@ def _gathered_variable(indices):
 
 # Ops that post-process gradients between the backward pass and the updates, and that
 # the walk from an update back to the backward pass goes through: element-wise math,
-# predicates, and the v1 cond routing (Switch/Merge) of a conditional apply.
+# predicates, and the v1 cond routing (Switch) into a conditional apply. Not Merge: the
+# gradient of a cond's branch leaves it through one, and is made there.
 POST_PROCESSING = ELEMENTWISE | frozenset((
-    "Switch", "RefSwitch", "Merge", "RefMerge", "Select", "SelectV2", "IsFinite", "IsNan",
+    "Switch", "RefSwitch", "Select", "SelectV2", "IsFinite", "IsNan",
     "IsInf", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
     "LogicalOr", "LogicalNot", "Floor", "Ceil", "Round", "Rint", "Reciprocal", "Inv",
     "ZerosLike", "OnesLike", "Xdivy", "Xlogy", "Softplus", "Erf"))
@@ -830,8 +834,6 @@ class _PostProcessingWalk:
             return False
         if n.op in ("Switch", "RefSwitch"):   # a while loop's, not a cond's
             return n._inputs[1].node.op != "LoopCond"
-        if n.op in ("Merge", "RefMerge"):
-            return not any(t.node.op in ("NextIteration", "RefNextIteration") for t in n._inputs)
         return True
 
     def dense(self, start):

@@ -382,6 +382,7 @@ class _Analyzer:
             if var.name not in existing.variables:
                 existing.variables.append(var.name)
             explained.add(writer)
+            explained.add((writer, var.name))   # a call (a v2 cond) writes several
             return existing
 
         self._apply_hints(add)
@@ -419,7 +420,7 @@ class _Analyzer:
         cut_tensors = {t for key in cuts for t in key if t is not None}
         variant_mid = variant_nodes(batch, cut_tensors)
         for n, var, pos in self.writes:
-            if n in explained or n not in variant_mid:
+            if (n, var.name) in explained or n not in variant_mid:
                 continue
             if n.op in DENSE_ASSIGNS:
                 value = n._inputs[opdefs.input_position(n, "value")]
@@ -427,11 +428,16 @@ class _Analyzer:
                 # A conditional update (Keras BatchNorm's smart_cond around its moving
                 # averages): the batch reaches the body through one data input.
                 dts = opdefs.input_dtypes(n)
-                live = [t for i, t in enumerate(n._inputs)
+                live = [(i, t) for i, t in enumerate(n._inputs)
                         if dts[i] != opdefs.DT_RESOURCE and (t.node in variant_mid or t in batch)]
+                if len(live) > 1:
+                    # A v2 cond around a whole optimizer (skip the step on overflow):
+                    # only the inputs its body writes this variable from count.
+                    feeding = _call_inputs_feeding(n, self.g.library, pos)
+                    live = [(i, t) for i, t in live if feeding is None or i in feeding]
                 if len(live) != 1:
                     continue  # left for the final check to report
-                value = live[0]
+                value = live[0][1]
             else:
                 continue
             if value.node not in variant_mid and value not in batch:
@@ -1029,6 +1035,43 @@ def _function_written_args(node, library):
         for i in args:
             written.add(i + offset)
     return written
+
+
+def _call_inputs_feeding(node, library, resource_pos):
+    """Input positions of a function call (a v2 cond) whose values reach, in any called
+    body, an op that writes the resource passed at ``resource_pos``; None if a body
+    is not in the library."""
+    if library is None:
+        return None
+    fn_names = [node.attr[k].func.name for k in ("then_branch", "else_branch", "f")
+                if k in node.attr and node.attr[k].HasField("func")]
+    if "branches" in node.attr:
+        fn_names += [f.name for f in node.attr["branches"].list.func]
+    offset = 1 if node.op in ("If", "StatelessIf", "Case", "StatelessCase") else 0
+    index, _ = _library_index(node, library)
+    out = set()
+    for name in fn_names:
+        fn = index.get(name)
+        if fn is None:
+            return None
+        args = {a.name: i for i, a in enumerate(fn.signature.input_arg)}
+        if not 0 <= resource_pos - offset < len(fn.signature.input_arg):
+            return None
+        var_arg = fn.signature.input_arg[resource_pos - offset].name
+        by_name = {nd.name: nd for nd in fn.node_def}
+        stack = [nd for nd in fn.node_def if nd.op not in READERS and nd.op not in PASS_THROUGH
+                 and any(i.split(":")[0] == var_arg for i in nd.input)]
+        seen = {nd.name for nd in stack}
+        while stack:
+            nd = stack.pop()
+            for inp in nd.input:
+                base = inp.lstrip("^").split(":")[0]
+                if base in args:
+                    out.add(args[base] + offset)
+                elif base in by_name and base not in seen:
+                    seen.add(base)
+                    stack.append(by_name[base])
+    return out
 
 
 def _library_index(node, library):

@@ -27,10 +27,11 @@ RTOL, ATOL = 1e-4, 2e-5
 VARIABLES = ("m/emb", "m/w1", "m/b1", "m/w2")
 
 
-def _build(loss_scale=False, control_flow_v1=False):
+def _build(loss_scale=False, control_flow_v1=False, resource=False):
     """The model; with ``loss_scale`` the gradients of loss * scale are unscaled, checked
     for finiteness and the update runs in tf.cond(all_finite, apply, no_op), the scale
-    halving on overflow (a v1 cond with ``control_flow_v1``)."""
+    halving on overflow (a v1 cond with ``control_flow_v1``, else a v2 If, which
+    assigns only resource variables)."""
     if control_flow_v1:
         tf1.disable_control_flow_v2()
     try:
@@ -41,8 +42,8 @@ def _build(loss_scale=False, control_flow_v1=False):
             x = tf1.placeholder(tf.float32, [None, 6], name="x")
             y = tf1.placeholder(tf.float32, [None, 1], name="y")
             step = tf1.get_variable("global_step", [], tf.int64, initializer=tf1.zeros_initializer(),
-                                    trainable=False, use_resource=False)
-            with tf1.variable_scope("m", use_resource=False):
+                                    trainable=False, use_resource=resource)
+            with tf1.variable_scope("m", use_resource=resource):
                 emb = tf1.get_variable("emb", [10, 6], initializer=tf1.random_normal_initializer(seed=1))
                 w1 = tf1.get_variable("w1", [6, 8], initializer=tf1.random_normal_initializer(seed=2))
                 b1 = tf1.get_variable("b1", [8], initializer=tf1.zeros_initializer())
@@ -54,7 +55,7 @@ def _build(loss_scale=False, control_flow_v1=False):
             decayed = tf1.train.polynomial_decay(0.05, step, 100, 0.0, power=1.0)
             lr = tf1.where(step < 3, 0.05 * tf.cast(step + 1, tf.float32) / 3.0, decayed)
             if loss_scale:
-                scale = tf1.get_variable("loss_scale", initializer=64.0, trainable=False, use_resource=False)
+                scale = tf1.get_variable("loss_scale", initializer=64.0, trainable=False, use_resource=resource)
                 grads = [tf.convert_to_tensor(t) / scale for t in tf.gradients(loss * scale, tvars)]
                 finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in grads])
             else:
@@ -62,9 +63,9 @@ def _build(loss_scale=False, control_flow_v1=False):
             clipped, norm = tf.clip_by_global_norm(grads, 1.0)
             tf.identity(norm, name="global_norm_value")
             slots = {p.op.name: (tf1.get_variable(p.op.name + "/adam_m", p.shape, trainable=False,
-                                                  initializer=tf1.zeros_initializer(), use_resource=False),
+                                                  initializer=tf1.zeros_initializer(), use_resource=resource),
                                  tf1.get_variable(p.op.name + "/adam_v", p.shape, trainable=False,
-                                                  initializer=tf1.zeros_initializer(), use_resource=False))
+                                                  initializer=tf1.zeros_initializer(), use_resource=resource))
                      for p in tvars}
 
             def adamw():
@@ -90,14 +91,14 @@ def _build(loss_scale=False, control_flow_v1=False):
             with tf.control_dependencies([applied]):
                 bump = step.assign_add(1)
             tf.group(bump, name="train_op")
-            names = [v.op.name for v in tf1.global_variables()]
+            reads = {v.op.name: examples._read_tensor_name(v) for v in tf1.global_variables()}
             tf1.variables_initializer(tf1.global_variables(), name="init")
     finally:
         if control_flow_v1:
             tf1.enable_control_flow_v2()
     return examples.Example(graph_def=g.as_graph_def(), model="clipped_adamw", optimizer="adamw",
-                            resource=False, feeds=["ids:0", "x:0", "y:0"],
-                            variables={n: n + ":0" for n in names})
+                            resource=resource, feeds=["ids:0", "x:0", "y:0"],
+                            variables=reads)
 
 
 def _feed(step, overflow=False):
@@ -112,20 +113,22 @@ def _feed(step, overflow=False):
 
 @functools.lru_cache(maxsize=None)
 def _model(loss_scale=False):
-    return _build(loss_scale=loss_scale, control_flow_v1=loss_scale)
+    """loss_scale: False, "v1" (a v1 cond, ref variables) or "v2" (an If, resource ones)."""
+    return _build(loss_scale=bool(loss_scale), control_flow_v1=loss_scale == "v1",
+                  resource=loss_scale == "v2")
 
 
 @functools.lru_cache(maxsize=None)
 def _reference(loss_scale=False):
     ex = _model(loss_scale)
-    return examples.run_single(ex, steps=STEPS, feeds=functools.partial(_feed, overflow=loss_scale))
+    return examples.run_single(ex, steps=STEPS, feeds=functools.partial(_feed, overflow=bool(loss_scale)))
 
 
 def _rewritten(strategy, r, loss_scale=False, **options):
     ex = _model(loss_scale)
     result = gr.rewrite(ex.graph_def, devices_per_worker=r, device_type="CPU", strategy=strategy,
                         timeout_seconds=60, **options)
-    return examples.run_rewritten(result, ex, steps=STEPS, feeds=functools.partial(_feed, overflow=loss_scale),
+    return examples.run_rewritten(result, ex, steps=STEPS, feeds=functools.partial(_feed, overflow=bool(loss_scale)),
                                   replica_copies=True)
 
 
@@ -198,12 +201,14 @@ def test_per_replica_clipping_is_caught_by_the_tolerance():
     assert max(loss_diff, var_diff) > 100 * ATOL
 
 
-@pytest.mark.parametrize("strategy, r", [("allreduce", 2), ("hybrid", 2), ("allreduce", 4)])
-def test_loss_scaling_with_a_skipped_overflow_step_equals_one_device(strategy, r):
-    ref = _reference(loss_scale=True)
+@pytest.mark.parametrize("strategy, r, control_flow", [
+    ("allreduce", 2, "v1"), ("hybrid", 2, "v1"), ("allreduce", 4, "v1"),
+    ("allreduce", 2, "v2"), ("hybrid", 2, "v2")])
+def test_loss_scaling_with_a_skipped_overflow_step_equals_one_device(strategy, r, control_flow):
+    ref = _reference(loss_scale=control_flow)
     assert ref[1]["loss_scale"] == 32.0          # the overflow halved the scale once ...
     assert int(ref[1]["global_step"]) == STEPS   # ... and the step counter still counts steps
-    _assert_equal(ref, _rewritten(strategy, r, loss_scale=True))
+    _assert_equal(ref, _rewritten(strategy, r, loss_scale=control_flow))
 
 
 def test_a_gradient_computed_from_another_is_an_error_naming_both():

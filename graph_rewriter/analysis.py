@@ -602,6 +602,8 @@ class _Analyzer:
         by_node = {}
         for c in cuts:
             by_node.setdefault(c.values.node, []).append(c)
+        if not by_node:
+            return
         last = max(self.position[n] for n in by_node)
         for c in cuts:
             if c.role != "gradient":
@@ -889,10 +891,33 @@ class _PostProcessingWalk:
         stops = self.dense(start_values)
         if stops == {(start_values, None)}:
             return {(values, indices)}
+        # the ids were routed like the rows (into a cond branch): take them from before
+        while (start_indices.node.op in ("Identity", "Snapshot", "Switch", "RefSwitch")
+               and self._walkable(start_indices.node)):
+            start_indices = start_indices.node._inputs[0]
         out = set()
         for v, i in stops:
             out.add((v, i if i is not None else start_indices))
         return out
+
+
+def rows_reduced(cut):
+    """True if a sparse cut's rows are read, before their duplicates are summed, by an op
+    that combines rows (the norm of IndexedSlices in clip_by_global_norm): what runs on
+    the rows is then not the same on rows already summed per id."""
+    stack, seen = [cut.values], set()
+    while stack:
+        t = stack.pop()
+        for c, pos in t.node.consumers(t.index):
+            if c in seen:
+                continue
+            seen.add(c)
+            if c.op in ("UnsortedSegmentSum", "Unique", "UniqueV2") or "Apply" in c.op or "Scatter" in c.op:
+                continue
+            if c.op not in POST_PROCESSING:
+                return True
+            stack.extend(c.output(i) for i in range(opdefs.num_outputs(c)))
+    return False
 
 
 def _raw_rows(values, indices):

@@ -15,7 +15,7 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.metadata import METADATA_NODE, read_metadata, read_metadata_of
 from graph_rewriter.pass_manager import PassManager
 from graph_rewriter.plan import Plan
-from graph_rewriter.verifier import verify, verify_changes
+from graph_rewriter.verifier import check_collectives_run, verify, verify_changes
 
 
 class RewriteResult:
@@ -93,7 +93,7 @@ class RewriteResult:
             + (f", {on_ps} on parameter servers" if on_ps else "") + "), "
             f"gradients: {len(dense)} allreduced in {len(plan['packs'])} pack(s), {len(sparse)} allgathered"
             + (f", {len(accumulated)} accumulated on parameter servers" if accumulated else ""),
-            f"batch inputs split across replicas: {', '.join(plan['batch_inputs']) or 'none'}",
+            _inputs_line(plan),
             f"nodes: {self.num_nodes}",
         ]
         if plan.get("accumulation_steps", 1) > 1:
@@ -109,6 +109,17 @@ class RewriteResult:
             lines.append(f"time: {total * 1000:.0f} ms "
                          f"(verify {sum(s for n, s, _ in self.timings if n == 'verify') * 1000:.0f} ms)")
         return "\n".join(lines)
+
+
+def _inputs_line(plan):
+    per_replica = [i for i in plan.get("inputs") or [] if i["mode"] == "per_replica"]
+    split = [n for n in plan["batch_inputs"] if n not in {i["name"] for i in per_replica}]
+    line = f"batch inputs split across replicas: {', '.join(split) or 'none'}"
+    if per_replica:
+        line += "; per replica: " + ", ".join(
+            i["name"] + (f" ({i['static_batch']} rows each, global batch {i['global_batch']})"
+                         if i["static_batch"] is not None else "") for i in per_replica)
+    return line
 
 
 def pipeline(options, cluster):
@@ -130,7 +141,7 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
             timeout_seconds=DEFAULT_TIMEOUT_SECONDS, sync=True, staleness=0,
             ps_shard_bytes=DEFAULT_PS_SHARD_BYTES, verify_each=True, dump_after=(),
             dump_dir=".", log=None, accumulation_steps=1, cost_model=None,
-            materialize_replicas=False):
+            materialize_replicas=False, batch_split="global"):
     """Rewrites a single-device training graph for data-parallel training.
 
     See API.md for the contract. Beyond it: ``bytes_per_pack`` (dense gradients are
@@ -150,7 +161,11 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
     the verifier after every pass), ``dump_after`` (pass names; write the graph after
     them into ``dump_dir``), ``log`` (a callable receiving progress lines),
     ``materialize_replicas`` (build every replica in the IR instead of one template for
-    replicas 1..R-1: the same output graph, slower; for debugging the passes).
+    replicas 1..R-1: the same output graph, slower; for debugging the passes),
+    ``batch_split`` ("global": a batch input with an unknown first dimension is split
+    across the replicas; "per_replica": each replica takes its own batch of it, so a feed
+    holds the replicas' batches concatenated in replica order and an iterator is drawn
+    once per replica. Inputs with a static first dimension are always per replica).
     """
     # The IR allocates many small objects; CPython's cyclic collector would otherwise walk
     # all of TensorFlow's module objects again and again while it does (a third of the
@@ -162,7 +177,7 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
                         bytes_per_pack, compression, sparse_as_dense, merge, gradients,
                         timeout_seconds, sync, staleness, ps_shard_bytes, verify_each,
                         dump_after, dump_dir, log, accumulation_steps, cost_model,
-                        materialize_replicas)
+                        materialize_replicas, batch_split)
     finally:
         if collecting:
             gc.enable()
@@ -171,7 +186,7 @@ def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_w
 def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
              bytes_per_pack, compression, sparse_as_dense, merge, gradients, timeout_seconds,
              sync, staleness, ps_shard_bytes, verify_each, dump_after, dump_dir, log,
-             accumulation_steps, cost_model, materialize_replicas):
+             accumulation_steps, cost_model, materialize_replicas, batch_split):
     started = time.perf_counter()
     plan = None
     if isinstance(strategy, Plan):
@@ -188,7 +203,7 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
         verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir,
         accumulation_steps=accumulation_steps,
         cost_model=CostModel.from_value(cost_model),
-        materialize_replicas=materialize_replicas).validate()
+        materialize_replicas=materialize_replicas, batch_split=batch_split).validate()
     cluster = parse_cluster(cluster_spec, task)
     ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)
     passes = pipeline(options, cluster)
@@ -202,7 +217,7 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
     ctx.info(f"loaded {graph.source}: {len(graph)} nodes in {(time.perf_counter() - t0) * 1000:.1f} ms")
     manager = PassManager(passes, verifier=verify, verify_changes=verify_changes,
                           verify_each=options.verify, dump_after=options.dump_after,
-                          dump_dir=options.dump_dir)
+                          dump_dir=options.dump_dir, verify_final=check_collectives_run)
     manager.run(graph, ctx)
     t0 = time.perf_counter()
     data = graph_io.graph_def_bytes(graph)

@@ -81,6 +81,11 @@ def _add_rewrite_options(p):
     p.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
                    help="sum gradients over K runs of the train op (micro-batches) and apply their "
                         "mean on every K-th (default 1)")
+    p.add_argument("--batch-split", choices=("global", "per_replica"), default="global",
+                   help="inputs with an unknown batch dimension: global (default) splits each fed or "
+                        "drawn batch across the replicas; per_replica gives each replica its own batch "
+                        "(a feed holds the replicas' batches concatenated, an iterator is drawn once per "
+                        "replica). Inputs with a static batch dimension are always per replica")
     costs = p.add_argument_group("cost model (strategy auto)")
     costs.add_argument("--intra-bandwidth", type=float, metavar="GB/S",
                        help="between the devices of one machine (default 12, PCIe 3.0 x16)")
@@ -198,7 +203,8 @@ def _rewrite_kwargs(args):
         merge=_pairs(args.merge, "--merge"), sync=args.sync, staleness=args.staleness,
         ps_shard_bytes=DEFAULT_PS_SHARD_BYTES if args.ps_shard_bytes is None else args.ps_shard_bytes,
         timeout_seconds=DEFAULT_TIMEOUT_SECONDS if args.timeout_seconds is None else args.timeout_seconds,
-        accumulation_steps=args.accumulation_steps, cost_model=_cost_model(args))
+        accumulation_steps=args.accumulation_steps, cost_model=_cost_model(args),
+        batch_split=args.batch_split)
 
 
 def _cost_model(args):

@@ -13,6 +13,7 @@ STRATEGIES = ("allreduce", "ps", "hybrid", "auto")
 DEVICE_TYPES = ("GPU", "CPU")
 COMPRESSIONS = (None, "fp16", "bf16")
 MERGES = ("sum", "mean", "concat", "master")
+BATCH_SPLITS = ("global", "per_replica")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_PS_SHARD_BYTES = 64 * 1024 * 1024
@@ -38,6 +39,11 @@ class Options:
     accumulation_steps: int = 1
     cost_model: object = None        # graph_rewriter.cost_model.CostModel (strategy auto)
     materialize_replicas: bool = False  # build every replica in the IR (no template replica)
+    # inputs with an unknown first dimension: "global" splits the batch fed (or drawn)
+    # across the replicas, "per_replica" gives each replica its own batch (a feed holds the
+    # replicas' batches concatenated; an iterator is drawn once per replica). Inputs with a
+    # static first dimension are always per replica.
+    batch_split: str = "global"
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -90,6 +96,9 @@ class Options:
         if not isinstance(self.materialize_replicas, bool):
             raise GraphRewriteError(
                 f"materialize_replicas must be True or False, got {self.materialize_replicas!r}")
+        if self.batch_split not in BATCH_SPLITS:
+            raise GraphRewriteError(
+                f"unknown batch_split {self.batch_split!r}", hint=f"use one of {', '.join(BATCH_SPLITS)}")
         for name, how in self.merge.items():
             if how not in MERGES:
                 raise GraphRewriteError(

@@ -80,6 +80,9 @@ def report(result, batch_size=None):
             "device": device, "copies": len(copies),
             "shards": [{"ps_task": s["ps_task"], "rows": s["rows"]} for s in shards],
             "costs": (cut or {}).get("costs")})
+    gradients = [{"variable": c["variable"], "averaged_at": c["values"], "indices": c.get("indices"),
+                  "sync": c["sync"], "role": c["role"], "received": c.get("received") or [],
+                  "post_processing": c.get("post_processing") or []} for c in plan["cuts"]]
     collectives = []
     for n in result.graph_def.node:
         if n.op not in COLLECTIVES or any(n.name.startswith(p) for p in prefixes[1:]):
@@ -105,10 +108,11 @@ def report(result, batch_size=None):
         "strategy": plan["strategy"], "num_replicas": r,
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
+        "inputs": _inputs(md, nodes),
         "variables": variables,
         "packs": [{"index": i, "dtype": p["dtype"], "bytes": p["bytes"], "gradients": p["cuts"]}
                   for i, p in enumerate(plan["packs"])],
-        "collectives": collectives,
+        "gradients": gradients, "collectives": collectives,
         "accumulators": accumulators,
         "queues": queues,
         "bytes_per_step_per_replica": {
@@ -128,6 +132,20 @@ def report(result, batch_size=None):
         "passes": md["passes"],
         "nodes": len(result.graph_def.node),
     }
+
+
+def _inputs(md, nodes):
+    """Per batch input: name, kind, mode (split or per_replica), static and global batch.
+    A graph whose inputs are all split carries no "inputs" in its metadata: each is split,
+    with no static batch and the global batch as fed."""
+    if md.get("inputs") is not None:
+        return [dict(i) for i in md["inputs"]]
+    out = []
+    for name in md["batch_inputs"]:
+        node = nodes.get(name.split(":")[0])
+        kind = "iterator" if node is not None and node.op.startswith("IteratorGetNext") else "placeholder"
+        out.append({"name": name, "kind": kind, "mode": "split", "static_batch": None, "global_batch": None})
+    return out
 
 
 def _size(n):
@@ -153,13 +171,38 @@ def format_report(rep):
              f"replicas:   {rep['num_replicas']}"]
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))
-    lines.append(f"batch inputs split across replicas: {', '.join(rep['batch_inputs']) or 'none'}")
+    inputs = rep.get("inputs") or []
+    if not any(i["mode"] == "per_replica" for i in inputs):
+        lines.append(f"batch inputs split across replicas: {', '.join(rep['batch_inputs']) or 'none'}")
+    else:
+        lines.append(f"batch inputs ({len(inputs)}): split divides the batch across replicas, "
+                     "per_replica gives each replica its own batch")
+        width = max(len(i["name"]) for i in inputs)
+        for i in inputs:
+            static = i["static_batch"] if i["static_batch"] is not None else "none"
+            if i["global_batch"] is not None:
+                total = str(i["global_batch"])
+            elif i["mode"] == "per_replica":
+                total = f"{rep['num_replicas']} x the batch"
+            else:
+                total = "as " + ("drawn" if i["kind"] == "iterator" else "fed")
+            lines.append(f"  {i['name']:<{width}}  {i['kind']:<11} {i['mode']:<11}  "
+                         f"static batch {static}, global batch {total}")
     lines.append("variables:")
     width = max([len(v["name"]) for v in rep["variables"]] + [8])
     for v in rep["variables"]:
         shape = "x".join(str(d) for d in v["shape"]) if v["shape"] is not None else "?"
         lines.append(f"  {v['name']:<{width}}  {v['role']:<9} {v['dtype']:<8} {shape:<12} "
                      f"{_size(v['bytes']):>10}  {v['sync']}  on {v['device'] or '?'} x{v['copies']}")
+    grads = rep.get("gradients") or []
+    if grads:
+        lines.append("gradients: where each is averaged, and what runs on the average before the update:")
+        width_g = max(len(g["variable"]) for g in grads)
+        for g in grads:
+            where = g["averaged_at"] + (f" (rows, ids {g['indices']})" if g["indices"] else "")
+            after = (f"then {', '.join(g['post_processing'])} -> {', '.join(g['received'])}"
+                     if g["post_processing"] else "read by the update as it is")
+            lines.append(f"  {g['variable']:<{width_g}}  {g['sync']:<10} at {where}; {after}")
     priced = [v for v in rep["variables"] if v.get("costs")]
     if priced:
         lines.append("auto: predicted communication per step of each choice (chosen first):")

@@ -39,6 +39,10 @@ class CutPlan:
     index_dtype: str = None     # sparse: the indices' dtype
     variables: list = dataclasses.field(default_factory=list)
     costs: dict = None          # strategy auto: {sync: predicted cost per step} of each choice
+    # where the updates received the gradient, and the post-processing between the
+    # average (``values``) and them, when the two differ (clipping, unscaling, ...)
+    received: list = dataclasses.field(default_factory=list)
+    post_processing: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -61,6 +65,23 @@ class VariablePlan:
     kind: str = "resource"       # "resource" | "ref"
     ps_task: int = None          # placement "ps": the task holding it (unsharded)
     shards: list = None          # placement "ps", sharded: [{"ps_task": k, "rows": n}, ...]
+
+
+@dataclasses.dataclass
+class InputPlan:
+    """How one batch input reaches the replicas.
+
+    mode "split": the batch fed (or drawn) is split across the replicas in order;
+    "per_replica": each replica takes its own batch (a placeholder is fed the replicas'
+    batches concatenated in replica order, an iterator is drawn once per replica, replica
+    0 first). ``static_batch``: the per-replica batch when the first dimension is
+    static; ``global_batch``: the rows one step trains on across every replica of the
+    group (all workers), when that is fixed."""
+    name: str
+    kind: str                   # "placeholder" | "iterator"
+    mode: str                   # "split" | "per_replica"
+    static_batch: int = None
+    global_batch: int = None
 
 
 def _plain(value):
@@ -95,6 +116,9 @@ class Plan:
     accumulation_steps: int = 1  # micro-batches whose gradients are summed before each update
     cost: dict = None           # strategy auto: the cost model, topology, pack size, prediction
     bytes_per_pack: int = None  # the pack size the packs were made with
+    # InputPlan per batch input, when any is taken per replica; None when every batch
+    # input is split (the plan then says nothing more than batch_inputs does)
+    inputs: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -125,7 +149,16 @@ class Plan:
         return self
 
     def to_dict(self):
-        return {"format": PLAN_FORMAT, **_plain(self)}
+        d = {"format": PLAN_FORMAT, **_plain(self)}
+        if d["inputs"] is None:
+            del d["inputs"]
+        return d
+
+    def input_plans(self):
+        """{tensor name: InputPlan} of every batch input (split ones too)."""
+        given = {i.name: i for i in self.inputs or []}
+        return {name: given.get(name) or InputPlan(name=name, kind="placeholder", mode="split")
+                for name in self.batch_inputs}
 
     def to_json(self):
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
@@ -146,7 +179,8 @@ class Plan:
                 fingerprint=d.get("fingerprint", ""), sync=d.get("sync", True),
                 staleness=d.get("staleness", 0), num_ps=d.get("num_ps", 0),
                 accumulation_steps=d.get("accumulation_steps", 1), cost=d.get("cost"),
-                bytes_per_pack=d.get("bytes_per_pack"))
+                bytes_per_pack=d.get("bytes_per_pack"),
+                inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None)
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}") from None
 
@@ -163,6 +197,26 @@ class Plan:
             if c.variable == variable:
                 return c
         return None
+
+
+def plan_inputs(analysis, batch_split, num_replicas):
+    """The InputPlans of the analysis' batch inputs, or None if every one is split: inputs
+    with a static first dimension are per replica, the others as ``batch_split`` says.
+    An iterator is drawn as a whole, so all its outputs share one mode."""
+    out = []
+    for t in analysis.batch_inputs:
+        iterator = t.node.op in ("IteratorGetNext", "IteratorGetNextSync")
+        if t.name in analysis.static_batch:
+            b = analysis.static_batch[t.name]
+            out.append(InputPlan(name=t.name, kind="iterator" if iterator else "placeholder",
+                                 mode="per_replica", static_batch=b,
+                                 global_batch=b * num_replicas if b is not None else None))
+        else:
+            mode = "per_replica" if batch_split == "per_replica" else "split"
+            out.append(InputPlan(name=t.name, kind="iterator" if iterator else "placeholder", mode=mode))
+    if not any(i.mode == "per_replica" for i in out):
+        return None
+    return out
 
 
 def dtype_name(enum):
@@ -196,7 +250,8 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
             indices=c.indices.name if c.indices is not None else None,
             deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
             sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
-            variables=list(c.variables),
+            variables=list(c.variables), received=list(c.received),
+            post_processing=list(c.post_processing),
             rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
             index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,

@@ -8,8 +8,8 @@ from tensorflow.python.framework import dtypes
 from graph_rewriter.op_builder import const, make_op, shape_attr
 from graph_rewriter.traversal import descendants
 
-COUNTER = "graph_rewriter/sync_step"             # int64 variable: steps applied so far
-INCREMENT = COUNTER + "/increment"                 # bumps it after a step's updates
+COUNTER = "graph_rewriter/sync_step"             # int64 variable: steps taken so far
+INCREMENT = COUNTER + "/increment"                 # bumps it after a step's takes, before its updates
 ACCUMULATORS = "graph_rewriter/accumulators"       # scope of one accumulator per gradient
 TOKENS = "graph_rewriter/tokens"                   # scope of the per-worker token queues
 INIT_BARRIER = "graph_rewriter/init_done"          # queue: the chief initialized the ps

@@ -2,11 +2,15 @@
 
 - Feeds: the original placeholders; the graph itself splits a batch across replicas.
   A batch smaller than the replica count, or one that does not divide evenly, is
-  rejected here with a GraphRewriteError naming the input, before TensorFlow runs.
+  rejected here with a GraphRewriteError naming the input, before TensorFlow runs. A
+  placeholder taken per replica with a static batch B takes exactly R*B rows (the R
+  replicas' batches concatenated in replica order); another row count is rejected the
+  same way, naming the rows expected.
 - Fetches (strings "op" or "op:0", tf.Tensor/tf.Operation, or nested lists, tuples and
   dicts of them): an op runs on every replica; a tensor that depends on the batch is
   merged across replicas (a scalar averaged, a tensor with the batch as its first
-  dimension concatenated, anything else taken from replica 0); the rewrite's ``merge``
+  dimension concatenated, anything else taken from replica 0; with static per-replica
+  batches, a first dimension equal to a static batch counts as the batch); the rewrite's ``merge``
   option overrides per tensor. Everything else comes from replica 0.
 - Config: the ConfigProto is completed with what the graph needs (CPU device count for
   CPU replicas, enough inter-op threads for in-process collectives).
@@ -64,6 +68,9 @@ class Session(tf.compat.v1.Session):
         self._variant = set(md["variant"])
         self._merge = {_tensor_key(k): v for k, v in md.get("merge", {}).items()}
         self._batch_inputs = {_tensor_key(n) for n in md["batch_inputs"]}
+        self._inputs = {_tensor_key(i["name"]): i for i in md.get("inputs") or []}
+        self._static_batches = {i["static_batch"] for i in self._inputs.values()
+                                if i["mode"] == "per_replica" and i["static_batch"] is not None}
         self._num_replicas = md.get("local_replicas", md["num_replicas"])
         self._node_names = {n.name for n in self.result.graph_def.node}
 
@@ -110,13 +117,21 @@ class Session(tf.compat.v1.Session):
             if name is None:
                 raise GraphRewriteError(f"feed key {key!r} is not a tensor name or a tf.Tensor")
             tname = _tensor_key(name)
-            if tname in self._batch_inputs and self._num_replicas > 1:
+            static = self._inputs.get(tname, {}).get("static_batch")
+            if tname in self._inputs and self._inputs[tname]["mode"] == "per_replica" and static is not None:
+                self._check_static_rows(tname, value, static)
+            elif tname in self._batch_inputs and self._num_replicas > 1:
                 rows = np.shape(value)[0] if np.ndim(value) > 0 else None
                 r = self._num_replicas
                 if rows is None or rows < r:
                     raise GraphRewriteError(
                         f"input '{tname}' gets a batch of {rows or 0} row(s), which cannot be split "
                         f"across {r} replicas", hint=f"feed at least {r} rows")
+                if rows % r and tname in self._inputs and self._inputs[tname]["mode"] == "per_replica":
+                    raise GraphRewriteError(
+                        f"input '{tname}' gets {rows} rows, which are not {r} equal per-replica "
+                        f"batches (batch_split per_replica: the feed holds each replica's batch, "
+                        f"concatenated in replica order)", hint=f"feed a multiple of {r} rows")
                 if rows % r:
                     raise GraphRewriteError(
                         f"input '{tname}' gets {rows} rows, which do not split evenly across {r} "
@@ -124,6 +139,16 @@ class Session(tf.compat.v1.Session):
                         hint=f"feed a multiple of {r} rows")
             out[tname] = value
         return out
+
+    def _check_static_rows(self, tname, value, batch):
+        r = self._num_replicas
+        rows = np.shape(value)[0] if np.ndim(value) > 0 else None
+        if rows != r * batch:
+            raise GraphRewriteError(
+                f"input '{tname}' gets {'a scalar' if rows is None else f'{rows} row(s)'}, but takes "
+                f"{r * batch} rows: its static batch of {batch} for each of {r} replica(s)",
+                hint=f"feed {r * batch} rows, the {r} replicas' batches of {batch} concatenated "
+                     "in replica order")
 
     # ----- fetches -----------------------------------------------------------------
     def _plan(self, fetch, flat):
@@ -149,7 +174,8 @@ class Session(tf.compat.v1.Session):
         how = self._merge.get(_tensor_key(name))
         if how is None:
             shape = self.graph.get_tensor_by_name(f"{op}:{index}").shape
-            batch_first = shape.rank is not None and shape.rank >= 1 and shape[0] is None
+            batch_first = shape.rank is not None and shape.rank >= 1 and (
+                shape[0] is None or tf.compat.dimension_value(shape[0]) in self._static_batches)
             how = "auto-concat" if batch_first else "auto"
         return ("merge", start, self._num_replicas, how)
 

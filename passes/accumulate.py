@@ -11,10 +11,15 @@ divides each row by the number of replicas that touched it, which is not the mea
 gradient; and it merges the rows of different replicas by a sorted merge, so unsorted
 ids would leave one row twice in the result.)
 
-Accumulators drop gradients whose step tag is older than their own step. Replicas tag
-gradients with ``graph_rewriter/sync_step``, a counter on the first ps task that this pass
-increments once per applied step, after the updates; the init op resets it and every
-accumulator's step, so a second run on the same servers starts clean. Accumulators and
+Accumulators drop gradients whose step tag is older than their own step, which each take
+advances. Replicas tag gradients with ``graph_rewriter/sync_step``, a counter on the first
+ps task that this pass increments once per step that takes the gradients: right after the
+takes, and every reader of an averaged gradient (the optimizer's update) waits for it. So
+the counter keeps pace with the accumulators whatever the user runs (the train op, or an
+op of the update fetched by name) and whether or not the updates run (under a v1
+tf.cond whose branch is not taken they are dead, and an op waiting for a dead one would
+be dead too). The init op resets it and every accumulator's step, so a second run on the
+same servers starts clean. Accumulators and
 the counter have shared_names derived from the graph's fingerprint, so every worker's
 graph of a between-graph run uses the same ones.
 
@@ -39,7 +44,7 @@ from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import (ACCUMULATORS, APPLIED, COUNTER, INCREMENT, WORKER_STEP,
                                      init_ops, int_variable, shared_name)
-from graph_rewriter.traversal import descendants, reaches
+from graph_rewriter.traversal import descendants, is_back_edge, reaches
 
 
 class AccumulatePass(Pass):
@@ -72,6 +77,7 @@ class AccumulatePass(Pass):
             self.tag = applied
         per_replica = [[] for _ in range(rm.num_local)]
         takes = []
+        self.readers = {}   # the global readers of the averaged gradients
         for cut in cuts:
             accs = self._accumulators(graph, ctx, cut, inits)
             for i in range(rm.num_local):
@@ -85,18 +91,28 @@ class AccumulatePass(Pass):
             make_op(graph, "AssignAddVariableOp", f"{WORKER_STEP}/increment",
                     [wstep.output(0), const(graph, f"{WORKER_STEP}/one", 1, "int64", ps0)],
                     control_inputs=markers, device=ps0)
-        # The step is applied when every global op downstream of the takes has run: the
-        # optimizer's update ops and the optimizer math between (Adam's scatter path
-        # reads the take through a Mul before it writes anything).
+        # The counter counts the takes, because each take advances its accumulator's own
+        # step: it bumps after the takes, and every reader of an averaged gradient waits
+        # for the bump. So whatever the user runs that reads an averaged gradient (the
+        # train op, an update op fetched by name, an assign_add of global_step under
+        # control dependencies of the updates) bumps it exactly once, and it bumps even
+        # when the updates do not run (a v1 tf.cond whose branch holding them is not
+        # taken: its ops are dead, and an op waiting for a dead one would be dead too).
+        # Between-graph, sync_queues orders the chief's tokens after the updates.
         after = descendants(takes)
         graph.mark_new_global(before)
-        updates = [n for n in graph if n in after and rm.replica_of(graph, n.name) is None]
         roots = [n for n in graph if n in after and not n._consumers and not n._control_consumers]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
                             [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
-                            control_inputs=takes + updates, device=ps0)
-        # The train op (a root after the updates) keeps its name and now also bumps the
-        # counter once everything it ran is done.
+                            control_inputs=takes, device=ps0)
+        # (Not a reader the takes themselves wait for: a BatchNorm moving average's update
+        # that the backward pass runs after.)
+        feeding = _reaching(self.readers, set(takes))
+        for reader in self.readers:
+            if reader not in feeding:
+                reader.add_control_input(increment)
+        # The train op (a root after the updates) keeps its name and now also waits for
+        # the bump.
         for root in roots:
             run_after(graph, root, [increment])
         graph.mark_new_global(before)
@@ -192,7 +208,7 @@ class AccumulatePass(Pass):
             take = outs[0].node
         master_values = rm.tensor(graph, 0, cut.values)
         if not sparse:
-            _rewire(graph, master_values, outs[0])
+            self.readers.update(dict.fromkeys(_rewire(graph, master_values, outs[0])))
             return take
         mean = make_op(graph, "RealDiv", f"{scope}/mean",
                        [outs[1], const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
@@ -205,9 +221,31 @@ class AccumulatePass(Pass):
         if index_dtype != dtypes.int64:
             indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
                               device=dev).output(0)
-        _rewire(graph, master_values, mean)
-        _rewire(graph, master_indices, indices, keep)
+        self.readers.update(dict.fromkeys(_rewire(graph, master_values, mean)))
+        self.readers.update(dict.fromkeys(_rewire(graph, master_indices, indices, keep)))
         return take
+
+
+def _reaching(nodes, targets):
+    """Those of ``nodes`` that some of ``targets`` depends on (data or control edges;
+    loop back-edges aside), walking forward from ``nodes``, each node visited once."""
+    reach, entered = {}, set()
+    for start in nodes:
+        stack = [(start, False)]
+        while stack:
+            n, done = stack.pop()
+            if n in reach:
+                continue
+            outs = [c for c, _ in n._consumers if not is_back_edge(n, c)] + list(n._control_consumers)
+            if done:
+                reach[n] = any(reach.get(c, False) for c in outs)
+            elif n in targets:
+                reach[n] = True
+            elif n not in entered:
+                entered.add(n)
+                stack.append((n, True))
+                stack.extend((c, False) for c in outs if c not in reach)
+    return {n for n in nodes if reach[n]}
 
 
 def _slot(graph, name, step, slots, device):

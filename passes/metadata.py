@@ -1,11 +1,13 @@
 """metadata: record inside the graph what the Session wrapper and `inspect` need.
 
 One Const node, ``graph_rewriter/metadata``, holds JSON: the replicas and their
-devices, the plan, which original nodes differ per replica (for merging fetches), the
-merge overrides, the session configuration the graph needs, and the passes that ran.
+devices, the plan, how batch inputs reach the replicas (when any is taken per replica),
+which original nodes differ per replica (for merging fetches), the merge overrides, the
+session configuration the graph needs, and the passes that ran.
 Nothing reads the node, so it never runs; it travels with the GraphDef wherever it goes.
 """
 
+import dataclasses
 import json
 
 from graph_rewriter.metadata import METADATA_FORMAT, METADATA_NODE
@@ -44,6 +46,10 @@ class MetadataPass(Pass):
             "source": graph.source,
             "num_nodes": rm.expanded_size(graph) + 1,
         }
+        if ctx.plan.inputs is not None:
+            # how each batch input reaches the replicas; absent when every one is split
+            # (the graphs of split-only inputs stay as they were before per-replica inputs)
+            doc["inputs"] = [dataclasses.asdict(ip) for ip in ctx.plan.inputs]
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         if METADATA_NODE in graph:
             graph.remove_node(graph.node(METADATA_NODE))

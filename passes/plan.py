@@ -6,13 +6,13 @@ Rejects graphs that do not train: no variables, or no update that depends on the
 
 import hashlib
 
-from graph_rewriter.analysis import analyze, shardable_user
+from graph_rewriter.analysis import analyze, rows_reduced, shardable_user
 from graph_rewriter.graph_io import graph_def_bytes
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter import opdefs
 from graph_rewriter.cost_model import Topology
-from graph_rewriter.plan import check_plan, make_plan
+from graph_rewriter.plan import DEFAULT_BYTES_PER_PACK, assign_packs, check_plan, make_plan, plan_inputs
 
 
 class PlanPass(Pass):
@@ -28,10 +28,9 @@ class PlanPass(Pass):
         r = ctx.num_replicas
         if r > 1 and not analysis.batch_inputs:
             raise GraphRewriteError(
-                f"{graph.source} has no batch input to split across {r} replicas: expected a "
-                "placeholder with an unknown first dimension or a tf.data iterator output",
-                hint="build inputs with shape [None, ...] (a static batch size is folded into "
-                     "constants by TensorFlow, so it cannot be split)")
+                f"{graph.source} has no batch input to give {r} replicas: expected a placeholder "
+                "of rank >= 1 (the batch first) or a tf.data iterator output",
+                hint="feed the training data through a placeholder or an iterator, not constants")
         if not analysis.cuts:
             raise GraphRewriteError(
                 f"{graph.source} has variables but no optimizer update that depends on the batch "
@@ -60,9 +59,11 @@ class PlanPass(Pass):
         else:
             check_plan(ctx.plan, analysis, ctx.options, r)
         ctx.plan.fingerprint = graph_fingerprint(graph)
+        ctx.plan.inputs = plan_inputs(analysis, ctx.options.batch_split, r)
         self._check_shared_step_ids(ctx)
         self._check_collective_dtypes(ctx, r)
         self._keep_unshardable_whole(graph, ctx, analysis)
+        self._keep_coupled_together(ctx, analysis)
         planned = {vp.name: vp for vp in ctx.plan.variables}
         for v in analysis.variables.values():
             vp = planned.get(v.name)
@@ -71,6 +72,8 @@ class PlanPass(Pass):
         ctx.info(f"plan: {len(analysis.variables)} variables, {len(ctx.plan.cuts)} gradients "
                  f"({sum(c.kind == 'sparse' for c in ctx.plan.cuts)} sparse), "
                  f"{len(ctx.plan.packs)} packs, batch inputs {', '.join(ctx.plan.batch_inputs) or 'none'}")
+        for ip in ctx.plan.input_plans().values():
+            ctx.info(f"plan: input {ip.name}: {describe_input(ip, r)}")
         return False
 
 
@@ -137,6 +140,48 @@ class PlanPass(Pass):
                 hint="use strategy ps (every variable on the ps) with staleness, or synchronous "
                      "hybrid, or one in-graph client (no task)")
 
+    @staticmethod
+    def _keep_coupled_together(ctx, analysis):
+        """Gradients that meet in post-processing (a global norm) must be averaged alike:
+        a parameter server's average exists once, on the ps, while an all-reduced one
+        exists on every replica, so a norm over both could be computed in neither place
+        for every replica. And a parameter server sums a sparse gradient's duplicate rows
+        before averaging, so post-processing that reads the rows themselves (the norm of
+        IndexedSlices counts each row) would see other rows than on one device. Such
+        groups are mirrored (all-reduced and gathered), and the log says why."""
+        plan = ctx.plan
+        if not any(c.sync == "accumulate" for c in plan.cuts):
+            return
+        cuts = {c.variable: c for c in analysis.cuts}
+        groups = [list(g) for g in analysis.coupled]
+        grouped = {v for g in groups for v in g}
+        groups += [[c.variable] for c in analysis.cuts if c.variable not in grouped]
+        changed = False
+        for group in groups:
+            planned = [plan.cut(v) for v in group]
+            on_ps = [c for c in planned if c.sync == "accumulate"]
+            if not on_ps:
+                continue
+            rows = [v for v in group if cuts[v].kind == "sparse" and cuts[v].received
+                    and not cuts[v].deduplicated and rows_reduced(cuts[v])]
+            if rows:
+                why = (f"the rows of the sparse gradient of '{rows[0]}' are post-processed "
+                       f"({', '.join(cuts[rows[0]].post_processing)}) before they are summed")
+            elif len(on_ps) < len(planned):
+                mirrored = next(c.variable for c in planned if c.sync != "accumulate")
+                why = (f"their gradients meet in post-processing with the all-reduced gradient "
+                       f"of '{mirrored}'")
+            else:
+                continue
+            for c in on_ps:
+                plan.set_placement(c.variable, "mirrored")
+            changed = True
+            names = ", ".join(f"'{c.variable}'" for c in on_ps[:3]) + (" ..." if len(on_ps) > 3 else "")
+            ctx.info(f"plan: {len(on_ps)} variables ({names}) stay mirrored, not on a parameter "
+                     f"server: {why}, which a parameter server's average cannot reproduce")
+        if changed:
+            assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK)
+
     def _keep_unshardable_whole(self, graph, ctx, analysis):
         """A variable is split by rows only if every op using it can be rewritten for
         parts; otherwise it stays whole on one ps task (and the log says why)."""
@@ -149,6 +194,21 @@ class PlanPass(Pass):
                 for m in group:
                     m.ps_task, m.shards = m.shards[0]["ps_task"] if m.shards else 0, None
                 ctx.info(f"plan: '{vp.name}' stays whole: '{blockers[0].name}' ({blockers[0].op}) cannot use a sharded variable")
+
+
+def describe_input(ip, num_replicas):
+    """One line on how a batch input (an InputPlan) reaches the replicas: its mode, static
+    batch and global batch."""
+    if ip.mode == "split":
+        return (f"split, the {'drawn' if ip.kind == 'iterator' else 'fed'} batch divided across "
+                f"{num_replicas} replica(s) (static batch none, global batch as "
+                f"{'drawn' if ip.kind == 'iterator' else 'fed'})")
+    source = ("drawn once per replica, replica 0 first" if ip.kind == "iterator"
+              else "fed as the replicas' batches concatenated in replica order")
+    if ip.static_batch is None:
+        return f"per_replica, {source} (static batch none, global batch {num_replicas} x the batch)"
+    return (f"per_replica, {source} (static batch {ip.static_batch}, global batch "
+            f"{ip.global_batch} = {num_replicas} x {ip.static_batch})")
 
 
 def graph_fingerprint(graph):

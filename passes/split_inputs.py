@@ -1,12 +1,35 @@
-"""split_inputs: give each replica its slice of the global batch.
+"""split_inputs: give each replica its slice of the global batch, or its own batch.
 
     x (global batch, host CPU) ─> Split(num_split=R) ─┬─:0─> replica 0's readers of x
                                                       └─:1─> replica 1's readers of x
 
-Batch inputs are placeholders with an unknown first dimension and tf.data iterator
-outputs (the plan lists them). The split runs on the host CPU where the batch arrives; a
-batch whose rows do not divide evenly by R fails the step with TensorFlow's error from
-this Split (the Session wrapper checks fed batches first and names the input).
+Batch inputs are placeholders and tf.data iterator outputs (the plan lists them). The
+split runs on the host CPU where the batch arrives; a batch whose rows do not divide
+evenly by R fails the step with TensorFlow's error from this Split (the Session wrapper
+checks fed batches first and names the input).
+
+Per replica (the plan's InputPlan mode "per_replica": every input with a static first
+dimension, and with batch_split="per_replica" the others), each replica takes a batch
+of its own:
+
+- a placeholder is fed the R replicas' batches concatenated in replica order. A static
+  one [B, ...] keeps its name and takes R*B rows (its shape attribute says so); the
+  same Split hands replica k rows k*B..(k+1)*B-1, whose static shape [B, ...] is what
+  the constants TensorFlow folded while building the graph (tf.shape(x), the gradient
+  of a mean) assume. A dynamic one is split as above: R equal batches.
+- an iterator is drawn once per replica from the one shared iterator, in replica order
+  (each draw has a control edge on the previous one, so replica k's batch is the k-th
+  drawn in the step), and an IdentityN per output hands replica k draw k:
+
+    IteratorGetNext ───────────────────────┐
+      └─^─> IteratorGetNext/draw_1 ─┐      ├─> IdentityN ─┬─:0─> replica 0's readers
+              └─^─> .../draw_2 ...  └──────┘               └─:1─> replica 1's readers
+
+  (a single node whose output k replica k reads, like the Split: a template replica
+  reads output 1 and the export writes output k for replica k). When the batch
+  dimension is dynamic (batch_split="per_replica"), an Assert per replica checks that
+  its draw has as many rows as replica 0's: a pipeline's last, smaller batch fails the
+  step with a message saying so instead of weighting the replicas' rows unequally.
 
 Between-graph, each worker's client feeds its own batches; a worker that reads its
 batches from an in-graph tf.data pipeline reads its own shard of the data: a
@@ -16,6 +39,7 @@ worker k batches elements k, k+W, k+2W, ...
 
 from tensorflow.core.framework import attr_value_pb2
 
+from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 
 BATCH_DATASETS = frozenset(("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
@@ -34,8 +58,16 @@ class SplitInputsPass(Pass):
         sharded = self._shard_datasets(graph, ctx) if ctx.cluster.task is not None else False
         if r == 1:
             return sharded
+        modes = ctx.plan.input_plans()
+        drawn = {}   # iterator nodes drawn once per replica, in plan order
         for name in ctx.plan.batch_inputs:
             x = graph.tensor(name)
+            ip = modes[name]
+            if ip.mode == "per_replica" and ip.kind == "iterator":
+                drawn.setdefault(x.node, None)
+                continue
+            if ip.mode == "per_replica" and ip.static_batch is not None:
+                _set_first_dimension(x.node, r * ip.static_batch)
             readers = [(c, pos) for c, pos in x.node.consumers(x.index)]
             axis = const(graph, f"{x.node.name}/split_for_replicas/axis", 0, "int32", rm.global_device)
             split = make_op(graph, "Split", f"{x.node.name}/split_for_replicas", [axis, x],
@@ -47,7 +79,37 @@ class SplitInputsPass(Pass):
                 if replica is None:
                     continue  # a global reader (e.g. a summary of the raw input) keeps the batch
                 c.set_input(pos, split.output(replica))
+        for node in drawn:
+            self._draw_per_replica(graph, node)
         return bool(ctx.plan.batch_inputs) or sharded
+
+    @staticmethod
+    def _draw_per_replica(graph, node):
+        """Replica k reads the k-th of R draws of ``node`` (an IteratorGetNext)."""
+        rm = graph.replicas
+        draws = [node]
+        for k in range(1, rm.num_local):
+            draw = graph.clone_node(node, graph.unique_name(f"{node.name}/draw_{k}"))
+            for t in node.inputs:
+                draw.add_input(t)
+            draw.add_control_input(draws[-1])
+            draw.replica = GLOBAL
+            draws.append(draw)
+        checks = _equal_rows(graph, node, draws)
+        for i in range(len(node.attr["output_types"].list.type)):
+            readers = [(c, pos) for c, pos in node.consumers(i) if c not in draws]
+            replicas = [(c, pos, rm.replica_of(graph, c.name)) for c, pos in readers]
+            replicas = [(c, pos, k) for c, pos, k in replicas if k is not None]
+            if not replicas:
+                continue  # read by no replica (or only by global nodes, which keep draw 0)
+            outputs = make_op(graph, "IdentityN", f"{node.name}/per_replica_{i}",
+                              [[d.output(i) for d in draws]], device=rm.global_device,
+                              control_inputs=checks)
+            outputs.replica = GLOBAL
+            if rm.template:
+                rm.per_replica_outputs.append(outputs.name)   # replica k reads output k
+            for c, pos, k in replicas:
+                c.set_input(pos, outputs.output(k))
 
     def _shard_datasets(self, graph, ctx):
         workers = ctx.cluster.compute_tasks
@@ -71,3 +133,55 @@ class SplitInputsPass(Pass):
                             attrs={"output_types": types, "output_shapes": shapes}, device=host)
             batch.set_input(0, shard.output(0))
         return bool(batching)
+
+
+def _set_first_dimension(node, rows):
+    """A placeholder's shape attribute (and its ``_output_shapes`` hint, if any) with
+    ``rows`` as its first dimension."""
+    for key in ("shape", "_output_shapes"):
+        if key not in node.attr:
+            continue
+        value = attr_value_pb2.AttrValue()
+        value.CopyFrom(node.attr[key])
+        shapes = [value.shape] if key == "shape" else list(value.list.shape)
+        for s in shapes:
+            if not s.unknown_rank and s.dim:
+                s.dim[0].size = rows
+        node.set_attr(key, value)
+
+
+def _equal_rows(graph, node, draws):
+    """Asserts (run before any replica reads a draw) that every draw has as many rows as
+    the first, when the iterator's batch dimension is dynamic; [] when it is static."""
+    shapes = node.attr["output_shapes"].list.shape
+    dynamic = [i for i, s in enumerate(shapes) if not s.unknown_rank and s.dim and s.dim[0].size < 0]
+    if not dynamic or len(draws) < 2:
+        return []
+    from tensorflow.python.framework import dtypes
+    host = graph.replicas.global_device
+    i, scope = dynamic[0], f"{node.name}/equal_rows"
+
+    def rows(k, draw):
+        shape = make_op(graph, "Shape", f"{scope}/shape_{k}", [draw.output(i)],
+                        attrs={"out_type": dtypes.int32}, device=host)
+        return make_op(graph, "Slice", f"{scope}/rows_{k}",
+                       [shape.output(0), const(graph, f"{scope}/begin", [0], "int32", host),
+                        const(graph, f"{scope}/size", [1], "int32", host)], device=host).output(0)
+
+    first = rows(0, draws[0])
+    message = const(graph, f"{scope}/message",
+                    f"graph_rewriter: the replicas' batches drawn from '{node.name}' (batch_split "
+                    "per_replica) differ in rows: replica 0's, then replica k's. The mean of replica "
+                    "means would weight their rows unequally; batch the pipeline with "
+                    "drop_remainder=True", "string", host)
+    checks = []
+    for k, draw in enumerate(draws[1:], start=1):
+        mine = rows(k, draw)
+        same = make_op(graph, "Equal", f"{scope}/equal_{k}", [first, mine], device=host)
+        every = make_op(graph, "All", f"{scope}/all_{k}",
+                        [same.output(0), const(graph, f"{scope}/axis", [0], "int32", host)], device=host)
+        checks.append(make_op(graph, "Assert", f"{scope}/assert_{k}", [every.output(0), [message, first, mine]],
+                              attrs={"summarize": 3}, device=host))
+    for n in checks:
+        n.replica = GLOBAL
+    return checks

@@ -5,8 +5,8 @@ Each worker runs its own graph. Per worker k there is a token queue on the first
 
     every worker:  its replicas' accumulator applies ─> dequeue a token from queue k
                    (the train op waits for it: the next step reads the new variables)
-    the chief:     take the averaged gradients ─> apply the updates ─> bump the step
-                   counter ─> enqueue one token into every worker's queue
+    the chief:     take the averaged gradients ─> bump the step counter ─> apply the
+                   updates ─> enqueue one token into every worker's queue
 
 so the chief applies each step once and every worker waits for it. With staleness s,
 each queue starts with s tokens: a worker may run up to s steps ahead of the applied
@@ -38,9 +38,80 @@ from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, TOKENS, WORKER_STEP,
                                      shared_name)
-from graph_rewriter.traversal import descendants
+from graph_rewriter.traversal import descendants, is_back_edge
 
 _TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
+_SWITCHES = frozenset(("Switch", "RefSwitch"))
+_MERGES = frozenset(("Merge", "RefMerge"))
+
+
+def _cond_switch(node):
+    """A v1 tf.cond's Switch (not a while loop's, whose predicate is a LoopCond)."""
+    return node.op in _SWITCHES and node._inputs[1].node.op != "LoopCond"
+
+
+def _live_after(graph, nodes, takes, stop):
+    """``nodes`` (ops after the takes), where one may not run when the takes do (it is in
+    the branch of a v1 tf.cond not taken: dead, and so is every op that waits for it),
+    replaced by the first ops after it that run whenever the takes do (the Merge that
+    ends the cond); ``stop``: nodes not to look past. The conditions a node runs under
+    are the (predicate, branch) pairs of the Switches it depends on; a Merge keeps those
+    its inputs share (a cond's branches differ by the branch)."""
+    rm = graph.replicas
+    if not any(_cond_switch(n) for n in descendants(takes)):
+        return nodes
+    region = descendants([n for n in graph if _cond_switch(n)])
+    pending = {n: sum(1 for p in _producers(n) if p in region) for n in region}
+    ready = [n for n, k in pending.items() if not k]
+    conds = {}
+    empty = frozenset()
+
+    def along(t):   # the conditions of a data edge
+        c = conds.get(t.node, empty)
+        if _cond_switch(t.node):
+            pred = t.node._inputs[1]
+            c = c | {(pred.node, pred.index, t.index)}
+        return c
+
+    while ready:
+        n = ready.pop()
+        data = [t for t in n._inputs if not is_back_edge(t.node, n)]
+        if n.op in _MERGES and data:
+            c = frozenset.intersection(*[along(t) for t in data])
+        else:
+            c = empty.union(*[along(t) for t in data])
+        conds[n] = c.union(*[conds.get(p, empty) for p in n._control_inputs])
+        for m in _consumers(n):
+            if m in pending:
+                pending[m] -= 1
+                if not pending[m]:
+                    ready.append(m)
+    base = empty.union(*[conds.get(t, empty) for t in takes])
+    out = {}
+    for n in nodes:
+        if conds.get(n, empty) <= base:
+            out[n] = None
+            continue
+        seen, todo = {n}, [n]
+        while todo:
+            m = todo.pop()
+            for c in _consumers(m):
+                if c in seen or c in stop or rm.replica_of(graph, c.name) is not None:
+                    continue
+                seen.add(c)
+                if conds.get(c, empty) <= base:
+                    out[c] = None
+                else:
+                    todo.append(c)
+    return list(out)
+
+
+def _producers(node):
+    return [t.node for t in node._inputs if not is_back_edge(t.node, node)] + list(node._control_inputs)
+
+
+def _consumers(node):
+    return [c for c, _ in node._consumers if not is_back_edge(node, c)] + list(node._control_consumers)
 
 
 def _scalar_queue(graph, name, fingerprint, what, device):
@@ -104,9 +175,16 @@ class SyncQueuesPass(Pass):
             applies.append(graph.node(f"{WORKER_STEP}/increment"))
         graph.mark_new_global(before)
         if rm.chief:
+            # The tokens go out once the step is applied: after the counter's bump (which
+            # follows the takes) and every update (global op downstream of the takes)
+            # that runs: an update a v1 cond skips is waited for through the cond's Merge.
             increment = graph.node(INCREMENT)
+            updates = [n for n in graph if n in after_updates and n not in roots and n is not increment
+                       and rm.replica_of(graph, n.name) is None]
+            updates = _live_after(graph, updates, [n for n in graph if n.op in _TAKES], set(roots))
             token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
-                            attrs={"dtype": dtypes.int64}, control_inputs=[increment], device=ps0).output(0)
+                            attrs={"dtype": dtypes.int64}, control_inputs=[increment] + updates,
+                            device=ps0).output(0)
             enqueues = [make_op(graph, "QueueEnqueueV2", f"{TOKENS}/release_{k}", [q.output(0), [token]], device=ps0)
                         for k, q in enumerate(queues)]
             for k, q in enumerate(queues):

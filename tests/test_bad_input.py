@@ -88,12 +88,13 @@ def two_optimizers_graph():
     return graph.as_graph_def()
 
 
-def static_batch_graph():
-    """A complete training graph whose only inputs have a static batch of 8 rows."""
+def constant_data_graph():
+    """A complete training graph whose data are constants: no input to give the replicas
+    (a static batch is no longer refused: tests/test_static_batch.py)."""
     graph = tf.Graph()
     with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [8, 4], name="x")
-        y = tf.compat.v1.placeholder(tf.float32, [8, 1], name="y")
+        x = tf.constant(np.ones((8, 4), np.float32), name="x")
+        y = tf.constant(np.zeros((8, 1), np.float32), name="y")
         w = tf.compat.v1.get_variable("w", [4, 1], use_resource=True)
         loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w) - y)), name="loss")
         tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
@@ -292,9 +293,9 @@ def _(base, tmp, mp):
     return two_optimizers_graph(), {}
 
 
-@case("static-batch-dimension-only", "batch input")
+@case("constant-data-no-input", "batch input")
 def _(base, tmp, mp):
-    return static_batch_graph(), CPU2
+    return constant_data_graph(), CPU2
 
 
 @case("already-rewritten-file", "rewritten.pb", "already")

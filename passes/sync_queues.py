@@ -32,6 +32,7 @@ abort whatever of the other worker's step is still waiting there ("Aborted: Clea
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.framework import dtypes
 
+from graph_rewriter.analysis import SAVER_OPS, written_variables
 from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
@@ -104,6 +105,38 @@ def _live_after(graph, nodes, takes, stop):
                 else:
                     todo.append(c)
     return list(out)
+
+
+def _ps_writes(graph, plan):
+    """The global ops that write a parameter-server variable during a step (not its
+    initializer, not a restore): a counter of runs a predicate reads, bumped after a
+    v1 cond. Synchronous training writes such a variable once per step, so the chief
+    does it and the other workers wait for it with the update."""
+    on_ps = {v.name for v in plan.variables if v.placement == "ps"}
+    initializers = {v.initializer for v in plan.variables if v.initializer}
+    rm = graph.replicas
+    out = []
+    for n in graph:
+        if n.name in initializers or rm.replica_of(graph, n.name) is not None or _restores(n):
+            continue
+        if any(v.name in on_ps for v, _ in written_variables(n, graph.library)):
+            out.append(n)
+    return out
+
+
+def _restores(node):
+    """True if a write's value comes from a checkpoint (the Saver's restore)."""
+    stack, seen = [t.node for t in node.inputs], set()
+    while stack and len(seen) < 16:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in SAVER_OPS:
+            return True
+        if n.op in ("Identity", "Cast", "Reshape"):
+            stack.extend(t.node for t in n.inputs)
+    return False
 
 
 def _producers(node):
@@ -181,6 +214,7 @@ class SyncQueuesPass(Pass):
             increment = graph.node(INCREMENT)
             updates = [n for n in graph if n in after_updates and n not in roots and n is not increment
                        and rm.replica_of(graph, n.name) is None]
+            updates += [n for n in _ps_writes(graph, plan) if n not in updates]
             updates = _live_after(graph, updates, [n for n in graph if n.op in _TAKES], set(roots))
             token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
                             attrs={"dtype": dtypes.int64}, control_inputs=[increment] + updates,
@@ -203,7 +237,7 @@ class SyncQueuesPass(Pass):
                     op.add_control_input(ready)
             before_wait = applies + enqueues
         else:
-            dropped = self._drop_chief_work(graph)
+            dropped = self._drop_chief_work(graph, _ps_writes(graph, plan))
             before_wait = applies
         wait = make_op(graph, "QueueDequeueV2", f"{TOKENS}/wait", [queues[me].output(0)],
                        attrs={"component_types": [dtypes.int64]}, control_inputs=before_wait, device=ps0,
@@ -243,12 +277,13 @@ class SyncQueuesPass(Pass):
             op.add_control_input(done)
         return end_with_barrier
 
-    def _drop_chief_work(self, graph):
-        """A non-chief worker never takes gradients or applies updates: the chief does.
+    def _drop_chief_work(self, graph, ps_writes=()):
+        """A non-chief worker never takes gradients or applies updates, nor writes a
+        parameter-server variable in a step (``ps_writes``): the chief does.
         Returns {removed root's name: the control inputs its replacement needs}."""
         rm = graph.replicas
         takes = [n for n in graph if n.op in _TAKES]
-        chief_only = set(takes)
+        chief_only = set(takes) | set(ps_writes)
         if INCREMENT in graph:
             chief_only.add(graph.node(INCREMENT))
         stack = list(chief_only)

@@ -272,10 +272,10 @@ def _even(step):
     return step % 2 == 0
 
 
-# A sparse gradient routed into a v1 cond reaches its update through a Switch, which
-# the plan counts as post-processing of its rows: the table stays mirrored (all-gathered)
-# under "ps" too, and "hybrid" has nothing left for the parameter server. The hybrid
-# cases still check that the step counter, skipped steps and collectives agree.
+# A sparse gradient routed into a v1 cond reaches its update through a Switch; its
+# rows are averaged before the cond (nothing combines them on the way), so the table
+# goes to the parameter server under "ps" and "hybrid" alike, and hybrid mixes an
+# accumulated table with all-reduced dense layers under one cond.
 COND_CASES = [("v1", "fed", True, "adam", "ps", 2), ("v1", "fed", True, "adagrad", "ps", 2),
               ("v1", "fed", False, "adam", "ps", 2), ("v1", "fed", False, "adam", "ps", 4),
               ("v1", "variable", False, "adam", "ps", 2), ("v1", "variable", True, "adagrad", "ps", 2),
@@ -289,7 +289,7 @@ def test_conditional_update(control_flow, predicate, sparse, optimizer, strategy
     applies = _every_third_skipped if fed else _even
     assert 0 < sum(map(applies, range(STEPS))) < STEPS
     check(conditional_update, (control_flow, predicate, sparse, optimizer), strategy, replicas,
-          applies=applies, fed=applies if fed else None, on_ps=strategy == "ps")
+          applies=applies, fed=applies if fed else None, on_ps=strategy == "ps" or sparse)
 
 
 # ----- between-graph: the chief's tokens must not wait for a skipped update ----------------
@@ -317,14 +317,16 @@ def _between_graph_workers(cluster, ex, batches, tmp_path, **options):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_conditional_update_between_graph(fresh_cluster, procs, tmp_path):
+@pytest.mark.parametrize("predicate", ["fed", "variable"])
+def test_conditional_update_between_graph(predicate, fresh_cluster, procs, tmp_path):
     """strategy "ps", 2 workers x 1 device, 1 ps, each worker its own client: on a
     skipped step the chief's train op still bumps the counter and releases the workers'
     tokens (the update ops it would wait for are dead), so nobody waits; the run equals
     one device's."""
-    applies = _every_third_skipped
-    ex, losses, values = _reference(conditional_update, ("v1", "fed", False, "adam"), applies)
-    batches = [_batch(s, applies) for s in range(STEPS)]
+    applies = _every_third_skipped if predicate == "fed" else _even
+    fed = applies if predicate == "fed" else None
+    ex, losses, values = _reference(conditional_update, ("v1", predicate, False, "adam"), fed)
+    batches = [_batch(s, fed) for s in range(STEPS)]
     cluster = fresh_cluster(2, 1, 1)
     workers = _between_graph_workers(cluster, ex, batches, tmp_path, timeout_seconds=TIMEOUT_S)
     reads = list(ex.variables.values()) + [COUNTER_READ]

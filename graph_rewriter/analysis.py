@@ -527,7 +527,7 @@ class _Analyzer:
         last = max(self.position.get(n, 0) for n in nodes)
         downstream = set()
         for n in nodes:   # stops reached from another stop
-            for d in _descendants_within(n, variant0, self.position, last):
+            for d in _descendants_within([n], variant0, self.position, last):
                 if d is not n and d in nodes:
                     downstream |= nodes[d]
         averaged = keys - downstream
@@ -608,12 +608,8 @@ class _Analyzer:
         for c in cuts:
             if c.role != "gradient":
                 continue
-            stack, seen = [r for r, _ in c.values.node.consumers(c.values.index)], set()
-            while stack:
-                n = stack.pop()
-                if n in seen or self.position.get(n, last + 1) > last:
-                    continue
-                seen.add(n)
+            readers = [r for r, _ in c.values.node.consumers(c.values.index)]
+            for n in _descendants_within(readers, None, self.position, last):
                 for other in by_node.get(n, ()):
                     if other is not c:
                         raise GraphRewriteError(
@@ -624,7 +620,6 @@ class _Analyzer:
                             "pass produced",
                             hint="name each variable's gradient as the backward pass produces it: "
                                  "rewrite(..., gradients={'%s': 'tensor:0', ...})" % other.variable)
-                stack.extend(r for r, _ in n._consumers)
 
     def _coupled(self, cuts, variant):
         """Groups of cuts whose averaged gradients meet before the updates (a global norm,
@@ -881,6 +876,8 @@ class _PostProcessingWalk:
             return {(t, None)}
         self.ops.add("UnsortedSegmentSum")
         ids = _strip_identity(ids)
+        # every stop is paired with the ids; those that are not the rows (a global norm
+        # that scaled them) are downstream of other stops and are never averaged
         return {(v, ids) for v, _ in inner}
 
     def sparse(self, values, indices, deduplicated):
@@ -928,14 +925,15 @@ def _raw_rows(values, indices):
     return values.node._inputs[0], _strip_identity(t.node._inputs[0])
 
 
-def _descendants_within(node, region, position, last):
-    """Nodes reached from ``node`` through data edges inside ``region``, not past the
-    topological position ``last``."""
-    out, stack = {node}, [node]
+def _descendants_within(starts, region, position, last):
+    """``starts`` and the nodes reached from them through data edges inside ``region``
+    (None: anywhere), none past the topological position ``last``."""
+    out = {n for n in starts if position.get(n, last + 1) <= last}
+    stack = list(out)
     while stack:
         n = stack.pop()
         for c, _ in n._consumers:
-            if c not in out and c in region and position.get(c, last + 1) <= last:
+            if c not in out and (region is None or c in region) and position.get(c, last + 1) <= last:
                 out.add(c)
                 stack.append(c)
     return out

@@ -34,15 +34,19 @@ def init_ops(graph, plan):
             for c in graph.node(vp.initializer).control_consumers:
                 if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) in (0, None):
                     out[c] = None
-    for restore in [n for n in graph if n.op in _RESTORES]:
-        for assign in descendants([restore]):
-            for c in assign.control_consumers:
-                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) is None:
-                    out[c] = None
+    for assign in restore_region(graph):
+        for c in assign.control_consumers:
+            if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) is None:
+                out[c] = None
     return list(out)
 
 
 _RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
+
+
+def restore_region(graph):
+    """The Saver's restore ops and everything downstream of them (the restore assigns)."""
+    return descendants([n for n in graph if n.op in _RESTORES])
 
 
 def int_variable(graph, name, shared, device, inits):

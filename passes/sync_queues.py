@@ -32,13 +32,13 @@ abort whatever of the other worker's step is still waiting there ("Aborted: Clea
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.analysis import SAVER_OPS, written_variables
+from graph_rewriter.analysis import written_variables
 from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, TOKENS, WORKER_STEP,
-                                     shared_name)
+                                     restore_region, shared_name)
 from graph_rewriter.traversal import descendants, is_back_edge
 
 _TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
@@ -114,29 +114,15 @@ def _ps_writes(graph, plan):
     does it and the other workers wait for it with the update."""
     on_ps = {v.name for v in plan.variables if v.placement == "ps"}
     initializers = {v.initializer for v in plan.variables if v.initializer}
+    restores = restore_region(graph)
     rm = graph.replicas
     out = []
     for n in graph:
-        if n.name in initializers or rm.replica_of(graph, n.name) is not None or _restores(n):
+        if n.name in initializers or rm.replica_of(graph, n.name) is not None or n in restores:
             continue
         if any(v.name in on_ps for v, _ in written_variables(n, graph.library)):
             out.append(n)
     return out
-
-
-def _restores(node):
-    """True if a write's value comes from a checkpoint (the Saver's restore)."""
-    stack, seen = [t.node for t in node.inputs], set()
-    while stack and len(seen) < 16:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in SAVER_OPS:
-            return True
-        if n.op in ("Identity", "Cast", "Reshape"):
-            stack.extend(t.node for t in n.inputs)
-    return False
 
 
 def _producers(node):

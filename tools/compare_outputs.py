@@ -1,0 +1,198 @@
+"""Checks that a refactoring keeps every emitted graph byte-identical.
+
+    python tools/compare_outputs.py compare REV [--work DIR] [--keras]
+
+builds the example graphs once (the model zoo of every example model with two
+optimizers, the real-model suite's graphs, and with --keras a Keras ResNet50), rewrites
+each of them under every strategy and a set of option combinations twice, once with the
+code at git revision REV (a temporary worktree) and once with this tree, and compares
+the SHA-256 of the emitted bytes (or the error message, for a combination the graph
+refuses). Prints every difference with the first nodes that differ and exits 1 if any.
+
+    python tools/compare_outputs.py inputs DIR      # only build the input graphs
+    python tools/compare_outputs.py emit DIR OUT    # rewrite them with the importable code
+
+The input graphs are built by the current tree and fed to both, so a change of the
+model zoo never shows up as a change of the rewrite. ``emit`` uses nothing but the
+public ``graph_rewriter.rewrite``, so it runs unchanged against any revision.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+TWO_WORKERS = {"worker": ["w0:2222", "w1:2222"]}
+PS_CLUSTER = {"ps": ["p0:2222", "p1:2222"], "worker": ["w0:2222", "w1:2222"]}
+
+# name -> rewrite keywords (cluster passed separately as "cluster")
+CONFIGS = {
+    "allreduce_gpu_2x2": dict(cluster=TWO_WORKERS, devices_per_worker=2),
+    "allreduce_cpu_3": dict(cluster=None, devices_per_worker=3, device_type="CPU"),
+    "allreduce_materialized_3": dict(cluster=None, devices_per_worker=3, device_type="CPU",
+                                     materialize_replicas=True),
+    "allreduce_fp16_pack0": dict(cluster=TWO_WORKERS, compression="fp16", bytes_per_pack=0),
+    "allreduce_dense_sparse": dict(cluster=TWO_WORKERS, sparse_as_dense=True),
+    "allreduce_accumulate_2": dict(cluster=TWO_WORKERS, accumulation_steps=2),
+    "allreduce_between_w1": dict(cluster=TWO_WORKERS, devices_per_worker=2, task=("worker", 1)),
+    "allreduce_per_replica_batch": dict(cluster=None, devices_per_worker=2, device_type="CPU",
+                                        batch_split="per_replica"),
+    "ps_2x2": dict(cluster=PS_CLUSTER, strategy="ps"),
+    "ps_shard_small": dict(cluster=PS_CLUSTER, strategy="ps", ps_shard_bytes=64),
+    "ps_async": dict(cluster=PS_CLUSTER, strategy="ps", sync=False),
+    "ps_stale_1": dict(cluster=PS_CLUSTER, strategy="ps", staleness=1, task=("worker", 1)),
+    "ps_accumulate_2": dict(cluster=PS_CLUSTER, strategy="ps", accumulation_steps=2),
+    "ps_between_w0": dict(cluster=PS_CLUSTER, strategy="ps", task=("worker", 0)),
+    "ps_between_w1": dict(cluster=PS_CLUSTER, strategy="ps", task=("worker", 1)),
+    "hybrid_2x2": dict(cluster=PS_CLUSTER, strategy="hybrid", devices_per_worker=2),
+    "hybrid_between_w1": dict(cluster=PS_CLUSTER, strategy="hybrid", task=("worker", 1)),
+    "auto_2x2": dict(cluster=PS_CLUSTER, strategy="auto", devices_per_worker=2),
+}
+
+ZOO_OPTIMIZERS = {"keras": ("keras_adam", "keras_sgd_momentum"),
+                  "keras_embedding": ("keras_adam", "keras_sgd_momentum")}
+REAL_MODELS = ("bert", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep")
+
+
+def build_inputs(out_dir, keras=False):
+    """Writes every input graph as OUT_DIR/<name>.pb; returns the names."""
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    try:
+        from graph_rewriter.testing import models as zoo
+    except ImportError:
+        from graph_rewriter import examples as zoo
+    os.makedirs(out_dir, exist_ok=True)
+    graphs = {}
+    for model in zoo.MODELS:
+        for optimizer in ZOO_OPTIMIZERS.get(model, ("adam", "momentum")):
+            graphs[f"{model}_{optimizer}"] = zoo.build(model, optimizer).graph_def
+    graphs["cond_v1_sgd"] = zoo.build("cond", "sgd", control_flow="v1").graph_def
+    graphs["mlp_ftrl_ref"] = zoo.build("mlp", "ftrl", resource=False).graph_def
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import real_models
+    for model in REAL_MODELS:
+        graphs[f"real_{model}"] = real_models.build(model)[0].graph_def
+    if keras:
+        import tf_keras
+        g = tf.Graph()
+        with g.as_default():
+            m = tf_keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+            x = tf.compat.v1.placeholder(tf.float32, (None, 64, 64, 3), name="x")
+            y = tf.compat.v1.placeholder(tf.int64, (None,), name="y")
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, m(x), from_logits=False), name="loss")
+            tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train_op")
+        graphs["keras_resnet50"] = g.as_graph_def()
+    for name, gd in graphs.items():
+        with open(os.path.join(out_dir, name + ".pb"), "wb") as f:
+            f.write(gd.SerializeToString(deterministic=True))
+    return sorted(graphs)
+
+
+def emit(in_dir, out_path, keep_dir=None):
+    """Rewrites every input under every config; writes {input/config: sha256 or error}."""
+    import graph_rewriter as gr
+    results = {}
+    for file in sorted(os.listdir(in_dir)):
+        if not file.endswith(".pb"):
+            continue
+        with open(os.path.join(in_dir, file), "rb") as f:
+            data = f.read()
+        for config, kw in CONFIGS.items():
+            kw = dict(kw)
+            cluster = kw.pop("cluster")
+            key = f"{file[:-3]}/{config}"
+            try:
+                out = bytes(gr.rewrite(data, cluster, **kw).serialized())
+            except gr.GraphRewriteError as e:
+                results[key] = "error: " + str(e)
+                continue
+            results[key] = hashlib.sha256(out).hexdigest()
+            if keep_dir:
+                with open(os.path.join(keep_dir, key.replace("/", "__") + ".pb"), "wb") as f:
+                    f.write(out)
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    return results
+
+
+def _first_differences(a_path, b_path, limit=5):
+    from tensorflow.core.framework import graph_pb2
+    a = graph_pb2.GraphDef.FromString(open(a_path, "rb").read())
+    b = graph_pb2.GraphDef.FromString(open(b_path, "rb").read())
+    lines = []
+    if len(a.node) != len(b.node):
+        lines.append(f"    {len(a.node)} nodes before, {len(b.node)} after")
+    for i, (x, y) in enumerate(zip(a.node, b.node)):
+        if x != y:
+            lines.append(f"    node {i}: {x.name} ({x.op}) / {y.name} ({y.op})")
+            if len(lines) >= limit:
+                break
+    return lines
+
+
+def compare(rev, work):
+    work = work or tempfile.mkdtemp(prefix="compare_outputs_")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inputs = os.path.join(work, "inputs")
+    names = build_inputs(inputs, keras=ARGS.keras)
+    print(f"{len(names)} input graphs x {len(CONFIGS)} configurations", flush=True)
+    tree = os.path.join(work, "before")
+    if not os.path.isdir(tree):
+        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", tree, rev], check=True,
+                       stdout=subprocess.DEVNULL)
+    runs = {}
+    for label, root in (("before", tree), ("after", here)):
+        keep = os.path.join(work, "keep_" + label)
+        os.makedirs(keep, exist_ok=True)
+        out = os.path.join(work, label + ".json")
+        env = dict(os.environ, PYTHONPATH=root)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "emit", inputs, out, "--keep", keep],
+                       cwd=root, env=env, check=True)
+        runs[label] = json.load(open(out))
+    before, after = runs["before"], runs["after"]
+    diffs = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    for k in diffs:
+        print(f"DIFFERS {k}:\n  before {before.get(k)}\n  after  {after.get(k)}")
+        name = k.replace("/", "__") + ".pb"
+        a, b = (os.path.join(work, "keep_" + s, name) for s in ("before", "after"))
+        if os.path.exists(a) and os.path.exists(b):
+            print("\n".join(_first_differences(a, b)))
+    errors = sum(v.startswith("error") for v in after.values())
+    print(f"{len(after)} rewrites ({errors} refused with an error), {len(diffs)} differ "
+          f"(revision {rev} against the working tree; files in {work})")
+    subprocess.run(["git", "-C", here, "worktree", "remove", "--force", tree], check=False)
+    return 1 if diffs else 0
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("rev")
+    c.add_argument("--work")
+    c.add_argument("--keras", action="store_true", help="also a Keras ResNet50 (needs tf_keras)")
+    i = sub.add_parser("inputs")
+    i.add_argument("dir")
+    i.add_argument("--keras", action="store_true")
+    e = sub.add_parser("emit")
+    e.add_argument("dir")
+    e.add_argument("out")
+    e.add_argument("--keep")
+    ARGS = p.parse_args()
+    if ARGS.cmd == "inputs":
+        print("\n".join(build_inputs(ARGS.dir, keras=ARGS.keras)))
+    elif ARGS.cmd == "emit":
+        emit(ARGS.dir, ARGS.out, ARGS.keep)
+    else:
+        sys.exit(compare(ARGS.rev, ARGS.work))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ import gc
 import os
 import time
 
-import passes
+from graph_rewriter import passes
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.context import (DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS, Options,

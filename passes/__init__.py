@@ -2,19 +2,19 @@
 (options, cluster, plan) and never another pass's module; the pipeline module of
 graph_rewriter puts them in order."""
 
-from passes.plan import PlanPass
-from passes.replicate import ReplicatePass
-from passes.split_inputs import SplitInputsPass
-from passes.mirror_variables import MirrorVariablesPass
-from passes.micro_batches import MicroBatchesPass
-from passes.allreduce import AllReducePass
-from passes.allgather import AllGatherPass
-from passes.accumulate import AccumulatePass
-from passes.sync_queues import SyncQueuesPass
-from passes.shard_variables import ShardVariablesPass
-from passes.merge_summaries import MergeSummariesPass
-from passes.place import PlacePass
-from passes.metadata import MetadataPass
+from graph_rewriter.passes.plan import PlanPass
+from graph_rewriter.passes.replicate import ReplicatePass
+from graph_rewriter.passes.split_inputs import SplitInputsPass
+from graph_rewriter.passes.mirror_variables import MirrorVariablesPass
+from graph_rewriter.passes.micro_batches import MicroBatchesPass
+from graph_rewriter.passes.allreduce import AllReducePass
+from graph_rewriter.passes.allgather import AllGatherPass
+from graph_rewriter.passes.accumulate import AccumulatePass
+from graph_rewriter.passes.sync_queues import SyncQueuesPass
+from graph_rewriter.passes.shard_variables import ShardVariablesPass
+from graph_rewriter.passes.merge_summaries import MergeSummariesPass
+from graph_rewriter.passes.place import PlacePass
+from graph_rewriter.passes.metadata import MetadataPass
 
 __all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass", "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "AccumulatePass", "SyncQueuesPass", "ShardVariablesPass", "MergeSummariesPass",

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -136,6 +137,22 @@ def _first_differences(a_path, b_path, limit=5):
     return lines
 
 
+def _stage(root, dest):
+    """Copies a tree's importable code to ``dest`` so that it, and not an installed copy,
+    is imported: the package, with the repository's passes/ folder both as the subpackage
+    graph_rewriter.passes (how it installs) and as a top-level package (how revisions
+    before the single namespace imported it)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(os.path.join(root, "graph_rewriter"), os.path.join(dest, "graph_rewriter"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    passes = os.path.join(root, "passes")
+    if os.path.isdir(passes):
+        for target in (os.path.join(dest, "graph_rewriter", "passes"), os.path.join(dest, "passes")):
+            if not os.path.exists(target):
+                shutil.copytree(passes, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
 def compare(rev, work):
     work = work or tempfile.mkdtemp(prefix="compare_outputs_")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,9 +168,10 @@ def compare(rev, work):
         keep = os.path.join(work, "keep_" + label)
         os.makedirs(keep, exist_ok=True)
         out = os.path.join(work, label + ".json")
-        env = dict(os.environ, PYTHONPATH=root)
+        code = _stage(root, os.path.join(work, "code_" + label))
+        env = dict(os.environ, PYTHONPATH=code)
         subprocess.run([sys.executable, os.path.abspath(__file__), "emit", inputs, out, "--keep", keep],
-                       cwd=root, env=env, check=True)
+                       cwd=code, env=env, check=True)
         runs[label] = json.load(open(out))
     before, after = runs["before"], runs["after"]
     diffs = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))

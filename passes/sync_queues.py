@@ -279,7 +279,8 @@ class SyncQueuesPass(Pass):
                 if c not in chief_only and rm.replica_of(graph, c.name) is None:
                     chief_only.add(c)
                     stack.append(c)
-        removable = [n for n in chief_only if all(c in chief_only for c, _ in n._consumers)]
+        # (in graph order: the set's order would make the output differ from run to run)
+        removable = [n for n in graph if n in chief_only and all(c in chief_only for c, _ in n._consumers)]
         # What the removed nodes also ran on this worker's replicas (e.g. the micro-batch
         # sums' stores under a train op the accumulate pass wrapped) stays with the train
         # ops, whichever removed node it hung from. Global work (an optimizer's own

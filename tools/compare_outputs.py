@@ -7,7 +7,8 @@ optimizers, the real-model suite's graphs, and with --keras a Keras ResNet50), r
 each of them under every strategy and a set of option combinations twice, once with the
 code at git revision REV (a temporary worktree) and once with this tree, and compares
 the SHA-256 of the emitted bytes (or the error message, for a combination the graph
-refuses). Prints every difference with the first nodes that differ and exits 1 if any.
+refuses; each rewrite runs twice, and a rewrite whose two outputs differ is
+reported as nondeterministic). Prints every difference with the first nodes that differ and exits 1 if any.
 
     python tools/compare_outputs.py inputs DIR      # only build the input graphs
     python tools/compare_outputs.py emit DIR OUT    # rewrite them with the importable code
@@ -110,10 +111,13 @@ def emit(in_dir, out_path, keep_dir=None):
             key = f"{file[:-3]}/{config}"
             try:
                 out = bytes(gr.rewrite(data, cluster, **kw).serialized())
+                again = bytes(gr.rewrite(data, cluster, **kw).serialized())
             except gr.GraphRewriteError as e:
                 results[key] = "error: " + str(e)
                 continue
             results[key] = hashlib.sha256(out).hexdigest()
+            if again != out:   # the same input and options must give the same bytes
+                results[key] += " NONDETERMINISTIC " + hashlib.sha256(again).hexdigest()
             if keep_dir:
                 with open(os.path.join(keep_dir, key.replace("/", "__") + ".pb"), "wb") as f:
                     f.write(out)

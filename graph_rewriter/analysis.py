@@ -219,8 +219,8 @@ def variable_of(tensor):
     for _ in range(1000):
         if node.op in VARIABLE_OPS:
             return node
-        if node.op in PASS_THROUGH and node._inputs:
-            node = node._inputs[0].node
+        if node.op in PASS_THROUGH and node.inputs:
+            node = node.inputs[0].node
             continue
         return None
     return None
@@ -274,7 +274,7 @@ class _Analyzer:
                 continue
             shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
             out[n.name] = Variable(node=n, kind=kind, dtype=n.attr["dtype"].type, shape=shape)
-        out = {name: out[name] for name in (n.name for n in self.g._nodes.values()) if name in out}
+        out = {name: out[name] for name in self.g.names() if name in out}
         meta = self.g.meta_graph
         self.declared_trainable = None
         if meta is not None and "trainable_variables" in meta.collection_def:
@@ -305,7 +305,7 @@ class _Analyzer:
         stack = list(seeds)
         while stack:  # everything downstream of save/restore (restore assigns, restore_all)
             n = stack.pop()
-            for c in list(dict.fromkeys(c for c, _ in n._consumers)) + list(n._control_consumers):
+            for c in list(dict.fromkeys(c for c, _ in n.consumers())) + list(n.control_consumers):
                 if c not in region:
                     region.add(c)
                     stack.append(c)
@@ -333,7 +333,7 @@ class _Analyzer:
         found = []   # (tensor, "dynamic" | "placeholder" | "iterator" | "broadcast", first dim)
         for n in self.order:
             if n.op in PLACEHOLDERS:
-                if not n._consumers:
+                if not n.consumers():
                     continue
                 shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
                 if shape and shape[0] == -1:
@@ -394,9 +394,9 @@ class _Analyzer:
             grad_arg = "grad" if "grad" in slices else "delta" if "delta" in slices else None
             if grad_arg is not None and ("var" in slices):
                 var_pos = slices["var"][0]
-                primary = self.variables[variable_of(n._inputs[var_pos]).name]
-                values = n._inputs[slices[grad_arg][0]]
-                indices = n._inputs[slices["indices"][0]] if "indices" in slices else None
+                primary = self.variables[variable_of(n.inputs[var_pos]).name]
+                values = n.inputs[slices[grad_arg][0]]
+                indices = n.inputs[slices["indices"][0]] if "indices" in slices else None
                 if indices is None:
                     cut = GradientCut(values=values, kind="dense", variable=primary.name, source="fused-op")
                 else:
@@ -404,8 +404,8 @@ class _Analyzer:
                 add(cut, n, primary)
                 continue
             if "indices" in slices and "updates" in slices:
-                values = n._inputs[slices["updates"][0]]
-                indices = n._inputs[slices["indices"][0]]
+                values = n.inputs[slices["updates"][0]]
+                indices = n.inputs[slices["indices"][0]]
                 dedup = _dedup_pair(indices)
                 if dedup is not None:
                     cut = GradientCut(values=dedup[0], indices=dedup[1], kind="sparse",
@@ -423,12 +423,12 @@ class _Analyzer:
             if (n, var.name) in explained or n not in variant_mid:
                 continue
             if n.op in DENSE_ASSIGNS:
-                value = n._inputs[opdefs.input_position(n, "value")]
+                value = n.inputs[opdefs.input_position(n, "value")]
             elif n.op in FUNCTION_CALLS or opdefs.op_def(n.op) is None:
                 # A conditional update (Keras BatchNorm's smart_cond around its moving
                 # averages): the batch reaches the body through one data input.
                 dts = opdefs.input_dtypes(n)
-                live = [(i, t) for i, t in enumerate(n._inputs)
+                live = [(i, t) for i, t in enumerate(n.inputs)
                         if dts[i] != opdefs.DT_RESOURCE and (t.node in variant_mid or t in batch)]
                 if len(live) > 1:
                     # A v2 cond around a whole optimizer (skip the step on overflow):
@@ -648,7 +648,7 @@ class _Analyzer:
                     continue
                 owner[n] = i
                 if n not in writers:
-                    stack.extend(r for r, _ in n._consumers)
+                    stack.extend(r for r, _ in n.consumers())
         groups = {}
         for i, c in enumerate(cuts):
             groups.setdefault(root(i), []).append(c.variable)
@@ -659,7 +659,7 @@ class _Analyzer:
         for n, var, pos in self.writes:
             if n not in variant:
                 continue
-            bad = [t for t in n._inputs if t.node in variant]
+            bad = [t for t in n.inputs if t.node in variant]
             why = f"its input '{bad[0].name}'" if bad else "an input"
             raise GraphRewriteError(
                 f"cannot find the gradient of variable '{var.name}': it is updated by "
@@ -690,7 +690,7 @@ class _Analyzer:
             slices = opdefs.input_arg_slices(n)
             if "var" not in slices or ("grad" not in slices and "delta" not in slices):
                 continue
-            primary = variable_of(n._inputs[slices["var"][0]])
+            primary = variable_of(n.inputs[slices["var"][0]])
             if var.node is not primary and var.role == "other":
                 var.role, var.slot_of = "slot", primary.name
         for var in self.variables.values():
@@ -706,13 +706,13 @@ class _Analyzer:
             for w in var.writers:
                 if w.op not in ("Assign", "AssignVariableOp") or w in self.saver_nodes:
                     continue
-                value = w._inputs[opdefs.input_position(w, "value")]
+                value = w.inputs[opdefs.input_position(w, "value")]
                 if _is_pure_initial_value(value.node):
                     var.initializer = w
                     break
         initializers = {v.initializer for v in self.variables.values() if v.initializer is not None}
         return [n for n in self.order
-                if n.op == "NoOp" and any(c in initializers for c in n._control_inputs)]
+                if n.op == "NoOp" and any(c in initializers for c in n.control_inputs)]
 
 
 # ----- helpers shared by the analysis and the passes --------------------------------------
@@ -729,10 +729,10 @@ def variant_nodes(seeds, cuts):
                 stack.append(c)
     while stack:
         n = stack.pop()
-        for c, pos in n._consumers:
+        for c, pos in n.consumers():
             if c in variant:
                 continue
-            if cuts and c._inputs[pos] in cuts:
+            if cuts and c.inputs[pos] in cuts:
                 continue
             variant.add(c)
             stack.append(c)
@@ -748,12 +748,12 @@ def absorb_exclusive_ancestors(region, keep_out):
         changed = False
         candidates = []
         for n in frontier:
-            candidates += [t.node for t in n._inputs] + list(n._control_inputs)
+            candidates += [t.node for t in n.inputs] + list(n.control_inputs)
         frontier = []
         for p in dict.fromkeys(candidates):
             if p in region or keep_out(p):
                 continue
-            readers = [c for c, _ in p._consumers] + list(p._control_consumers)
+            readers = [c for c, _ in p.consumers()] + list(p.control_consumers)
             if readers and all(r in region for r in readers):
                 region.add(p)
                 frontier.append(p)
@@ -770,7 +770,7 @@ def _is_pure_initial_value(node):
         if (n.op in VARIABLE_OPS or n.op in PLACEHOLDERS or n.op in SAVER_OPS
                 or n.op in ITERATOR_GET_NEXT):
             return False
-        for t in n._inputs:
+        for t in n.inputs:
             if t.node not in seen:
                 seen.add(t.node)
                 stack.append(t.node)
@@ -791,14 +791,14 @@ def _gathered_variable(indices):
             if c.op in ("ResourceGather", "GatherV2", "Gather"):
                 names = opdefs.input_arg_names(c)
                 if names[pos] == "indices":
-                    var = variable_of(c._inputs[0])
+                    var = variable_of(c.inputs[0])
                     if var is not None:
                         return var
         n = t.node
         if n.op in ("Identity", "Reshape", "Cast", "Unique", "UniqueV2", "Snapshot"):
-            stack.append(n._inputs[0])
+            stack.append(n.inputs[0])
         elif n.op == "ConcatV2":
-            stack.extend(n._inputs[:-1])
+            stack.extend(n.inputs[:-1])
     return None
 
 
@@ -836,7 +836,7 @@ class _PostProcessingWalk:
         if n.op not in POST_PROCESSING:
             return False
         if n.op in ("Switch", "RefSwitch"):   # a while loop's, not a cond's
-            return n._inputs[1].node.op != "LoopCond"
+            return n.inputs[1].node.op != "LoopCond"
         return True
 
     def dense(self, start):
@@ -851,9 +851,9 @@ class _PostProcessingWalk:
                 stops.add((t, None))
                 continue
             self.ops.add(n.op)
-            live = [u for u in n._inputs if self._live(u)]
+            live = [u for u in n.inputs if self._live(u)]
             if (n.op not in self.AFFINE or len(live) != 1
-                    or (n.op in ("RealDiv", "Div") and live[0] is not n._inputs[0])):
+                    or (n.op in ("RealDiv", "Div") and live[0] is not n.inputs[0])):
                 self.affine = False
             for u in live:
                 if u not in seen:
@@ -866,7 +866,7 @@ class _PostProcessingWalk:
         their ids): when its rows were post-processed (clipped), the stop is the rows
         the backward pass produced, with their ids."""
         n = t.node
-        values, ids = n._inputs[0], n._inputs[1]
+        values, ids = n.inputs[0], n.inputs[1]
         if not self._live(values):
             return {(t, None)}
         inner = self.dense(values)
@@ -891,7 +891,7 @@ class _PostProcessingWalk:
         # the ids were routed like the rows (into a cond branch): take them from before
         while (start_indices.node.op in ("Identity", "Snapshot", "Switch", "RefSwitch")
                and self._walkable(start_indices.node)):
-            start_indices = start_indices.node._inputs[0]
+            start_indices = start_indices.node.inputs[0]
         out = set()
         for v, i in stops:
             out.add((v, i if i is not None else start_indices))
@@ -922,7 +922,7 @@ def _raw_rows(values, indices):
     t = _strip_identity(indices)
     if t.node.op not in ("Unique", "UniqueV2") or values.node.op != "UnsortedSegmentSum":
         return None
-    return values.node._inputs[0], _strip_identity(t.node._inputs[0])
+    return values.node.inputs[0], _strip_identity(t.node.inputs[0])
 
 
 def _descendants_within(starts, region, position, last):
@@ -932,7 +932,7 @@ def _descendants_within(starts, region, position, last):
     stack = list(out)
     while stack:
         n = stack.pop()
-        for c, _ in n._consumers:
+        for c, _ in n.consumers():
             if c not in out and (region is None or c in region) and position.get(c, last + 1) <= last:
                 out.add(c)
                 stack.append(c)
@@ -940,8 +940,8 @@ def _descendants_within(starts, region, position, last):
 
 
 def _strip_identity(t):
-    while t.node.op in ("Identity", "Snapshot") and t.node._inputs:
-        t = t.node._inputs[0]
+    while t.node.op in ("Identity", "Snapshot") and t.node.inputs:
+        t = t.node.inputs[0]
     return t
 
 
@@ -966,7 +966,7 @@ def _walk_to_gradient(value, variant, batch):
         n = t.node
         if n.op not in ELEMENTWISE:
             return t
-        live = [u for u in n._inputs if u.node in variant or u in batch]
+        live = [u for u in n.inputs if u.node in variant or u in batch]
         if len(live) != 1:
             return t
         t = live[0]
@@ -979,7 +979,7 @@ def _read_by_variant(var_node, variant):
     seen = set()
     while stack:
         n = stack.pop()
-        for c, _ in n._consumers:
+        for c, _ in n.consumers():
             if c in seen:
                 continue
             seen.add(c)
@@ -987,7 +987,7 @@ def _read_by_variant(var_node, variant):
                 stack.append(c)
                 continue
             if c.op in READERS or c.op in PASS_THROUGH or c.op == "GatherV2" or c.op == "Gather":
-                for cc, _ in c._consumers:
+                for cc, _ in c.consumers():
                     if cc in variant:
                         return True
             if c in variant and c.op not in DENSE_ASSIGNS:
@@ -1017,14 +1017,14 @@ def written_variables(node, library):
     """[(variable node, input position)] that ``node`` writes: every op taking a
     variable's handle or a ref argument writes it, except readers and pass-throughs; a
     function call writes the handles its body writes."""
-    if node.op in READERS or node.op in PASS_THROUGH or node.op in VARIABLE_OPS or not node._inputs:
+    if node.op in READERS or node.op in PASS_THROUGH or node.op in VARIABLE_OPS or not node.inputs:
         return []
     dts = opdefs.input_dtypes(node)
     refs = opdefs.input_is_ref(node)
     is_call = node.op in FUNCTION_CALLS or (library is not None and opdefs.op_def(node.op) is None)
     written_args = _function_written_args(node, library) if is_call else None
     out = []
-    for pos, t in enumerate(node._inputs):
+    for pos, t in enumerate(node.inputs):
         if pos >= len(dts):
             break
         if dts[pos] != opdefs.DT_RESOURCE and not (pos < len(refs) and refs[pos]):

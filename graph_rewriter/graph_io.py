@@ -135,55 +135,10 @@ def _item_from_meta(mg, label):
 
 def graph_item_from_graph_def(gd, source="<GraphDef>"):
     """Builds a GraphItem that takes ownership of ``gd`` (its NodeDefs become the nodes'
-    attr protos). Two passes: every node first, then the edges, so loops load too."""
-    item = GraphItem()
-    item.source = source
+    attr protos)."""
+    item = GraphItem.from_node_defs(gd.node, source, _colocation_names)
     item.versions = gd.versions if gd.HasField("versions") else None
     item.library = gd.library if gd.HasField("library") else None
-    nodes = item._nodes
-    pending = []
-    for nd in gd.node:
-        name = nd.name
-        if name in nodes:
-            raise GraphRewriteError(f"{source}: two nodes are named '{name}'",
-                                    hint="node names must be unique in a GraphDef")
-        if not name:
-            raise GraphRewriteError(f"{source}: a node of op {nd.op!r} has no name")
-        node = Node(item, name, nd.op, nd.device, nd)
-        nodes[name] = node
-        pending.append((node, nd))
-    for node, nd in pending:
-        inputs = node._inputs
-        controls = node._control_inputs
-        for s in nd.input:
-            if s.startswith("^"):
-                producer = nodes.get(s[1:])
-                if producer is None:
-                    raise GraphRewriteError(
-                        f"{source}: node '{node._name}' has control input '{s}', but no node "
-                        f"'{s[1:]}' exists", hint="the graph is truncated or was edited by hand")
-                if node not in producer._control_consumers:
-                    controls.append(producer)
-                    producer._control_consumers[node] = None
-                continue
-            op_name, sep, idx = s.rpartition(":")
-            if sep and idx.isdigit():
-                index = int(idx)
-            else:
-                op_name, index = s, 0
-            producer = nodes.get(op_name)
-            if producer is None:
-                raise GraphRewriteError(
-                    f"{source}: node '{node._name}' reads input '{s}', but no node "
-                    f"'{op_name}' exists", hint="the graph is truncated or was edited by hand")
-            producer._consumers[(node, len(inputs))] = None
-            inputs.append(Tensor(producer, index))
-        del nd.input[:]
-        if COLOCATION_ATTR in nd.attr:
-            node._colocate = [nodes.get(n, n) for n in _colocation_names(nd.attr[COLOCATION_ATTR])]
-            del nd.attr[COLOCATION_ATTR]
-    item.renumber()
-    item.clean()
     return item
 
 
@@ -217,7 +172,7 @@ def graph_def_bytes(item):
     if rm is not None and rm.template:
         write_replicated_nodes(item, out, nodes_bytes)
     else:
-        nodes_bytes(item._nodes.values(), out)
+        nodes_bytes(item.nodes, out)
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)
         out += b"\x12" + varint(len(lib)) + lib
@@ -239,7 +194,7 @@ def nodes_bytes(nodes, out, attr_bytes=None):
     colocations = {}    # tuple of targets -> the serialized _class attr entry
     varints = VARINTS
     for node in nodes:
-        d = node._def
+        d = node.node_def
         cached = attr_bytes.get(id(d))
         if cached is None or cached[1] is not d:
             cached = attr_bytes[id(d)] = (attrs_bytes(d), d)
@@ -249,26 +204,26 @@ def nodes_bytes(nodes, out, attr_bytes=None):
         dev = device_bytes.get(node.device)
         if dev is None:
             dev = device_bytes[node.device] = string_field(b"\x22", node.device) if node.device else b""
-        name = node._name.encode("utf-8")
+        name = node.name.encode("utf-8")
         size = len(name)
         body = [b"\x0a", varints[size] if size < SHORT else encode_varint(size), name, op]
-        for t in node._inputs:
+        for t in node.inputs:
             field = inputs.get(t)
             if field is None:
                 p = t.node
-                field = string_field(b"\x1a", p._name if t.index == 0 else f"{p._name}:{t.index}")
-                if len(p._consumers) > 1:
+                field = string_field(b"\x1a", p.name if t.index == 0 else f"{p.name}:{t.index}")
+                if p.num_consumers > 1:
                     inputs[t] = field
             body.append(field)
-        for c in node._control_inputs:
+        for c in node.control_inputs:
             field = controls.get(c)
             if field is None:
-                field = controls[c] = string_field(b"\x1a", "^" + c._name)
+                field = controls[c] = string_field(b"\x1a", "^" + c.name)
             body.append(field)
         body.append(dev)
         body.append(cached[0])
-        if node._colocate:
-            key = tuple(node._colocate)
+        if node.colocate_with:
+            key = tuple(node.colocate_with)
             entry = colocations.get(key)
             if entry is None:
                 entry = colocations[key] = _colocation_entry(key)
@@ -282,7 +237,7 @@ def nodes_bytes(nodes, out, attr_bytes=None):
 
 def _colocation_entry(targets):
     """The ``_class`` attr entry of colocation targets (Nodes, or unresolved names)."""
-    return colocation_entry([t._name if isinstance(t, Node) else t for t in targets])
+    return colocation_entry([t.name if isinstance(t, Node) else t for t in targets])
 
 
 def to_meta_graph_def(item):

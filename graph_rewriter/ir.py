@@ -24,6 +24,8 @@ from tensorflow.core.framework import attr_value_pb2
 from graph_rewriter.errors import GraphRewriteError
 
 Tensor = collections.namedtuple("Tensor", ["node", "index"])
+Changes = collections.namedtuple("Changes", ["edges", "attrs", "bulk", "order_ok"])
+Changes.__doc__ = "Nodes changed since the verifier last ran (GraphItem.pending_changes)."
 Tensor.__doc__ = "One output of a node: the endpoint of a data edge."
 Tensor.__repr__ = lambda self: f"Tensor({self.node.name}:{self.index})"
 Tensor.name = property(lambda self: f"{self.node.name}:{self.index}")
@@ -39,7 +41,7 @@ class Node:
 
     __slots__ = ("graph", "_name", "op", "_device", "_def", "_shared_def",
                  "_inputs", "_control_inputs", "_consumers", "_control_consumers",
-                 "_colocate", "replica", "_arg_info", "_ord", "_by_output", "__weakref__")
+                 "_colocate", "replica", "arg_info", "_ord", "_by_output", "__weakref__")
 
     def __init__(self, graph, name, op, device, node_def, shared_def=False):
         self.graph = graph
@@ -56,7 +58,7 @@ class Node:
         self._control_consumers = {}  # consumer Node -> None, ordered
         self._colocate = []           # Node references (or unresolved names, flagged by the verifier)
         self.replica = UNKNOWN_REPLICA  # set by replication: the replica index, or GLOBAL
-        self._arg_info = None         # OpDef argument facts for this node's attrs (opdefs cache)
+        self.arg_info = None          # opdefs' cache: OpDef argument facts for this node's attrs
 
     def __repr__(self):
         return f"<Node {self._name} ({self.op})>"
@@ -81,8 +83,15 @@ class Node:
         """The NodeDef attr map, for reading. Use set_attr to change it."""
         return self._def.attr
 
+    @property
+    def node_def(self):
+        """The NodeDef holding this node's attributes, for reading (shared with clones
+        until one changes an attribute; its name, op, device and input fields are stale:
+        read those from the node)."""
+        return self._def
+
     def _own_def(self):
-        self._arg_info = None
+        self.arg_info = None
         if self._shared_def:
             own = type(self._def)()
             own.CopyFrom(self._def)
@@ -129,6 +138,21 @@ class Node:
     @property
     def colocate_with(self):
         return tuple(self._colocate)
+
+    @property
+    def has_consumers(self):
+        """Whether any node reads an output of this one."""
+        return bool(self._consumers)
+
+    @property
+    def num_consumers(self):
+        """How many (consumer, input position) pairs read this node's outputs."""
+        return len(self._consumers)
+
+    @property
+    def is_sink(self):
+        """Nothing reads this node, by data or control edge: it runs only if fetched."""
+        return not self._consumers and not self._control_consumers
 
     def consumers(self, index=None):
         """[(consumer Node, input position)] reading this node's outputs (one output if index)."""
@@ -246,6 +270,75 @@ class GraphItem:
         self._first_ord = 0.0        # below every position given so far (for source nodes)
         self._order_ok = True
 
+    @classmethod
+    def from_node_defs(cls, node_defs, source, colocation_names):
+        """A graph of ``node_defs``, which become the nodes' attr protos (their input and
+        colocation fields are parsed into edges and cleared). Two passes: every node
+        first, then the edges, so loops load too. ``colocation_names`` turns a ``_class``
+        AttrValue into node names."""
+        item = cls()
+        item.source = source
+        nodes = item._nodes
+        pending = []
+        for nd in node_defs:
+            name = nd.name
+            if name in nodes:
+                raise GraphRewriteError(f"{source}: two nodes are named '{name}'",
+                                        hint="node names must be unique in a GraphDef")
+            if not name:
+                raise GraphRewriteError(f"{source}: a node of op {nd.op!r} has no name")
+            node = Node(item, name, nd.op, nd.device, nd)
+            nodes[name] = node
+            pending.append((node, nd))
+        for node, nd in pending:
+            inputs = node._inputs
+            controls = node._control_inputs
+            for s in nd.input:
+                if s.startswith("^"):
+                    producer = nodes.get(s[1:])
+                    if producer is None:
+                        raise GraphRewriteError(
+                            f"{source}: node '{node._name}' has control input '{s}', but no node "
+                            f"'{s[1:]}' exists", hint="the graph is truncated or was edited by hand")
+                    if node not in producer._control_consumers:
+                        controls.append(producer)
+                        producer._control_consumers[node] = None
+                    continue
+                op_name, sep, idx = s.rpartition(":")
+                if sep and idx.isdigit():
+                    index = int(idx)
+                else:
+                    op_name, index = s, 0
+                producer = nodes.get(op_name)
+                if producer is None:
+                    raise GraphRewriteError(
+                        f"{source}: node '{node._name}' reads input '{s}', but no node "
+                        f"'{op_name}' exists", hint="the graph is truncated or was edited by hand")
+                producer._consumers[(node, len(inputs))] = None
+                inputs.append(Tensor(producer, index))
+            del nd.input[:]
+            if COLOCATION_ATTR in nd.attr:
+                node._colocate = [nodes.get(n, n) for n in colocation_names(nd.attr[COLOCATION_ATTR])]
+                del nd.attr[COLOCATION_ATTR]
+        item.renumber()
+        item.clean()
+        return item
+
+    def touch(self):
+        """Records an edit the IR cannot see itself (a function body's attributes, the
+        replica indices), so cached analyses of the old version are not reused."""
+        self._touch()
+
+    def pending_changes(self):
+        """What changed since ``clean()``, for the verifier's incremental check: the live
+        nodes whose edges changed, those whose attributes/device/colocation changed,
+        whether a bulk clone ran, and whether the maintained topological order still
+        holds (False after an edge closed a cycle)."""
+        live = self._nodes
+        return Changes([n for n in self._dirty_edges if live.get(n._name) is n],
+                       [n for n in self._dirty_attrs if live.get(n._name) is n],
+                       self._dirty_bulk, self._order_ok)
+
     def _touch(self, node=None, edges=False):
         self.version += 1
         if node is not None:
@@ -304,6 +397,10 @@ class GraphItem:
     def nodes(self):
         """All nodes in export order (a snapshot list)."""
         return list(self._nodes.values())
+
+    def names(self):
+        """The node names in export order (a live view: copy it to keep a snapshot)."""
+        return self._nodes.keys()
 
     def node(self, name):
         try:
@@ -427,7 +524,7 @@ class GraphItem:
             name = prefix + n._name
             n._shared_def = True
             c = Node(self, name, n.op, n._device, n._def, shared_def=True)
-            c._arg_info = n._arg_info
+            c.arg_info = n.arg_info
             c._ord = n._ord + shift
             table[name] = c
             mapping[n] = c
@@ -474,8 +571,9 @@ class GraphItem:
 
     def remove_nodes(self, nodes):
         """Removes a set of nodes that only read each other (dead-code elimination)."""
+        nodes = list(dict.fromkeys(nodes))   # checked in the order given: a stable error
         doomed = set(nodes)
-        for n in doomed:
+        for n in nodes:
             for c, _ in n._consumers:
                 if c not in doomed:
                     raise GraphRewriteError(f"cannot remove node '{n.name}': still read by '{c.name}'")

@@ -104,7 +104,7 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     if entry[1] is None:
         entry[1] = opdefs.arg_info(node)
     else:
-        node._arg_info = entry[1]
+        node.arg_info = entry[1]
     if replica is not None:
         node.replica = replica
     return node

@@ -116,10 +116,10 @@ _INFO_CACHE = {}
 
 
 def _info(node):
-    info = node._arg_info
+    info = node.arg_info
     if info is not None:
         return info
-    info = node._arg_info = _compute_info(node)
+    info = node.arg_info = _compute_info(node)
     return info
 
 

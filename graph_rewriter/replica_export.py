@@ -40,8 +40,8 @@ def write_replicated_nodes(item, out, nodes_bytes):
     rm = item.replicas
     prefix = rm.prefixes[1]
     template, plain, fan_in = [], [], []
-    for n in item._nodes.values():
-        if n._name.startswith(prefix):
+    for n in item.nodes:
+        if n.name.startswith(prefix):
             template.append(n)
         elif _refers_to_template(n, prefix):
             fan_in.append(n)
@@ -88,14 +88,14 @@ def _groups(rm, replicas):
 
 
 def _refers_to_template(n, prefix):
-    for t in n._inputs:
-        if t.node._name.startswith(prefix):
+    for t in n.inputs:
+        if t.node.name.startswith(prefix):
             return True
-    for c in n._control_inputs:
-        if c._name.startswith(prefix):
+    for c in n.control_inputs:
+        if c.name.startswith(prefix):
             return True
-    for c in n._colocate:
-        if isinstance(c, Node) and c._name.startswith(prefix):
+    for c in n.colocate_with:
+        if isinstance(c, Node) and c.name.startswith(prefix):
             return True
     return False
 
@@ -104,10 +104,10 @@ def _fan_in_node_def(n, rm, prefix, replicas):
     """The NodeDef of a single node, each reference to a template node expanded to every
     replica's copy; list arguments' length attributes follow their inputs."""
     nd = node_def_pb2.NodeDef()
-    nd.CopyFrom(n._def)   # the attribute proto: its name, op, device and inputs are stale
+    nd.CopyFrom(n.node_def)   # the attribute proto: its name, op, device and inputs are stale
     nd.ClearField("input")
     nd.ClearField("device")
-    nd.name = n._name
+    nd.name = n.name
     nd.op = n.op
     if n.device:
         nd.device = n.device
@@ -119,14 +119,14 @@ def _fan_in_node_def(n, rm, prefix, replicas):
         return [rm.prefixes[k] + name[cut:] for k in replicas]
 
     grown = {}   # data input position -> how many inputs it became
-    for pos, t in enumerate(n._inputs):
-        names = expand(t.node._name)
+    for pos, t in enumerate(n.inputs):
+        names = expand(t.node.name)
         grown[pos] = len(names)
         nd.input.extend(name if t.index == 0 else f"{name}:{t.index}" for name in names)
-    for c in n._control_inputs:
-        nd.input.extend("^" + name for name in expand(c._name))
-    if n._colocate:
-        targets = [name for c in n._colocate for name in expand(c._name if isinstance(c, Node) else c)]
+    for c in n.control_inputs:
+        nd.input.extend("^" + name for name in expand(c.name))
+    if n.colocate_with:
+        targets = [name for c in n.colocate_with for name in expand(c.name if isinstance(c, Node) else c)]
         nd.attr[COLOCATION_ATTR].list.s.extend(("loc:@" + t).encode() for t in targets)
     if any(g != 1 for g in grown.values()):
         _fix_list_lengths(n, nd, grown)
@@ -196,9 +196,9 @@ class _TemplateRenderer:
 
     def _recipe(self, n):
         prefix, cut = self.prefix, len(self.prefix)
-        items = [(PREFIX, b"\x0a", b"", n._name[cut:].encode()), string_field(b"\x12", n.op)]
-        for t in n._inputs:
-            name = t.node._name
+        items = [(PREFIX, b"\x0a", b"", n.name[cut:].encode()), string_field(b"\x12", n.op)]
+        for t in n.inputs:
+            name = t.node.name
             if name.startswith(prefix):
                 items.append((PREFIX, b"\x1a", b"", (name[cut:] + (f":{t.index}" if t.index else "")).encode()))
             elif name in self.indexed:
@@ -210,11 +210,11 @@ class _TemplateRenderer:
                 items.append((INDEX, b"\x1a", f"{name}:".encode(), b""))
             else:
                 items.append(self._field(name if t.index == 0 else f"{name}:{t.index}"))
-        for c in n._control_inputs:
-            if c._name.startswith(prefix):
-                items.append((PREFIX, b"\x1a", b"^", c._name[cut:].encode()))
+        for c in n.control_inputs:
+            if c.name.startswith(prefix):
+                items.append((PREFIX, b"\x1a", b"^", c.name[cut:].encode()))
             else:
-                items.append(self._field("^" + c._name))
+                items.append(self._field("^" + c.name))
         device = n.device
         replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
         if device and replica == 1 and device == self.rm.devices[1]:
@@ -224,7 +224,7 @@ class _TemplateRenderer:
         elif device:
             items.append(string_field(b"\x22", device))
         self._attributes(n, items)
-        if n._colocate:
+        if n.colocate_with:
             self._colocation(n, items)
         return _merge_literals(items)
 
@@ -235,7 +235,7 @@ class _TemplateRenderer:
         return field
 
     def _attributes(self, n, items):
-        d = n._def
+        d = n.node_def
         marker = self.prefix.encode()
         renamed = [key for key in _RENAMED_ATTRS if key in d.attr and marker in d.attr[key].s]
         if not renamed:
@@ -262,7 +262,7 @@ class _TemplateRenderer:
 
     def _colocation(self, n, items):
         prefix, cut = self.prefix, len(self.prefix)
-        names = [t._name if isinstance(t, Node) else t for t in n._colocate]
+        names = [t.name if isinstance(t, Node) else t for t in n.colocate_with]
         if not any(name.startswith(prefix) for name in names):
             items.append(colocation_entry(names))
             return

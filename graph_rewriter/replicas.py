@@ -114,7 +114,7 @@ class ReplicaMap:
         if not self.template:
             return len(graph)
         prefix = self.prefixes[1]
-        template = sum(1 for name in graph._nodes if name.startswith(prefix))
+        template = sum(1 for name in graph.names() if name.startswith(prefix))
         return len(graph) + template * (self.num_local - 2)
 
     def to_dict(self):

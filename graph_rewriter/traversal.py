@@ -20,7 +20,7 @@ def is_back_edge(producer, consumer):
 
 def _forward_inputs(node):
     """Producers of ``node`` (data then control) except loop back-edges."""
-    prods = [t.node for t in node._inputs] + list(node._control_inputs)
+    prods = [t.node for t in node.inputs] + list(node.control_inputs)
     if node.op in _MERGES:
         prods = [p for p in prods if p.op not in _BACK_EDGE_SOURCES]
     return prods
@@ -30,14 +30,14 @@ def topological_order(graph):
     """Nodes so that producers come before consumers (loop back-edges ignored); among
     the nodes ready at any moment, the one first in the graph's own order goes first.
     Raises GraphRewriteError on a cycle that is not a loop."""
-    nodes = list(graph._nodes.values())
+    nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     indeg = [0] * len(nodes)
     successors = [[] for _ in nodes]
     for i, n in enumerate(nodes):
-        preds = {t.node for t in n._inputs}
-        if n._control_inputs:
-            preds.update(n._control_inputs)
+        preds = {t.node for t in n.inputs}
+        if n.control_inputs:
+            preds.update(n.control_inputs)
         if n.op in _MERGES:
             preds = {p for p in preds if p.op not in _BACK_EDGE_SOURCES}
         indeg[i] = len(preds)
@@ -67,14 +67,14 @@ def any_topological_order(graph):
     """Some topological order (loop back-edges ignored), cheaper than
     topological_order's (no priority among ready nodes): what renumbering the IR's
     maintained order needs. On a cycle, topological_order raises naming it."""
-    nodes = graph._nodes.values()
+    nodes = graph.nodes
     indeg = {}
     ready = []
     for n in nodes:
-        d = len(n._inputs) + len(n._control_inputs)
+        d = len(n.inputs) + len(n.control_inputs)
         if n.op in _MERGES:
-            d -= sum(1 for t in n._inputs if t.node.op in _BACK_EDGE_SOURCES)
-            d -= sum(1 for p in n._control_inputs if p.op in _BACK_EDGE_SOURCES)
+            d -= sum(1 for t in n.inputs if t.node.op in _BACK_EDGE_SOURCES)
+            d -= sum(1 for p in n.control_inputs if p.op in _BACK_EDGE_SOURCES)
         indeg[n] = d
         if d == 0:
             ready.append(n)
@@ -84,7 +84,7 @@ def any_topological_order(graph):
         n = pop()
         order.append(n)
         back = n.op in _BACK_EDGE_SOURCES
-        for c in itertools.chain([c for c, _ in n._consumers], n._control_consumers):
+        for c in itertools.chain([c for c, _ in n.consumers()], n.control_consumers):
             if back and c.op in _MERGES:
                 continue
             d = indeg[c] - 1
@@ -99,8 +99,8 @@ def any_topological_order(graph):
 def find_cycle(graph):
     """A list of nodes forming a cycle that is not a loop back-edge, or [] if none."""
     WHITE, GREY, BLACK = 0, 1, 2
-    color = {n: WHITE for n in graph._nodes.values()}
-    for root in graph._nodes.values():
+    color = {n: WHITE for n in graph.nodes}
+    for root in graph.nodes:
         if color[root] != WHITE:
             continue
         stack = [(root, iter(_forward_inputs(root)))]
@@ -133,7 +133,7 @@ def ancestors(nodes, data_only=False, stop=None):
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        prods = [t.node for t in n._inputs] if data_only else [t.node for t in n._inputs] + list(n._control_inputs)
+        prods = [t.node for t in n.inputs] if data_only else [t.node for t in n.inputs] + list(n.control_inputs)
         for p in prods:
             if p not in seen:
                 seen.add(p)
@@ -150,7 +150,7 @@ def reaches(start, target, limit=32):
         for n in frontier:
             if n is target:
                 return True
-            for c, _ in n._consumers:
+            for c, _ in n.consumers():
                 if c not in seen:
                     seen.add(c)
                     nxt.append(c)
@@ -176,9 +176,9 @@ def descendants(nodes, data_only=False):
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        outs = [c for c, _ in n._consumers]
+        outs = [c for c, _ in n.consumers()]
         if not data_only:
-            outs += list(n._control_consumers)
+            outs += list(n.control_consumers)
         for c in outs:
             if c not in seen:
                 seen.add(c)

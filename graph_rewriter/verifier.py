@@ -32,13 +32,13 @@ SHARED_RESOURCE_OPS = frozenset(("VarHandleOp", "VariableV2", "HashTableV2", "Mu
 def verify(graph, ctx=None):
     """Checks the whole graph. Raises GraphRewriteError naming the first broken
     invariant; returns the topological order."""
-    _check_edges(graph, graph._nodes.values())
+    _check_edges(graph, graph.nodes)
     order = topological_order(graph)
     graph.reset_order(order)
     cluster = ctx.cluster if ctx is not None else None
     options = ctx.options if ctx is not None else None
-    _check_devices(graph, graph._nodes.values(), cluster, options)
-    _check_colocation(graph, graph._nodes.values())
+    _check_devices(graph, graph.nodes, cluster, options)
+    _check_colocation(graph, graph.nodes)
     _check_collectives(graph)
     _check_replica_isolation(graph)
     graph.clean()
@@ -50,11 +50,9 @@ def verify_changes(graph, ctx=None):
     valid then: the edges, devices and colocation of the nodes a pass touched; "no cycle"
     from the topological order the IR keeps on every new edge (a full check when an edge
     broke it); collective groups and replica isolation over the few nodes they concern."""
-    live = graph._nodes
-    edged = [n for n in graph._dirty_edges if live.get(n._name) is n]
-    attred = [n for n in graph._dirty_attrs if live.get(n._name) is n]
+    edged, attred, bulk, order_ok = graph.pending_changes()
     _check_edges(graph, edged)
-    if not graph._order_ok:
+    if not order_ok:
         graph.reset_order(any_topological_order(graph))   # raises, naming the cycle, if there is one
     cluster = ctx.cluster if ctx is not None else None
     options = ctx.options if ctx is not None else None
@@ -63,26 +61,26 @@ def verify_changes(graph, ctx=None):
     # The two checks below span the whole graph; a change can only break them through
     # the nodes they concern, so they run when such a node changed.
     changed = edged + attred
-    if graph._dirty_bulk or any(_concerns_collectives(n) for n in changed):
+    if bulk or any(_concerns_collectives(n) for n in changed):
         _check_collectives(graph)
-    if graph._dirty_bulk or any(n.op in _ISOLATED or n.op in SHARED_RESOURCE_OPS for n in changed):
+    if bulk or any(n.op in _ISOLATED or n.op in SHARED_RESOURCE_OPS for n in changed):
         _check_replica_isolation(graph)
     graph.clean()
 
 
 def _concerns_collectives(n):
     """A collective, or a constant feeding one (its group and instance keys)."""
-    return n.op in COLLECTIVES or (n.op == "Const" and any(c.op in COLLECTIVES for c, _ in n._consumers))
+    return n.op in COLLECTIVES or (n.op == "Const" and any(c.op in COLLECTIVES for c, _ in n.consumers()))
 
 
 def _check_edges(graph, nodes):
     counts = {}
     for n in nodes:
-        if graph._nodes.get(n._name) is not n:
+        if graph.get(n.name) is not n:
             raise GraphRewriteError(f"node '{n.name}' is not registered under its own name")
-        for pos, t in enumerate(n._inputs):
+        for pos, t in enumerate(n.inputs):
             p = t.node
-            if graph._nodes.get(p._name) is not p:
+            if graph.get(p.name) is not p:
                 raise GraphRewriteError(
                     f"node '{n.name}' input {pos} reads '{p.name}', which is not in the graph")
             count = counts.get(p)
@@ -92,8 +90,8 @@ def _check_edges(graph, nodes):
                 raise GraphRewriteError(
                     f"node '{n.name}' reads '{p.name}:{t.index}', but '{p.name}' ({p.op}) has "
                     f"{count} output{'s' if count != 1 else ''}")
-        for c in n._control_inputs:
-            if graph._nodes.get(c._name) is not c:
+        for c in n.control_inputs:
+            if graph.get(c.name) is not c:
                 raise GraphRewriteError(
                     f"node '{n.name}' has a control input on '{c.name}', which is not in the graph")
         if n not in counts:
@@ -103,7 +101,7 @@ def _check_edges(graph, nodes):
 def _check_devices(graph, nodes, cluster, options):
     seen = {"": None}
     for n in nodes:
-        dev = n._device
+        dev = n.device
         ok = seen.get(dev, False)
         if ok is False:
             ok = seen[dev] = _device_problem(dev, cluster, options)
@@ -141,8 +139,8 @@ def _device_problem(dev, cluster, options):
 
 def _check_colocation(graph, nodes):
     for n in nodes:
-        for t in n._colocate:
-            if not isinstance(t, Node) or graph._nodes.get(t._name) is not t:
+        for t in n.colocate_with:
+            if not isinstance(t, Node) or graph.get(t.name) is not t:
                 name = t if isinstance(t, str) else t.name
                 raise GraphRewriteError(
                     f"node '{n.name}' is colocated with '{name}', which is not in the graph")
@@ -161,14 +159,14 @@ def _check_collectives(graph):
     groups = {}     # group_key -> (group_size, set of devices)
     instances = {}  # (group_key, instance_key, device) -> node name
     members = {}    # (group_key, instance_key) -> count
-    for n in graph._nodes.values():
+    for n in graph.nodes:
         if n.op not in COLLECTIVES:
             continue
         if n.op.endswith("V2"):
             sl = opdefs.input_arg_slices(n)
-            size = _const_int(n._inputs[sl["group_size"][0]])
-            gkey = _const_int(n._inputs[sl["group_key"][0]])
-            ikey = _const_int(n._inputs[sl["instance_key"][0]])
+            size = _const_int(n.inputs[sl["group_size"][0]])
+            gkey = _const_int(n.inputs[sl["group_key"][0]])
+            ikey = _const_int(n.inputs[sl["instance_key"][0]])
         else:
             size, gkey, ikey = n.attr["group_size"].i, n.attr["group_key"].i, n.attr["instance_key"].i
         if size is None or gkey is None or ikey is None:
@@ -205,23 +203,23 @@ def check_collectives_run(graph, ctx=None):
     if rm is None or rm.num_local < 2:
         return
     members = {}
-    for n in graph._nodes.values():
+    for n in graph.nodes:
         if n.op in COLLECTIVES:
-            r = rm.replica_of(graph, n._name)
+            r = rm.replica_of(graph, n.name)
             if r is None:
                 continue
             prefix = rm.prefixes[r]
-            members.setdefault(n._name[len(prefix):], []).append(n)
+            members.setdefault(n.name[len(prefix):], []).append(n)
     if not members:
         return
-    roots = [n for n in graph._nodes.values() if not n._consumers and not n._control_consumers]
+    roots = [n for n in graph.nodes if n.is_sink]
     bit = {n: 1 << i for i, n in enumerate(roots)}
     reached = {}
     for n in reversed(any_topological_order(graph)):
         r = bit.get(n, 0)
-        for c, _ in n._consumers:
+        for c, _ in n.consumers():
             r |= reached.get(c, 0)
-        for c in n._control_consumers:
+        for c in n.control_consumers:
             r |= reached.get(c, 0)
         reached[n] = r
     for name, copies in members.items():
@@ -245,19 +243,19 @@ def _check_replica_isolation(graph):
         return
     frames = {}
     shared = {}
-    for n in graph._nodes.values():
+    for n in graph.nodes:
         if n.op in ("Enter", "RefEnter"):
             frame = n.attr["frame_name"].s
-            r = replicas.replica_of(graph, n._name)
-            other = frames.setdefault(frame, (r, n._name))
+            r = replicas.replica_of(graph, n.name)
+            other = frames.setdefault(frame, (r, n.name))
             if other[0] != r:
                 raise GraphRewriteError(
                     f"loop frame '{frame.decode()}' is entered by '{other[1]}' and '{n.name}', "
                     f"which belong to different replicas")
         elif n.op in SHARED_RESOURCE_OPS and "shared_name" in n.attr and n.attr["shared_name"].s:
             key = (n.device, n.attr["container"].s if "container" in n.attr else b"", n.attr["shared_name"].s)
-            r = replicas.replica_of(graph, n._name)
-            other = shared.setdefault(key, (r, n._name))
+            r = replicas.replica_of(graph, n.name)
+            other = shared.setdefault(key, (r, n.name))
             if other[0] != r:
                 raise GraphRewriteError(
                     f"'{other[1]}' and '{n.name}' share shared_name "

@@ -58,7 +58,7 @@ class AccumulatePass(Pass):
         if not cuts or not plan.sync:
             return False
         rm = graph.replicas
-        before = set(graph._nodes)
+        before = set(graph.names())
         ps0 = ctx.cluster.ps_device(0)
         inits = init_ops(graph, plan)
         counter = int_variable(graph, COUNTER, shared_name(plan.fingerprint, "sync_step"), ps0, inits)
@@ -101,7 +101,7 @@ class AccumulatePass(Pass):
         # Between-graph, sync_queues orders the chief's tokens after the updates.
         after = descendants(takes)
         graph.mark_new_global(before)
-        roots = [n for n in graph if n in after and not n._consumers and not n._control_consumers]
+        roots = [n for n in graph if n in after and n.is_sink]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
                             [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
                             control_inputs=takes, device=ps0)
@@ -236,7 +236,7 @@ def _reaching(nodes, targets):
             n, done = stack.pop()
             if n in reach:
                 continue
-            outs = [c for c, _ in n._consumers if not is_back_edge(n, c)] + list(n._control_consumers)
+            outs = [c for c, _ in n.consumers() if not is_back_edge(n, c)] + list(n.control_consumers)
             if done:
                 reach[n] = any(reach.get(c, False) for c in outs)
             elif n in targets:

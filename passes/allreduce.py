@@ -153,7 +153,7 @@ def _update_readers(graph, tensor, prefix, variables):
                 if any(v is not None and v.name in targets for v in vars_):
                     hit = True
                     break
-            for d, _ in n._consumers:
+            for d, _ in n.consumers():
                 if d not in seen:
                     seen.add(d)
                     frontier.append(d)

@@ -46,7 +46,7 @@ class MicroBatchesPass(Pass):
         if k == 1 or not cuts:
             return False
         rm = graph.replicas
-        before = set(graph._nodes)
+        before = set(graph.names())
         inits = init_ops(graph, plan)
         counter = int_variable(graph, f"{MICRO_BATCHES}/count",
                                shared_name(plan.fingerprint, "micro_batches/count"), "", inits)
@@ -74,7 +74,7 @@ class MicroBatchesPass(Pass):
         # The train ops (the sinks after the rerouted readers) also run the stores/resets.
         after = descendants([t.node for t in outputs])
         roots = [n for n in graph if n in after and n.name in before
-                 and not n._consumers and not n._control_consumers]
+                 and n.is_sink]
         if not roots:
             raise GraphRewriteError(
                 "accumulation_steps: no train op reads the gradients (nothing to accumulate for)")
@@ -207,7 +207,7 @@ def leads_to_write(node, variables, limit=256):
                 v = variable_of(t)
                 if v is not None and v.name in variables:
                     return True
-        for d, _ in n._consumers:
+        for d, _ in n.consumers():
             if d not in seen:
                 seen.add(d)
                 frontier.append(d)

@@ -33,8 +33,8 @@ class PlacePass(Pass):
         rm = graph.replicas
         device_type = ctx.options.device_type
         nodes = graph.nodes
-        pinned = {n for n in nodes if n._device}
-        placed = {n: n._device for n in pinned}
+        pinned = {n for n in nodes if n.device}
+        placed = {n: n.device for n in pinned}
         for vp in ctx.plan.variables:
             if vp.placement == "ps" and vp.name in graph and not graph.node(vp.name).device:
                 task = vp.ps_task if vp.ps_task is not None else 0
@@ -46,7 +46,7 @@ class PlacePass(Pass):
         kernel_of, positions_of = {}, {}
 
         def has_kernel(n):
-            key = (id(n._def), n.op)
+            key = (id(n.node_def), n.op)
             ok = kernel_of.get(key)
             if ok is None:
                 ok = kernel_of[key] = opdefs.has_kernel(n, device_type)
@@ -73,7 +73,7 @@ class PlacePass(Pass):
                 if r < 0:
                     placed[n] = global_device
                     continue
-            ok = kernel_of.get((id(n._def), n.op))   # has_kernel, inlined: this loop runs per node
+            ok = kernel_of.get((id(n.node_def), n.op))   # has_kernel, inlined: this loop runs per node
             if ok is None:
                 ok = has_kernel(n)
             if ok:
@@ -84,14 +84,14 @@ class PlacePass(Pass):
         # A resource (variable, iterator, table...) and every op using it share a device.
         groups = {}
         for n in nodes:
-            if not n._inputs:
+            if not n.inputs:
                 continue
-            key = (id(n._def), n.op, len(n._inputs))
+            key = (id(n.node_def), n.op, len(n.inputs))
             positions = positions_of.get(key)
             if positions is None:
                 positions = positions_of[key] = opdefs.resource_positions(n)
             if positions:
-                groups.setdefault(_resource_root(n._inputs[positions[0]]), []).append(n)
+                groups.setdefault(_resource_root(n.inputs[positions[0]]), []).append(n)
         for root, users in groups.items():
             members = [root] + users
             if root in pinned:
@@ -105,19 +105,19 @@ class PlacePass(Pass):
                     placed[m] = target
         users = {m for members in groups.values() for m in members}
         # Colocation (_class) follows its target (twice: a target may itself follow one).
-        colocated = [n for n in nodes if n._colocate and not isinstance(n._colocate[0], str)
+        colocated = [n for n in nodes if n.colocate_with and not isinstance(n.colocate_with[0], str)
                      and n not in pinned and n not in groups and n not in users]
         for _ in range(2):
             for n in colocated:
-                placed[n] = placed.get(n._colocate[0], placed[n])
+                placed[n] = placed.get(n.colocate_with[0], placed[n])
         changed = bool(graph.set_devices(placed))
-        for n in [n for n in nodes if n._colocate]:
+        for n in [n for n in nodes if n.colocate_with]:
             # TensorFlow's placer treats colocation as a hard constraint. Where a resource
             # (or a pass) put a node elsewhere than its colocation target, e.g. Adam's
             # beta powers colocated with a variable now on a parameter server, the
             # resource wins and the stale hint goes.
-            if any(not isinstance(t, str) and placed.get(t) != placed[n] for t in n._colocate):
-                n.set_colocation([t for t in n._colocate if isinstance(t, str) or placed.get(t) == placed[n]])
+            if any(not isinstance(t, str) and placed.get(t) != placed[n] for t in n.colocate_with):
+                n.set_colocation([t for t in n.colocate_with if isinstance(t, str) or placed.get(t) == placed[n]])
                 changed = True
         return changed
 
@@ -128,6 +128,6 @@ def _resource_root(t):
     if var is not None:
         return var
     n = t.node
-    while n.op in PASS_THROUGH and n._inputs:
-        n = n._inputs[0].node
+    while n.op in PASS_THROUGH and n.inputs:
+        n = n.inputs[0].node
     return n

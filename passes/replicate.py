@@ -44,8 +44,8 @@ class ReplicatePass(Pass):
         # variable; a per-replica copy cannot follow a variable that moved to a ps task.
         on_ps = {graph.node(v.name) for v in ctx.plan.variables if v.placement == "ps"}
         for n in cloned:
-            if any(t in on_ps for t in n._colocate):
-                n.set_colocation([t for t in n._colocate if t not in on_ps])
+            if any(t in on_ps for t in n.colocate_with):
+                n.set_colocation([t for t in n.colocate_with if t not in on_ps])
         # Devices: the original graph's placement is for one device. Keep only its CPU
         # pins (as the replica's host CPU); the place pass decides the rest.
         pinned = {n for n in graph if ctx.options.device_type == "GPU" and "CPU" in n.device.upper()}
@@ -55,10 +55,10 @@ class ReplicatePass(Pass):
         for n in graph:
             n.replica = GLOBAL if n in global_nodes else 0
         if r == 1:
-            graph._touch()
+            graph.touch()
             return True
         _drop_outer_colocation_in_functions(graph)
-        roots = [n for n in cloned if not n._consumers and not n._control_consumers]
+        roots = [n for n in cloned if n.is_sink]
         shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
         clones_of_roots = []
@@ -99,7 +99,7 @@ def _read_only_by_global(cloned, global_nodes):
     """[(cloned node, its readers)] for cloned nodes all of whose readers are global."""
     out = []
     for n in cloned:
-        readers = list(dict.fromkeys([c for c, _ in n._consumers] + list(n._control_consumers)))
+        readers = list(dict.fromkeys([c for c, _ in n.consumers()] + list(n.control_consumers)))
         if readers and all(r in global_nodes for r in readers):
             out.append((n, readers))
     return out
@@ -151,7 +151,7 @@ def _global_nodes(graph, analysis, plan):
                 if n in updates or n in analysis.variant or n in mirrored_writers:
                     continue
                 updates.add(n)
-                stack.extend(c for c, _ in n._consumers)
+                stack.extend(c for c, _ in n.consumers())
     region |= updates
     variant = analysis.variant
     # What is computed from an all-reduced or gathered gradient (post-processing, the
@@ -165,8 +165,8 @@ def _global_nodes(graph, analysis, plan):
         n = stack.pop()
         if n not in per_replica:
             per_replica.add(n)
-            stack.extend(c for c, _ in n._consumers)
-            stack.extend(n._control_consumers)
+            stack.extend(c for c, _ in n.consumers())
+            stack.extend(n.control_consumers)
 
     def keep_out(n):
         return (n in variant or n in mirrored or n in per_replica
@@ -179,7 +179,7 @@ def _global_nodes(graph, analysis, plan):
         for n in order:  # forward: ops that only follow ps updates run once with them
             if n in region or keep_out(n):
                 continue
-            producers = [t.node for t in n._inputs] + list(n._control_inputs)
+            producers = [t.node for t in n.inputs] + list(n.control_inputs)
             if producers and all(p in region for p in producers) and any(p in updates for p in producers):
                 region.add(n)
                 updates.add(n)
@@ -214,7 +214,7 @@ def _drop_outer_colocation_in_functions(graph):
         for nd in fn.node_def:
             if "_class" in nd.attr:
                 del nd.attr["_class"]
-    graph._touch()
+    graph.touch()
 
 
 def replica_map(graph, ctx):
@@ -235,7 +235,7 @@ def replica_map(graph, ctx):
     else:
         first, local = cluster.compute_tasks.index(cluster.task) * dpw, dpw
     family = next(f for f in _PREFIX_FAMILIES
-                  if not any(n.startswith(f) for n in graph._nodes))
+                  if not any(n.startswith(f) for n in graph.names()))
     prefixes = [""] + [f"{family}{i}/" for i in range(1, local)]
     devices = group[first:first + local]
     hosts = group_hosts[first:first + local]

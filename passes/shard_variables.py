@@ -200,7 +200,7 @@ def _replace(graph, old, new_tensor):
     node takes its name, so fetching the original tensor name still works."""
     name = old.name
     graph.replace_all_uses(old.output(0), new_tensor)
-    if old._control_consumers:
+    if old.control_consumers:
         graph.replace_control_uses(old, new_tensor.node)
     graph.remove_node(old)
     if new_tensor.index == 0:
@@ -212,7 +212,7 @@ def _replace_with_group(graph, old, ops):
     name = old.name
     group = graph.add_node(graph.unique_name(f"{name}/group"), "NoOp", control_inputs=ops)
     graph.replace_control_uses(old, group)
-    if old._consumers:
+    if old.consumers():
         raise GraphRewriteError(f"cannot shard: '{name}' ({old.op}) has outputs read by other ops")
     graph.remove_node(old)
     graph.rename_node(group, name)

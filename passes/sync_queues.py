@@ -48,7 +48,7 @@ _MERGES = frozenset(("Merge", "RefMerge"))
 
 def _cond_switch(node):
     """A v1 tf.cond's Switch (not a while loop's, whose predicate is a LoopCond)."""
-    return node.op in _SWITCHES and node._inputs[1].node.op != "LoopCond"
+    return node.op in _SWITCHES and node.inputs[1].node.op != "LoopCond"
 
 
 def _live_after(graph, nodes, takes, stop):
@@ -70,18 +70,18 @@ def _live_after(graph, nodes, takes, stop):
     def along(t):   # the conditions of a data edge
         c = conds.get(t.node, empty)
         if _cond_switch(t.node):
-            pred = t.node._inputs[1]
+            pred = t.node.inputs[1]
             c = c | {(pred.node, pred.index, t.index)}
         return c
 
     while ready:
         n = ready.pop()
-        data = [t for t in n._inputs if not is_back_edge(t.node, n)]
+        data = [t for t in n.inputs if not is_back_edge(t.node, n)]
         if n.op in _MERGES and data:
             c = frozenset.intersection(*[along(t) for t in data])
         else:
             c = empty.union(*[along(t) for t in data])
-        conds[n] = c.union(*[conds.get(p, empty) for p in n._control_inputs])
+        conds[n] = c.union(*[conds.get(p, empty) for p in n.control_inputs])
         for m in _consumers(n):
             if m in pending:
                 pending[m] -= 1
@@ -126,11 +126,11 @@ def _ps_writes(graph, plan):
 
 
 def _producers(node):
-    return [t.node for t in node._inputs if not is_back_edge(t.node, node)] + list(node._control_inputs)
+    return [t.node for t in node.inputs if not is_back_edge(t.node, node)] + list(node.control_inputs)
 
 
 def _consumers(node):
-    return [c for c, _ in node._consumers if not is_back_edge(node, c)] + list(node._control_consumers)
+    return [c for c, _ in node.consumers() if not is_back_edge(node, c)] + list(node.control_consumers)
 
 
 def _scalar_queue(graph, name, fingerprint, what, device):
@@ -152,7 +152,7 @@ class SyncQueuesPass(Pass):
         if cluster.task is None or not on_ps:
             return False
         rm = graph.replicas
-        before = set(graph._nodes)
+        before = set(graph.names())
         ps0 = cluster.ps_device(0)
         fp = plan.fingerprint
         workers = cluster.compute_tasks
@@ -166,7 +166,7 @@ class SyncQueuesPass(Pass):
         barrier = _scalar_queue(graph, INIT_BARRIER, fp, "init_done", ps0)
         # The train ops: what the user runs each step, i.e. the roots after the updates.
         after_updates = descendants([n for n in graph if n.op in _TAKES])
-        roots = [n for n in graph if not n._consumers and not n._control_consumers
+        roots = [n for n in graph if n.is_sink
                  and n in after_updates]
         if rm.chief:
             ready = make_op(graph, "QueueEnqueueManyV2", f"{INIT_BARRIER}/release",
@@ -275,12 +275,12 @@ class SyncQueuesPass(Pass):
         stack = list(chief_only)
         while stack:
             n = stack.pop()
-            for c in [c for c, _ in n._consumers] + list(n._control_consumers):
+            for c in [c for c, _ in n.consumers()] + list(n.control_consumers):
                 if c not in chief_only and rm.replica_of(graph, c.name) is None:
                     chief_only.add(c)
                     stack.append(c)
         # (in graph order: the set's order would make the output differ from run to run)
-        removable = [n for n in graph if n in chief_only and all(c in chief_only for c, _ in n._consumers)]
+        removable = [n for n in graph if n in chief_only and all(c in chief_only for c, _ in n.consumers())]
         # What the removed nodes also ran on this worker's replicas (e.g. the micro-batch
         # sums' stores under a train op the accumulate pass wrapped) stays with the train
         # ops, whichever removed node it hung from. Global work (an optimizer's own
@@ -293,10 +293,10 @@ class SyncQueuesPass(Pass):
             lost = [c for c in n.control_inputs if c in chief_only]
             for c in lost:
                 n.remove_control_input(c)
-            if lost and not n._consumers and not n._control_consumers:
+            if lost and n.is_sink:
                 for c in own:
                     if c is not n and c not in n.control_inputs:
                         n.add_control_input(c)
-        dropped = {n.name: own for n in removable if not n._consumers and not n._control_consumers}
+        dropped = {n.name: own for n in removable if n.is_sink}
         graph.remove_nodes(removable)
         return dropped

@@ -819,7 +819,7 @@ def test_ops_built_from_one_attribute_set_share_it_until_one_writes():
     g = GraphItem()
     x = const(g, "x", [1.0, 2.0], "float32")
     one, two = (make_op(g, "Reshape", "r", [x, const(g, "s", [-1], "int32")]) for _ in range(2))
-    assert one._def is two._def and one._arg_info is two._arg_info   # one template
+    assert one._def is two._def and one.arg_info is two.arg_info   # one template
     one.set_attr("_marker", 1)
     assert "_marker" in one.attr and "_marker" not in two.attr
     three = make_op(g, "Reshape", "r", [x, const(g, "s", [-1], "int32")])

@@ -17,7 +17,7 @@ from graph_rewriter.plan import DEFAULT_BYTES_PER_PACK, assign_packs, check_plan
 
 class PlanPass(Pass):
     name = "plan"
-    ensures = frozenset({"plan"})
+    provides = frozenset({"plan"})
 
     def run(self, graph, ctx):
         analysis = analyze(graph, ctx.options.gradients)

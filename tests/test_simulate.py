@@ -18,7 +18,8 @@ import sys
 import pytest
 
 import graph_rewriter as gr
-from graph_rewriter import cost_model, examples
+from graph_rewriter import cost_model
+from graph_rewriter.testing import models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "simulate.py")
@@ -187,7 +188,7 @@ def test_synthetic_planning_is_make_plan_s(model, optimizer, strategy, options):
     """simulate.py plans --model with graph_rewriter.plan's placement and packing, without
     the analysis: from a real rewrite's cuts and variables, unplanned, they must give the
     rewrite's own plan."""
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3", "localhost:4"]}
     result = gr.rewrite(ex.graph_def, cluster, strategy=strategy, device_type="CPU", **options)
     real = result.metadata["plan"]
@@ -269,7 +270,7 @@ def test_png_without_matplotlib_says_what_to_install(tmp_path):
 
 
 def test_a_rewritten_graph_file_is_simulated_with_its_plan(tmp_path):
-    ex = examples.build("embedding", "adagrad")
+    ex = models.build("embedding", "adagrad")
     out = tmp_path / "out.pb"
     gr.rewrite(ex.graph_def, strategy="hybrid", device_type="CPU", devices_per_worker=2).save(str(out))
     proc = run_tool(out, "--gpus", "1,2,4,16", "--json")

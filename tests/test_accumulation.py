@@ -50,8 +50,6 @@ WINDOWS = 2           # applied steps per case: two windows of k runs
 OP_TIMEOUT_MS = 20000  # a blocked step (accumulator, collective) fails instead of hanging
 MICRO_SCOPE = "graph_rewriter/micro_batches"
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
 
 def _config():
     return tf.compat.v1.ConfigProto(operation_timeout_in_ms=OP_TIMEOUT_MS)
@@ -451,9 +449,9 @@ def _between_client(argv):
 
 
 def _between_client_cmd(*args):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_accumulation; "
-            "sys.exit(test_accumulation._between_client(sys.argv[2:]))")
-    return [sys.executable, "-c", code, TESTS_DIR] + [str(a) for a in args]
+    # run by test_cluster's Processes, whose environment makes the tests folder importable
+    code = "import sys, test_accumulation; sys.exit(test_accumulation._between_client(sys.argv[1:]))"
+    return [sys.executable, "-c", code] + [str(a) for a in args]
 
 
 @pytest.fixture

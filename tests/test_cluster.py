@@ -74,7 +74,10 @@ COUNTER_READ = "graph_rewriter/sync_step/read:0"   # the ps's count of applied s
 # ----- processes ---------------------------------------------------------------------
 
 def _env(**extra):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    """The environment of a child process: quiet TensorFlow, unbuffered output, and the
+    tests folder importable (the client processes run functions of these test modules)."""
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.pop("TF_CONFIG", None)
     env.update(extra)
     return env
@@ -504,9 +507,8 @@ def _lead_client(argv):
 
 
 def _lead_client_cmd(w, steps, out, timeout):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cluster; "
-            "sys.exit(test_cluster._lead_client(sys.argv[2:]))")
-    return [sys.executable, "-c", code, TESTS_DIR, w.graph_path, w.target, w.feeds_path,
+    code = "import sys, test_cluster; sys.exit(test_cluster._lead_client(sys.argv[1:]))"
+    return [sys.executable, "-c", code, w.graph_path, w.target, w.feeds_path,
             str(steps), out, str(timeout)]
 
 
@@ -841,9 +843,8 @@ def _checkpoint_client(argv):
 
 
 def _checkpoint_client_cmd(*args):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cluster; "
-            "sys.exit(test_cluster._checkpoint_client(sys.argv[2:]))")
-    return [sys.executable, "-c", code, TESTS_DIR] + [str(a) for a in args]
+    code = "import sys, test_cluster; sys.exit(test_cluster._checkpoint_client(sys.argv[1:]))"
+    return [sys.executable, "-c", code] + [str(a) for a in args]
 
 
 @pytest.mark.parametrize("strategy, num_ps", [("allreduce", 0), ("ps", 1)])

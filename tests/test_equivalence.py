@@ -1,7 +1,7 @@
 """Numeric equivalence, the backbone: a model rewritten for R replicas and trained on the
 same global batches computes what one device computes.
 
-For each example of graph_rewriter.examples, ``rewrite(graph_def, devices_per_worker=R,
+For each example of graph_rewriter.testing.models, ``rewrite(graph_def, devices_per_worker=R,
 device_type="CPU")`` run through graph_rewriter.Session must give the single-device losses
 and final variables (every variable: weights, optimizer slots, step counters) within float
 rounding after STEPS steps, for R in {1, 2, 4}; every replica's copy of every variable must

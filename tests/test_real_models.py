@@ -1,5 +1,5 @@
-"""Real-model equivalence (issue 15, item 4): the models of graph_rewriter.testing.real_models, rewritten
-for R replicas under every strategy, train exactly like one device.
+"""Real-model equivalence (issue 15, item 4): the models of graph_rewriter.testing.real_models,
+rewritten for R replicas under every strategy, train exactly like one device.
 
 For each model (a BERT-style encoder with clip_by_global_norm and a hand-written AdamW,
 dynamic loss scaling around a v1 cond and around a v2 cond, a ResNet with batch norm fed

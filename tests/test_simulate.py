@@ -1,6 +1,6 @@
-"""tools/simulate.py: predictions on hand-computed plans, its synthetic plans against
-graph_rewriter.plan's, its outputs (table, --json, --png), its errors, and (slow) its
---validate run on real loopback servers.
+"""tools/simulate.py and graph_rewriter.simulate behind it: predictions on hand-computed
+plans, its synthetic plans against graph_rewriter.plan's, its outputs (table, --json,
+--png), its errors, and (slow) its --validate run on real loopback servers.
 
 The tool runs as a user runs it (a subprocess with a timeout) for the outputs and the
 errors; the predictions are also checked in-process. Error contract: exit status 2,
@@ -8,7 +8,6 @@ stderr exactly one line starting with "simulate: error: " that names the flag, n
 traceback.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import pytest
 
 import graph_rewriter as gr
 from graph_rewriter import cost_model
+from graph_rewriter import simulate as sim
 from graph_rewriter.testing import models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,16 +26,6 @@ TOOL = os.path.join(REPO, "tools", "simulate.py")
 TIMEOUT = 180
 ERROR_PREFIX = "simulate: error: "
 MB100 = 100 * 10 ** 6
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("tools_simulate", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load_tool()
 
 
 def run_tool(*args, timeout=TIMEOUT, prelude=None):

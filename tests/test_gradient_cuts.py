@@ -234,7 +234,7 @@ def test_the_verifier_refuses_a_replica_collective_the_train_op_does_not_run(mon
     """Break the one mechanism that makes the other replica's updates run under ps (the
     global step's bump waiting for every replica): the rewrite must refuse the graph
     instead of emitting one whose step hangs."""
-    from passes import replicate
+    from graph_rewriter.passes import replicate
     monkeypatch.setattr(replicate, "_read_only_by_global", lambda cloned, global_nodes: [])
     with pytest.raises(GraphRewriteError, match="runs collective .* but not its copy 'replica_1/"):
         gr.rewrite(_model().graph_def, devices_per_worker=2, device_type="CPU", strategy="ps")

@@ -70,10 +70,8 @@ def build_inputs(out_dir, keras=False):
     """Writes every input graph as OUT_DIR/<name>.pb; returns the names."""
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
-    try:
-        from graph_rewriter.testing import models as zoo
-    except ImportError:
-        from graph_rewriter import examples as zoo
+    from graph_rewriter.testing import models as zoo
+    from graph_rewriter.testing import real_models
     os.makedirs(out_dir, exist_ok=True)
     graphs = {}
     for model in zoo.MODELS:
@@ -81,8 +79,6 @@ def build_inputs(out_dir, keras=False):
             graphs[f"{model}_{optimizer}"] = zoo.build(model, optimizer).graph_def
     graphs["cond_v1_sgd"] = zoo.build("cond", "sgd", control_flow="v1").graph_def
     graphs["mlp_ftrl_ref"] = zoo.build("mlp", "ftrl", resource=False).graph_def
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import real_models
     for model in REAL_MODELS:
         graphs[f"real_{model}"] = real_models.build(model)[0].graph_def
     if keras:

@@ -353,7 +353,7 @@ def test_between_graph_worker_graph_is_deterministic(model):
     """A non-chief worker's graph drops the chief's work; the control inputs it keeps
     once followed the order of a set of nodes, so the same rewrite gave different
     bytes from one run to the next."""
-    gd = examples.build(model, "adam").graph_def
+    gd = models.build(model, "adam").graph_def
     cluster = {"ps": ["p0:1", "p1:1"], "worker": ["w0:1", "w1:1"]}
     outs = {bytes(gr.rewrite(gd, cluster, strategy="ps", task=("worker", 1)).serialized())
             for _ in range(4)}

@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from graph_rewriter import cost_model  # noqa: E402  (pure Python: no TensorFlow)
-from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES  # noqa: E402
+from graph_rewriter.options import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES  # noqa: E402
 from graph_rewriter.errors import GraphRewriteError  # noqa: E402
 from graph_rewriter.plan import PLAN_FORMAT, Plan, assign_packs, place_for_strategy  # noqa: E402  (no TensorFlow either)
 

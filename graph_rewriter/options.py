@@ -6,9 +6,12 @@ the ``graph-rewrite`` command. ``rewrite()``'s keywords and docstring, the CLI's
 flags and the checks of both are generated from it, so adding an option is one field
 here (and its use in a pass):
 
-    my_option: int = option(3, "what it does and why (one or two sentences)",
-                            check=at_least(1, "my_option"),
-                            cli=Flag("--my-option", metavar="N", type=int))
+    my_option: bool = option(False, "What it does and why (one or two sentences).",
+                             check=boolean("my_option"),
+                             cli=Flag("--my-option", action="const", const=True))
+
+An option without a flag is marked ``api_only=True`` (``log``); flags that set no option
+(``--cluster``, ``--plan``, ``-v``, the input and output paths) stay in cli.py.
 
 Nothing here imports TensorFlow (the CLI builds its parser from this module).
 """
@@ -41,7 +44,7 @@ class Flag:
     option gets the list), "const" (takes no value; the option gets ``const``).
     ``convert`` turns what argparse parsed into the keyword's value; ``check`` rejects a
     parsed value in the flag's own words before that. ``key``: for an option set by
-    several flags, the entry of the dict they build (``Spec.cli_combine``).
+    several flags, the entry of the dict they build (``OptionSpec.cli_combine``).
     ``commands``: the subcommands that have the flag."""
     name: str
     metavar: str = None

@@ -11,7 +11,7 @@ import dataclasses
 import json
 
 from graph_rewriter import cost_model
-from graph_rewriter.context import DEFAULT_BYTES_PER_PACK
+from graph_rewriter.options import DEFAULT_BYTES_PER_PACK
 from graph_rewriter.errors import GraphRewriteError
 
 PLAN_FORMAT = "graph_rewriter.plan/1"

@@ -23,7 +23,8 @@ import tensorflow as tf
 
 import graph_rewriter as gr
 from graph_rewriter import examples
-from graph_rewriter.plan import CutPlan, Plan, VariablePlan, balance_ps
+from graph_rewriter.plan import CutPlan, Plan, VariablePlan
+from graph_rewriter.planner import balance_ps
 
 from test_equivalence import ATOL, BATCH, RTOL, STEPS, _reference
 

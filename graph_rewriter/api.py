@@ -122,17 +122,22 @@ def _inputs_line(plan):
     return line
 
 
-def pipeline(options, cluster):
-    """The passes a strategy runs, in order (data: nothing else decides the order)."""
+def pipeline():
+    """Every pass a rewrite may run, in order. Each declares what it requires, provides and
+    must run after (the pass manager refuses an order that breaks one) and whether a
+    given plan needs it (the pass manager skips it when not)."""
+    return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
+            passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
+            passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
+            passes.MergeSummariesPass(), passes.PlacePass(), passes.MetadataPass()]
+
+
+def _check_client_task(cluster):
     if cluster.task is not None and cluster.task[0] not in ("chief", "worker"):
         job, index = cluster.task
         raise GraphRewriteError(
             f"task {job}:{index} runs no client graph: between-graph replication builds the graph "
             "of a chief or worker task", hint="pass a worker task (ps tasks only run a server)")
-    return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
-            passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
-            passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.MergeSummariesPass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_worker=1,
@@ -206,7 +211,7 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
         materialize_replicas=materialize_replicas, batch_split=batch_split).validate()
     cluster = parse_cluster(cluster_spec, task)
     ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)
-    passes = pipeline(options, cluster)
+    _check_client_task(cluster)
     t0 = time.perf_counter()
     graph = graph_io.load_graph(graph_def)
     if METADATA_NODE in graph:
@@ -215,12 +220,12 @@ def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type,
             hint="rewrite the original single-device graph")
     ctx.timings.append(("load", time.perf_counter() - t0, False))
     ctx.info(f"loaded {graph.source}: {len(graph)} nodes in {(time.perf_counter() - t0) * 1000:.1f} ms")
-    manager = PassManager(passes, verifier=verify, verify_changes=verify_changes,
+    manager = PassManager(pipeline(), verifier=verify, verify_changes=verify_changes,
                           verify_each=options.verify, dump_after=options.dump_after,
                           dump_dir=options.dump_dir, verify_final=check_collectives_run)
     manager.run(graph, ctx)
     t0 = time.perf_counter()
-    data = graph_io.graph_def_bytes(graph)
+    data = graph_io.graph_def_bytes(graph, ctx.replicas)
     ctx.timings.append(("export", time.perf_counter() - t0, False))
     metadata = read_metadata_of(graph)
     ctx.info(f"rewrite done: {len(graph)} nodes in {(time.perf_counter() - started) * 1000:.1f} ms")

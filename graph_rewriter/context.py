@@ -108,11 +108,22 @@ class Options:
 
 @dataclasses.dataclass
 class RewriteContext:
-    """What every pass may read: the options, the cluster, the plan, and a logger."""
+    """What passes read, and the products they hand on to each other and to the export.
+
+    ``options``, ``cluster`` and ``log`` are the input. Every product a pass hands on
+    is a field declared here, with its type, set by the one pass that ``provides`` it
+    and read by the passes that ``require`` it (the pass manager checks that order):
+    - ``plan`` (graph_rewriter.plan.Plan): provided by the plan pass;
+    - ``replicas`` (graph_rewriter.replicas.ReplicaMap): provided by replicate; which
+      node belongs to which replica, the per-replica outputs the batch split adds and
+      the tensors later passes put between a replica's value and its readers (the export
+      and the verifier take it from here, never from the graph).
+    """
     options: Options
     cluster: object
     plan: object = None
     log: typing.Callable = None
+    replicas: object = None
     timings: list = dataclasses.field(default_factory=list)  # (pass name, seconds, modified)
     passes_run: list = dataclasses.field(default_factory=list)
 
@@ -120,6 +131,14 @@ class RewriteContext:
     def num_replicas(self):
         return self.options.devices_per_worker * self.cluster.num_workers
 
+    @property
+    def num_local_replicas(self):
+        """The replicas this graph holds: all of them in-graph, one task's between-graph."""
+        return self.options.devices_per_worker if self.cluster.task is not None else self.num_replicas
+
     def info(self, message):
         if self.log is not None:
             self.log(message)
+
+
+PRODUCTS = frozenset(("plan", "replicas"))   # the fields above that passes provide

@@ -26,21 +26,19 @@ CALL_TIMEOUT = 60.0   # any one session call: a dead peer becomes an error, not 
 TOLERANCE = 1e-4
 
 
-def run_demo(log=print, steps=STEPS, batch_size=BATCH, strategy="ps", model="embedding",
-             optimizer="adagrad"):
+def run_demo(log=print, steps=STEPS, batch_size=BATCH, strategy="ps"):
     """Returns 0 when the cluster trained like one device, 1 otherwise."""
     import tensorflow as tf
 
     import graph_rewriter as gr
-    from graph_rewriter import examples
     from graph_rewriter.local_cluster import LocalCluster
 
     tf.compat.v1.disable_eager_execution()
     tf.get_logger().setLevel("ERROR")   # TensorFlow's deprecation notes are not the demo's
     started = time.perf_counter()
-    example = examples.build(model, optimizer, seed=0)
+    example = build_model()
     batches = [example.batch(step, batch_size) for step in range(steps)]
-    log(f"1. built a single-device training graph ({model}, {optimizer}): {len(example.graph_def.node)} "
+    log(f"1. built a single-device training graph (embedding, adagrad): {len(example.graph_def.node)} "
         f"nodes, {len(example.variables)} variables; training it on one device ...")
     one_losses, one_values = _train_one_device(example, batches)
     log(f"   {steps} steps on batches of {batch_size}: loss {one_losses[0]:.4f} -> {one_losses[-1]:.4f}")
@@ -92,6 +90,94 @@ def run_demo(log=print, steps=STEPS, batch_size=BATCH, strategy="ps", model="emb
         + f" ({time.perf_counter() - started:.1f} s)")
     return 0 if ok else 1
 
+
+# ----- the model ----------------------------------------------------------------------------
+# The zoo's "embedding" model with Adagrad, seed 0 (graph_rewriter.testing.models), written
+# out here so that the demo needs nothing but the library: the same GraphDef, byte for byte,
+# and the same batches.
+
+FEATURES = 4          # dense x columns next to the embedding
+HIDDEN = 8
+EMBED_ROWS = 20
+EMBED_DIM = 4
+ID_RANGE = 6          # batches only touch rows 0..5 (duplicates within and across shards)
+LEARNING_RATE = 0.1
+
+
+class DemoModel:
+    """The built graph and the names the demo drives it by."""
+
+    loss, train_op, init = "loss:0", "train_op", "init"
+
+    def __init__(self, graph_def, variables):
+        self.graph_def = graph_def
+        self.variables = variables   # variable node -> read tensor
+
+    @staticmethod
+    def batch(step, size=8, seed=0):
+        """Step ``step``'s feed dict of ``size`` rows, seeded by (seed, step): ids repeat
+        within every quarter and across quarters (one id in all four; at odd steps each
+        quarter holds a single id)."""
+        rng = np.random.default_rng([seed, step, 7919])
+        x = rng.normal(size=(size, FEATURES))
+        y = np.sin(x.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(size, 1))
+        ids = rng.integers(0, ID_RANGE, size=size).astype(np.int32)
+        if size >= 4:
+            quarter = size // 4
+            for k in range(4):
+                ids[k * quarter] = ids[0]
+            if quarter >= 2:
+                ids[1] = ids[0]
+        elif size >= 2:
+            ids[1] = ids[0]
+        if step % 2 and size >= 4:
+            quarter = size // 4
+            other = (int(ids[0]) + 1 + int(rng.integers(0, ID_RANGE - 1))) % ID_RANGE
+            ids[:] = ids[0]
+            ids[2 * quarter:3 * quarter] = other
+        return {"x:0": x.astype(np.float32), "y:0": y.astype(np.float32), "ids:0": ids}
+
+
+def build_model(seed=0):
+    """An embedding table looked up by "ids" next to dense features "x", a tanh hidden layer
+    and a linear output, mean squared error against "y", Adagrad with a global_step;
+    resource variables, seeded, an "init" op and a Saver."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    seeds = iter(range(seed * 1000 + 1, seed * 1000 + 100))
+
+    def variable(name, shape, initializer):
+        return tf1.get_variable(name, shape, tf.float32, initializer=initializer)
+
+    def dense(inputs, units, name):
+        with tf1.variable_scope(name):
+            w = variable("kernel", [inputs.shape[-1], units], tf1.glorot_uniform_initializer(seed=next(seeds)))
+            b = variable("bias", [units], tf1.random_uniform_initializer(-0.1, 0.1, seed=next(seeds)))
+        return tf.nn.bias_add(tf.matmul(inputs, w), b)
+
+    with graph.as_default():
+        tf1.set_random_seed(seed)
+        with tf1.variable_scope(tf1.get_variable_scope(), use_resource=True):
+            global_step = tf1.train.get_or_create_global_step()
+            ids = tf1.placeholder(tf.int32, [None], name="ids")
+            x = tf1.placeholder(tf.float32, [None, FEATURES], name="x")
+            y = tf1.placeholder(tf.float32, [None, 1], name="y")
+            table = variable("embedding", [EMBED_ROWS, EMBED_DIM],
+                             tf1.random_normal_initializer(stddev=0.5, seed=next(seeds)))
+            rows = tf.nn.embedding_lookup(table, ids)
+            h = tf.tanh(dense(tf.concat([rows, x], axis=1), HIDDEN, "hidden"))
+            loss = tf.identity(tf.reduce_mean(tf.square(dense(h, 1, "output") - y)), name="loss")
+            tf1.train.AdagradOptimizer(LEARNING_RATE).minimize(loss, global_step=global_step, name="train_op")
+            tf1.variables_initializer(tf1.global_variables(), name="init")
+        variables = tf1.global_variables()
+        tf1.train.Saver(var_list=variables)
+    # a resource variable built in graph mode keeps the read it made at creation
+    reads = {v.op.name: v._graph_element.name for v in variables}
+    return DemoModel(graph.as_graph_def(), reads)
+
+
+# ----- running -------------------------------------------------------------------------------
 
 def _train_one_device(example, batches):
     import tensorflow as tf

@@ -152,25 +152,26 @@ def _colocation_names(attr_value):
 
 # ----- writing ------------------------------------------------------------------------
 
-def to_graph_def(item):
-    """The GraphDef of ``item``: nodes in the item's order, edge strings printed.
+def to_graph_def(item, replicas=None):
+    """The GraphDef of ``item``: nodes in the item's order, edge strings printed
+    (``replicas``: the rewrite's ReplicaMap, which says whether replica 1 is a template
+    to write once per replica).
 
     Built as serialized bytes and parsed once (protobuf's C code does the object
     building): each node's attributes are serialized once per attr proto, which clones
     share, so exporting sixteen replicas costs little more than the strings that differ.
     """
-    return graph_pb2.GraphDef.FromString(graph_def_bytes(item))
+    return graph_pb2.GraphDef.FromString(graph_def_bytes(item, replicas))
 
 
-def graph_def_bytes(item):
+def graph_def_bytes(item, replicas=None):
     """The serialized GraphDef of ``item`` (deterministic: same item, same bytes), as the
     bytearray it was assembled in: a bytes copy would double the export's peak memory
     for a graph of hundreds of megabytes. A graph whose replica 1 is a template
     (ReplicaMap.template) is written with every replica (replica_export)."""
     out = bytearray()   # grown in place: no list of pieces and joined copy (peak memory)
-    rm = item.replicas
-    if rm is not None and rm.template:
-        write_replicated_nodes(item, out, nodes_bytes)
+    if replicas is not None and replicas.template:
+        write_replicated_nodes(item, replicas, out, nodes_bytes)
     else:
         nodes_bytes(item.nodes, out)
     if item.library is not None:

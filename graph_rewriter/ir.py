@@ -256,7 +256,8 @@ class GraphItem:
         self.library = None          # FunctionDefLibrary
         self.meta_graph = None       # MetaGraphDef without its graph_def, or None
         self.source = "<graph>"      # what it was loaded from, for error messages
-        self.replicas = None         # a ReplicaMap once the graph is replicated
+        # once the graph is replicated, a node added later takes its producers' replica
+        self.infer_replicas = False
         self.version = 0             # bumped by every mutation; keys cached analyses
         self._cache = {}
         self._suffixes = {}          # unique_name's last suffix per base name
@@ -452,7 +453,7 @@ class GraphItem:
         for c in control_inputs:
             node.add_control_input(c)
         node._colocate = list(colocate_with)
-        if self.replicas is not None:
+        if self.infer_replicas:
             node.replica = _replica_from_producers(node)
         self._touch()
         return node

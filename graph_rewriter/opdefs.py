@@ -210,6 +210,24 @@ def _gpu_table():
         return json.load(f)["kernels"]
 
 
+def registered_gpu_kernels():
+    """(TensorFlow version, {op: [kernel, ...]}) where a kernel is {constraint attr:
+    [allowed dtype enums]}: the GPU and DEVICE_DEFAULT kernels this build registers, what
+    tools/gen_kernel_table.py writes as the shipped table (and the tests compare with it)."""
+    import tensorflow as tf
+
+    table = {}
+    for k in kernels.get_all_registered_kernels().kernel:
+        if k.device_type not in ("GPU", "DEFAULT"):
+            continue
+        constraints = {c.name: sorted(c.allowed_values.list.type) for c in k.constraint
+                       if c.allowed_values.list.type}
+        entry = table.setdefault(k.op, [])
+        if constraints not in entry:
+            entry.append(constraints)
+    return tf.__version__, table
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_constraints(op, device_type):
     """The kernels registered for ``op`` on ``device_type`` or for DEVICE_DEFAULT, each as

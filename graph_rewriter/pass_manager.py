@@ -1,25 +1,39 @@
 """Runs passes in order, checks their declared contracts, verifies the graph between them.
 
-A pass is a small object with a ``name``, the properties it ``requires`` and those it
-``ensures``; ``run(graph, ctx)`` mutates the GraphItem and returns whether it changed
-anything. The pass manager knows nothing about any one pass: it checks that every
-requirement is ensured by an earlier pass (or holds initially), runs the verifier
-before the pipeline and after every pass, times each pass, dumps the graph after the
-passes asked for, and names the failing pass and the passes before it in any error.
+A pass is a small object with a ``name`` and a declared contract:
+- ``requires``/``provides``: the context products it reads and the ones it sets
+  (fields of RewriteContext: ``plan``, ``replicas``);
+- ``after``: the passes that must have run before it when both run (its reason for
+  each is in its docstring), torch.fx-style ordering constraints;
+- ``applies(ctx)``: whether this rewrite needs it, decided from the plan, the options
+  and the cluster once the plan exists.
+``run(graph, ctx)`` mutates the GraphItem and returns whether it changed anything; it
+keeps nothing on ``self``. The pass manager knows nothing about any one pass: it refuses
+an order that breaks a declaration, skips the passes the plan does not need, runs the
+verifier before the pipeline and after every pass, times each pass, dumps the graph
+after the passes asked for, and names the failing pass and the passes before it in any
+error.
 """
 
 import os
 import time
 
 from graph_rewriter import graph_io
+from graph_rewriter.context import PRODUCTS
 from graph_rewriter.errors import GraphRewriteError
 
 
 class Pass:
-    """Base class: subclasses set name/requires/ensures and implement run()."""
+    """Base class: subclasses set name/requires/provides/after and implement run()
+    (and applies(), when a rewrite may not need them)."""
     name = "pass"
-    requires = frozenset()
-    ensures = frozenset()
+    requires = frozenset()   # context products read
+    provides = frozenset()   # context products set
+    after = frozenset()      # names of passes that must run first, when both run
+
+    def applies(self, ctx):
+        """Whether this rewrite needs the pass (ctx.plan is set by then)."""
+        return True
 
     def run(self, graph, ctx):
         raise NotImplementedError
@@ -56,16 +70,35 @@ class PassManager:
                 hint=f"the passes are: {', '.join(names)}")
 
     def check_order(self, initial=frozenset()):
-        """Every pass's requirements must be ensured by a pass before it."""
+        """Refuses an order that breaks a declaration: a product required before the
+        pass that provides it, a product two passes provide, a pass before one it must
+        run after. ``initial``: products the context holds before the first pass."""
         have = set(initial)
+        position = {p.name: i for i, p in enumerate(self.passes)}
         for i, p in enumerate(self.passes):
+            unknown = (set(p.requires) | set(p.provides)) - PRODUCTS
+            if unknown:
+                raise GraphRewriteError(
+                    f"pass '{p.name}' declares product {', '.join(sorted(unknown))}, which "
+                    "RewriteContext does not have", hint=f"products are: {', '.join(sorted(PRODUCTS))}")
             missing = set(p.requires) - have
             if missing:
                 before = ", ".join(q.name for q in self.passes[:i]) or "none"
                 raise GraphRewriteError(
                     f"pass '{p.name}' requires {', '.join(sorted(missing))}, which no earlier "
-                    f"pass ensures (passes before it: {before})")
-            have |= set(p.ensures)
+                    f"pass provides (passes before it: {before})",
+                    hint="put the pass that provides it first")
+            again = set(p.provides) & have
+            if again:
+                raise GraphRewriteError(
+                    f"pass '{p.name}' provides {', '.join(sorted(again))}, which an earlier "
+                    "pass already provides", hint="one pass provides each product")
+            late = sorted(a for a in p.after if position.get(a, -1) > i)
+            if late:
+                raise GraphRewriteError(
+                    f"pass '{p.name}' must run after {', '.join(late)}, which this pipeline "
+                    f"runs later", hint=f"move {', '.join(late)} before '{p.name}'")
+            have |= set(p.provides)
         return have
 
     def run(self, graph, ctx, initial=frozenset()):
@@ -75,6 +108,9 @@ class PassManager:
         done = []
         changed = False
         for p in self.passes:
+            if not p.applies(ctx):
+                ctx.info(f"pass {p.name:<18} skipped: this plan does not need it")
+                continue
             start = time.perf_counter()
             version = graph.version
             try:
@@ -96,10 +132,11 @@ class PassManager:
                 self._verify(graph, ctx, p, done, self.verify_changes)  # (a pass that changed nothing needs none)
             if p.name in self.dump_after or "all" in self.dump_after:
                 self._dump(graph, ctx, p)
+        last = next((p for p in reversed(self.passes) if p.name in done), None)
         if self.verifier is not None and not self.verify_each:
-            self._verify(graph, ctx, self.passes[-1] if self.passes else None, done)
-        if self.verify_final is not None and self.passes:
-            self._verify(graph, ctx, self.passes[-1], done, self.verify_final)
+            self._verify(graph, ctx, last, done)
+        if self.verify_final is not None and last is not None:
+            self._verify(graph, ctx, last, done, self.verify_final)
         return PassResult(graph, changed)
 
     def _where(self, p, done):
@@ -119,5 +156,15 @@ class PassManager:
 
     def _dump(self, graph, ctx, p):
         path = os.path.join(self.dump_dir, f"after_{p.name}.pbtxt")
-        graph_io.write_atomic(path, graph_io.serialize(graph_io.to_graph_def(graph), path))
+        graph_io.write_atomic(path, graph_io.serialize(graph_io.to_graph_def(graph, ctx.replicas), path))
         ctx.info(f"wrote the graph after pass {p.name} to {path}")
+
+
+def run_passes(graph, ctx, *passes, verify_each=True):
+    """Runs ``passes`` on ``graph`` as a rewrite runs them (declarations checked, the graph
+    verified before and after each), starting from the products ``ctx`` already holds:
+    how a test runs one pass alone, or a pass with only the passes it requires."""
+    from graph_rewriter.verifier import check_collectives_run, verify, verify_changes
+    initial = {name for name in PRODUCTS if getattr(ctx, name) is not None}
+    return PassManager(passes, verifier=verify, verify_changes=verify_changes, verify_each=verify_each,
+                       verify_final=check_collectives_run).run(graph, ctx, initial)

@@ -23,7 +23,7 @@ def shared_name(fingerprint, what):
     return f"graph_rewriter/{fingerprint}/{what}"
 
 
-def init_ops(graph, plan):
+def init_ops(graph, plan, rm):
     """The NoOps that start a run's state: the graph's init ops (those running a variable
     initializer) and the Saver's restore ops. A run may begin with a restore instead of
     the init op (a checkpoint restored into fresh servers), and graph_rewriter's own
@@ -32,11 +32,11 @@ def init_ops(graph, plan):
     for vp in plan.variables:
         if vp.initializer and vp.initializer in graph:
             for c in graph.node(vp.initializer).control_consumers:
-                if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) in (0, None):
+                if c.op == "NoOp" and rm.replica_of(graph, c.name) in (0, None):
                     out[c] = None
     for assign in restore_region(graph):
         for c in assign.control_consumers:
-            if c.op == "NoOp" and graph.replicas.replica_of(graph, c.name) is None:
+            if c.op == "NoOp" and rm.replica_of(graph, c.name) is None:
                 out[c] = None
     return list(out)
 

@@ -34,10 +34,9 @@ PREFIX, INDEX, DEVICE, HOST = range(4)   # kinds of hole
 _RENAMED_ATTRS = ("shared_name", "frame_name")   # made per replica by the replicate pass
 
 
-def write_replicated_nodes(item, out, nodes_bytes):
+def write_replicated_nodes(item, rm, out, nodes_bytes):
     """Appends every node of the expanded graph to ``out``: the single nodes (through
     graph_io's ``nodes_bytes``), then replica 1, 2, ... R-1's copies of the template."""
-    rm = item.replicas
     prefix = rm.prefixes[1]
     template, plain, fan_in = [], [], []
     for n in item.nodes:

@@ -40,7 +40,7 @@ def verify(graph, ctx=None):
     _check_devices(graph, graph.nodes, cluster, options)
     _check_colocation(graph, graph.nodes)
     _check_collectives(graph)
-    _check_replica_isolation(graph)
+    _check_replica_isolation(graph, ctx)
     graph.clean()
     return order
 
@@ -64,7 +64,7 @@ def verify_changes(graph, ctx=None):
     if bulk or any(_concerns_collectives(n) for n in changed):
         _check_collectives(graph)
     if bulk or any(n.op in _ISOLATED or n.op in SHARED_RESOURCE_OPS for n in changed):
-        _check_replica_isolation(graph)
+        _check_replica_isolation(graph, ctx)
     graph.clean()
 
 
@@ -199,7 +199,7 @@ def check_collectives_run(graph, ctx=None):
     collective whose copy in another replica is not reached from the same root op (the
     train op, the init op) would wait for that copy forever. Checked once, on the final
     graph: it follows every edge back from the graph's roots."""
-    rm = getattr(graph, "replicas", None)
+    rm = ctx.replicas if ctx is not None else None
     if rm is None or rm.num_local < 2:
         return
     members = {}
@@ -237,8 +237,8 @@ def check_collectives_run(graph, ctx=None):
                     "hint may avoid it")
 
 
-def _check_replica_isolation(graph):
-    replicas = getattr(graph, "replicas", None)
+def _check_replica_isolation(graph, ctx):
+    replicas = ctx.replicas if ctx is not None else None
     if replicas is None or replicas.num_local < 2:
         return
     frames = {}

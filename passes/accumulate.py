@@ -49,45 +49,47 @@ from graph_rewriter.traversal import descendants, is_back_edge, reaches
 
 class AccumulatePass(Pass):
     name = "accumulate"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"ps_synced"})
+    requires = frozenset({"plan", "replicas"})
+    after = frozenset({"micro_batches"})   # it accumulates the micro-batch mean
+
+    def applies(self, ctx):
+        return ctx.plan.sync and any(c.sync == "accumulate" for c in ctx.plan.cuts)
 
     def run(self, graph, ctx):
         plan = ctx.plan
         cuts = [c for c in plan.cuts if c.sync == "accumulate"]
         if not cuts or not plan.sync:
             return False
-        rm = graph.replicas
+        rm = ctx.replicas
         before = set(graph.names())
         ps0 = ctx.cluster.ps_device(0)
-        inits = init_ops(graph, plan)
+        inits = init_ops(graph, plan, ctx.replicas)
         counter = int_variable(graph, COUNTER, shared_name(plan.fingerprint, "sync_step"), ps0, inits)
         applied = make_op(graph, "ReadVariableOp", f"{COUNTER}/read", [counter.output(0)],
                           attrs={"dtype": dtypes.int64}, device=ps0).output(0)
-        self.slots = plan.staleness + 1
-        if self.slots > 1:
+        st = _Step(plan.staleness + 1)   # this run's state (the pass itself keeps nothing)
+        if st.slots > 1:
             me = ctx.cluster.compute_tasks.index(ctx.cluster.task)
             wstep = int_variable(graph, WORKER_STEP, shared_name(plan.fingerprint, f"worker_step/{me}"),
                                   ps0, inits)
-            self.tag = make_op(graph, "ReadVariableOp", f"{WORKER_STEP}/read", [wstep.output(0)],
+            st.tag = make_op(graph, "ReadVariableOp", f"{WORKER_STEP}/read", [wstep.output(0)],
                                attrs={"dtype": dtypes.int64}, device=ps0).output(0)
-            self.apply_slot = _slot(graph, f"{WORKER_STEP}/slot", self.tag, self.slots, ps0)
-            self.take_slot = _slot(graph, f"{COUNTER}/slot", applied, self.slots, ps0)
+            st.apply_slot = _slot(graph, f"{WORKER_STEP}/slot", st.tag, st.slots, ps0)
+            st.take_slot = _slot(graph, f"{COUNTER}/slot", applied, st.slots, ps0)
         else:
-            self.tag = applied
+            st.tag = applied
         per_replica = [[] for _ in range(rm.num_local)]
         takes = []
-        self.readers = {}   # the global readers of the averaged gradients
         for cut in cuts:
-            accs = self._accumulators(graph, ctx, cut, inits)
+            accs = self._accumulators(graph, ctx, st, cut, inits)
             for i in range(rm.num_local):
-                per_replica[i].append(self._apply(graph, ctx, cut, accs, i))
-            takes.append(self._take(graph, ctx, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
+                per_replica[i].append(self._apply(graph, ctx, st, cut, accs, i))
+            takes.append(self._take(graph, ctx, st, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
         markers = [graph.add_node(graph.unique_name(rm.prefixes[i] + APPLIED), "NoOp", control_inputs=done)
                    for i, done in enumerate(per_replica)]
         for i, m in enumerate(markers):
             m.replica = i
-        if self.slots > 1:
+        if st.slots > 1:
             make_op(graph, "AssignAddVariableOp", f"{WORKER_STEP}/increment",
                     [wstep.output(0), const(graph, f"{WORKER_STEP}/one", 1, "int64", ps0)],
                     control_inputs=markers, device=ps0)
@@ -107,8 +109,8 @@ class AccumulatePass(Pass):
                             control_inputs=takes, device=ps0)
         # (Not a reader the takes themselves wait for: a BatchNorm moving average's update
         # that the backward pass runs after.)
-        feeding = _reaching(self.readers, set(takes))
-        for reader in self.readers:
+        feeding = _reaching(st.readers, set(takes))
+        for reader in st.readers:
             if reader not in feeding:
                 reader.add_control_input(increment)
         # The train op (a root after the updates) keeps its name and now also waits for
@@ -118,7 +120,7 @@ class AccumulatePass(Pass):
         graph.mark_new_global(before)
         return True
 
-    def _accumulators(self, graph, ctx, cut, inits):
+    def _accumulators(self, graph, ctx, st, cut, inits):
         """The cut's accumulators (one per staleness slot) on its variable's ps; the init
         op resets their steps to 0."""
         plan = ctx.plan
@@ -129,8 +131,8 @@ class AccumulatePass(Pass):
         if sparse and (cut.shape is None or any(d < 0 for d in cut.shape)):
             raise GraphRewriteError(f"variable '{cut.variable}' needs a static shape for a sparse accumulator")
         accs = []
-        for j in range(self.slots):
-            suffix = "" if self.slots == 1 else f"_{j}"
+        for j in range(st.slots):
+            suffix = "" if st.slots == 1 else f"_{j}"
             acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
                           f"{ACCUMULATORS}/{cut.variable}{suffix}", [], device=dev,
                           attrs={"dtype": dtypes.as_dtype(cut.dtype), "shape": shape_attr(cut.shape),
@@ -143,10 +145,10 @@ class AccumulatePass(Pass):
             accs.append(acc)
         return accs
 
-    def _apply(self, graph, ctx, cut, accs, i):
+    def _apply(self, graph, ctx, st, cut, accs, i):
         """Replica i's contribution: an apply (or, with slots, the apply of the slot its
         step picks); returns a node that runs when the contribution is made."""
-        rm = graph.replicas
+        rm = ctx.replicas
         dev = accs[0].device
         s = f"{rm.prefixes[i]}{ACCUMULATORS}/{cut.variable}/apply"
         values = rm.tensor(graph, i, cut.values)
@@ -169,21 +171,21 @@ class AccumulatePass(Pass):
             return make_op(graph, "AccumulatorApplyGradient", name, [acc.output(0), tag, args[0]],
                            device=dev, replica=i)
 
-        if self.slots == 1:
-            return apply(accs[0], self.tag, inputs, s)
+        if st.slots == 1:
+            return apply(accs[0], st.tag, inputs, s)
         alive = []
         for j, acc in enumerate(accs):
-            pred = self.apply_slot[j]
-            tag = _taken_if(graph, f"{s}_{j}/step", self.tag, pred, dev)
+            pred = st.apply_slot[j]
+            tag = _taken_if(graph, f"{s}_{j}/step", st.tag, pred, dev)
             args = [_taken_if(graph, f"{s}_{j}/arg{k}", t, pred, dev) for k, t in enumerate(inputs)]
             op = apply(acc, tag, args, f"{s}_{j}")
             alive.append(make_op(graph, "Identity", f"{s}_{j}/done", [tag], control_inputs=[op], device=dev).output(0))
         return make_op(graph, "Merge", f"{s}/done", [alive], device=dev, replica=i)
 
-    def _take(self, graph, ctx, cut, accs, local_applies):
+    def _take(self, graph, ctx, st, cut, accs, local_applies):
         """The averaged gradient (from the slot of the applied step, with slots), wired
         into the optimizer's update in place of replica 0's own gradient."""
-        rm = graph.replicas
+        rm = ctx.replicas
         dev = accs[0].device
         scope = f"{ACCUMULATORS}/{cut.variable}"
         dtype = dtypes.as_dtype(cut.dtype)
@@ -191,7 +193,7 @@ class AccumulatePass(Pass):
         op = "SparseAccumulatorTakeGradient" if sparse else "AccumulatorTakeGradient"
         r = const(graph, f"{scope}/num_required", rm.group_size, "int32", dev)
         n_out = 2 if sparse else 1
-        if self.slots == 1:
+        if st.slots == 1:
             # In-graph, the take follows this graph's applies; between-graph it also
             # blocks until the other workers' gradients arrive.
             take = make_op(graph, op, f"{scope}/take", [accs[0].output(0), r], type_attrs={"dtype": dtype},
@@ -200,7 +202,7 @@ class AccumulatePass(Pass):
         else:
             taken = []
             for j, acc in enumerate(accs):
-                needed = _taken_if(graph, f"{scope}/take_{j}/num_required", r, self.take_slot[j], dev)
+                needed = _taken_if(graph, f"{scope}/take_{j}/num_required", r, st.take_slot[j], dev)
                 taken.append(make_op(graph, op, f"{scope}/take_{j}", [acc.output(0), needed],
                                      type_attrs={"dtype": dtype}, device=dev))
             outs = [make_op(graph, "Merge", f"{scope}/take_{k}", [[t.output(k) for t in taken]],
@@ -208,7 +210,7 @@ class AccumulatePass(Pass):
             take = outs[0].node
         master_values = rm.tensor(graph, 0, cut.values)
         if not sparse:
-            self.readers.update(dict.fromkeys(_rewire(graph, master_values, outs[0])))
+            st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, outs[0])))
             return take
         mean = make_op(graph, "RealDiv", f"{scope}/mean",
                        [outs[1], const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
@@ -221,9 +223,20 @@ class AccumulatePass(Pass):
         if index_dtype != dtypes.int64:
             indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
                               device=dev).output(0)
-        self.readers.update(dict.fromkeys(_rewire(graph, master_values, mean)))
-        self.readers.update(dict.fromkeys(_rewire(graph, master_indices, indices, keep)))
+        st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, mean)))
+        st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_indices, indices, keep)))
         return take
+
+
+class _Step:
+    """What one run of the pass shares between its steps: the staleness slots, the step
+    tag the applies carry, and the global readers of the averaged gradients."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.tag = None
+        self.apply_slot = self.take_slot = None
+        self.readers = {}
 
 
 def _reaching(nodes, targets):
@@ -272,10 +285,9 @@ def _sorted_rows(graph, scope, indices, values, dev):
             make_op(graph, "GatherV2", f"{scope}/values", [values, order, axis], device=dev).output(0))
 
 
-def _rewire(graph, tensor, replacement, keep=()):
+def _rewire(graph, rm, tensor, replacement, keep=()):
     """The global readers of a replica-0 gradient (the optimizer's update) read the
     accumulated one instead; readers inside the replicas keep their own."""
-    rm = graph.replicas
     changed = []
     for c, pos in tensor.node.consumers(tensor.index):
         if rm.replica_of(graph, c.name) is None and c is not replacement.node and c not in keep:

@@ -26,11 +26,14 @@ from graph_rewriter.traversal import reaches
 
 class AllGatherPass(Pass):
     name = "allgather"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"sparse_synced"})
+    requires = frozenset({"plan", "replicas"})
+    after = frozenset({"micro_batches"})   # it gathers the micro-batch rows micro_batches reroutes to
+
+    def applies(self, ctx):
+        return ctx.num_replicas > 1 and any(c.sync == "allgather" for c in ctx.plan.cuts)
 
     def run(self, graph, ctx):
-        rm, plan = graph.replicas, ctx.plan
+        rm, plan = ctx.replicas, ctx.plan
         gathered = [c for c in plan.cuts if c.sync == "allgather"]
         if rm.group_size == 1 or not gathered:
             return False
@@ -42,7 +45,7 @@ class AllGatherPass(Pass):
         return True
 
     def _gather(self, graph, ctx, i, cut, gkey, keys):
-        rm = graph.replicas
+        rm = ctx.replicas
         dev = rm.devices[i]
         r = rm.group_size
         timeout = ctx.options.timeout_seconds

@@ -30,27 +30,29 @@ _COMPRESS = {"fp16": "float16", "bf16": "bfloat16"}
 
 class AllReducePass(Pass):
     name = "allreduce"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"dense_synced"})
+    requires = frozenset({"plan", "replicas"})
+    after = frozenset({"micro_batches"})   # it reduces the micro-batch mean micro_batches reroutes to
+
+    def applies(self, ctx):
+        return ctx.num_replicas > 1 and bool(ctx.plan.packs)
 
     def run(self, graph, ctx):
-        rm, plan = graph.replicas, ctx.plan
+        rm, plan = ctx.replicas, ctx.plan
         if rm.group_size == 1 or not plan.packs:
             return False
         gkey = group_key(rm.group_devices)
         cuts = {c.variable: c for c in plan.cuts}
-        self._state_readers = {}
-        self._consts = {}
+        memo = _Memo()   # this run's shared nodes (the pass itself keeps nothing)
         for i in rm.built:
             previous = None
             for p, pack in enumerate(plan.packs):
                 members = [cuts[v] for v in pack.cuts]
-                previous = self._reduce_pack(graph, ctx, i, p, members, gkey,
+                previous = self._reduce_pack(graph, ctx, memo, i, p, members, gkey,
                                              dense_instance_key(plan, p), previous)
         return True
 
-    def _reduce_pack(self, graph, ctx, i, p, cuts, gkey, ikey, previous):
-        rm = graph.replicas
+    def _reduce_pack(self, graph, ctx, memo, i, p, cuts, gkey, ikey, previous):
+        rm = ctx.replicas
         device = rm.devices[i]
         scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
         sources, flats, sizes, readers = [], [], [], []
@@ -62,10 +64,10 @@ class AllReducePass(Pass):
                 values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
             elif cut.role == "state":
                 # found on replica 0, mapped to replica i's clones (the same structure)
-                master = self._state_readers.get(cut.variable)
+                master = memo.state_readers.get(cut.variable)
                 if master is None:
                     master_values = rm.tensor(graph, 0, cut.values)
-                    master = self._state_readers[cut.variable] = [
+                    master = memo.state_readers[cut.variable] = [
                         (c.name, p) for c, p in _update_readers(graph, master_values, "", cut.variables)]
                 readers.append(([(rm.node(graph, i, name), p) for name, p in master], None))
             else:
@@ -77,11 +79,11 @@ class AllReducePass(Pass):
                     f"variable '{cut.variable}' has no static shape, which allreduce packing needs",
                     hint="give the variable a fully defined shape")
             sizes.append(n)
-            flat = make_op(graph, "Reshape", f"{scope}/flat", [values, self._const(graph, i, [-1], "int32", device)],
+            flat = make_op(graph, "Reshape", f"{scope}/flat", [values, memo.const(graph, rm, i, [-1], "int32", device)],
                            device=device)
             flats.append(flat.output(0))
         packed = flats[0] if len(flats) == 1 else make_op(
-            graph, "ConcatV2", f"{scope}/concat", [flats, self._const(graph, i, 0, "int32", device)],
+            graph, "ConcatV2", f"{scope}/concat", [flats, memo.const(graph, rm, i, 0, "int32", device)],
             device=device).output(0)
         wire = dtypes.as_dtype(cuts[0].dtype)
         compressed = ctx.options.compression and wire.is_floating and wire.size > 2
@@ -99,35 +101,26 @@ class AllReducePass(Pass):
         if len(cuts) > 1:
             split = make_op(graph, "SplitV", f"{scope}/split",
                             [out, const(graph, f"{scope}/sizes", sizes, "int64", device),
-                             self._const(graph, i, 0, "int32", device)],
+                             memo.const(graph, rm, i, 0, "int32", device)],
                             attrs={"num_split": len(cuts)}, device=device)
             parts = [split.output(k) for k in range(len(cuts))]
         else:
             parts = [out]
         for cut, part, (value_readers, index_readers) in zip(cuts, parts, readers):
             shaped = make_op(graph, "Reshape", f"{scope}/{cut.variable}/mean",
-                             [part, self._const(graph, i, cut.shape, "int64", device)],
+                             [part, memo.const(graph, rm, i, cut.shape, "int64", device)],
                              device=device).output(0)
             for c, pos in value_readers:
                 c.set_input(pos, shaped)
             if index_readers is not None:
                 rows = make_op(graph, "Range", f"{scope}/{cut.variable}/rows",
-                               [self._const(graph, i, 0, _index_dtype(graph, rm, i, cut), device),
-                                self._const(graph, i, cut.shape[0], _index_dtype(graph, rm, i, cut), device),
-                                self._const(graph, i, 1, _index_dtype(graph, rm, i, cut), device)],
+                               [memo.const(graph, rm, i, 0, _index_dtype(graph, rm, i, cut), device),
+                                memo.const(graph, rm, i, cut.shape[0], _index_dtype(graph, rm, i, cut), device),
+                                memo.const(graph, rm, i, 1, _index_dtype(graph, rm, i, cut), device)],
                                device=device).output(0)
                 for c, pos in index_readers:
                     c.set_input(pos, rows)
         return reduced
-
-    def _const(self, graph, i, value, dtype, device):
-        """One Const per replica and value: every gradient's flattening reads the same
-        [-1], and gradients of one shape the same shape (fewer nodes to place and export)."""
-        key = (i, dtype, repr(value))
-        t = self._consts.get(key)
-        if t is None:
-            t = self._consts[key] = const(graph, f"{graph.replicas.prefixes[i]}allreduce/const", value, dtype, device)
-        return t
 
     def _densify(self, graph, scope, cut, values, indices, device):
         """The dense gradient of the rows: duplicates summed, untouched rows zero."""
@@ -137,6 +130,23 @@ class AllReducePass(Pass):
         return make_op(graph, "UnsortedSegmentSum", f"{scope}/densify",
                        [values, indices, const(graph, f"{scope}/num_rows", cut.shape[0], "int64", device)],
                        device=device).output(0)
+
+
+class _Memo:
+    """What one run of the pass shares between replicas and packs."""
+
+    def __init__(self):
+        self.state_readers = {}   # variable -> [(reader name, position)] of replica 0
+        self.consts = {}
+
+    def const(self, graph, rm, i, value, dtype, device):
+        """One Const per replica and value: every gradient's flattening reads the same
+        [-1], and gradients of one shape the same shape (fewer nodes to place and export)."""
+        key = (i, dtype, repr(value))
+        t = self.consts.get(key)
+        if t is None:
+            t = self.consts[key] = const(graph, f"{rm.prefixes[i]}allreduce/const", value, dtype, device)
+        return t
 
 
 def _update_readers(graph, tensor, prefix, variables):

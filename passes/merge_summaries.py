@@ -19,11 +19,13 @@ SCALAR_SUMMARIES = frozenset(("ScalarSummary",))
 
 class MergeSummariesPass(Pass):
     name = "merge_summaries"
-    requires = frozenset({"replicated"})
-    ensures = frozenset({"summaries_merged"})
+    requires = frozenset({"replicas"})
+
+    def applies(self, ctx):
+        return ctx.num_local_replicas > 1
 
     def run(self, graph, ctx):
-        rm = graph.replicas
+        rm = ctx.replicas
         if rm.num_local == 1:
             return False
         variant = set(rm.variant)

@@ -17,11 +17,11 @@ from graph_rewriter.pass_manager import Pass
 
 class MetadataPass(Pass):
     name = "metadata"
-    requires = frozenset({"placed", "plan"})
-    ensures = frozenset({"metadata"})
+    requires = frozenset({"plan", "replicas"})
+    after = frozenset({"place"})   # it records the finished graph (its node count, its passes)
 
     def run(self, graph, ctx):
-        rm = graph.replicas
+        rm = ctx.replicas
         opts = ctx.options
         doc = {
             "format": METADATA_FORMAT,

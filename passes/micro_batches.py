@@ -37,8 +37,10 @@ from graph_rewriter.traversal import ancestors, descendants, reaches
 
 class MicroBatchesPass(Pass):
     name = "micro_batches"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"micro_batched"})
+    requires = frozenset({"plan", "replicas"})
+
+    def applies(self, ctx):
+        return ctx.plan.accumulation_steps > 1 and any(c.role != "state" for c in ctx.plan.cuts)
 
     def run(self, graph, ctx):
         plan = ctx.plan
@@ -46,9 +48,9 @@ class MicroBatchesPass(Pass):
         cuts = [c for c in plan.cuts if c.role != "state"]
         if k == 1 or not cuts:
             return False
-        rm = graph.replicas
+        rm = ctx.replicas
         before = set(graph.names())
-        inits = init_ops(graph, plan)
+        inits = init_ops(graph, plan, ctx.replicas)
         counter = int_variable(graph, f"{MICRO_BATCHES}/count",
                                shared_name(plan.fingerprint, "micro_batches/count"), "", inits)
         counter.replica = GLOBAL
@@ -71,7 +73,7 @@ class MicroBatchesPass(Pass):
             stores, resets = [], []
             for cut in cuts:
                 outputs += self._accumulate(graph, ctx, i, cut, apply, inits, stores, resets, fingerprint)
-            dones.append(self._done(graph, i, branch, stores, resets))
+            dones.append(self._done(graph, rm, i, branch, stores, resets))
         # The train ops (the sinks after the rerouted readers) also run the stores/resets.
         after = descendants([t.node for t in outputs])
         roots = [n for n in graph if n in after and n.name in before
@@ -79,7 +81,7 @@ class MicroBatchesPass(Pass):
         if not roots:
             raise GraphRewriteError(
                 "accumulation_steps: no train op reads the gradients (nothing to accumulate for)")
-        self._gate_updates(graph, plan, roots, branch.output(1))
+        self._gate_updates(graph, rm, plan, roots, branch.output(1))
         for root in roots:
             for done in dones:
                 root.add_control_input(done)
@@ -89,7 +91,7 @@ class MicroBatchesPass(Pass):
     def _accumulate(self, graph, ctx, i, cut, apply, inits, stores, resets, fingerprint):
         """Puts replica i's sum of the cut's gradient between the gradient and its
         update readers; returns the new tensors the readers read."""
-        rm = graph.replicas
+        rm = ctx.replicas
         k = ctx.plan.accumulation_steps
         scope = f"{rm.prefixes[i]}{MICRO_BATCHES}/{cut.variable}"
         values = rm.tensor(graph, i, cut.values)
@@ -170,23 +172,21 @@ class MicroBatchesPass(Pass):
         return handed
 
     @staticmethod
-    def _done(graph, i, branch, stores, resets):
+    def _done(graph, rm, i, branch, stores, resets):
         """A tensor alive on every run once replica i's stores (other runs) or resets
         (applying runs) are done: a Merge of the two cases."""
-        rm = graph.replicas
         scope = f"{rm.prefixes[i]}{MICRO_BATCHES}"
         stored = make_op(graph, "Identity", f"{scope}/stored", [branch.output(0)], control_inputs=stores, replica=i)
         reset = make_op(graph, "Identity", f"{scope}/reset", [branch.output(1)], control_inputs=resets, replica=i)
         return make_op(graph, "Merge", f"{scope}/done", [[stored.output(0), reset.output(0)]], replica=i)
 
     @staticmethod
-    def _gate_updates(graph, plan, roots, applying):
+    def _gate_updates(graph, rm, plan, roots, applying):
         """Every variable write the train op makes, except to batch statistics, waits for
         the applying branch (dead on the other runs): not only the writes that read the
         gradient. Adam's sparse update decays its whole moment (m := beta1 m) and Nadam
         its momentum cache without reading the gradient; step counters are bumped after
         the updates. All of that happens once per applied step."""
-        rm = graph.replicas
         gate = make_op(graph, "Identity", f"{MICRO_BATCHES}/applying", [applying], replica=GLOBAL)
         state = {v.name for v in plan.variables if v.role == "state"}
         gated = {rm.prefixes[i] + v.name for v in plan.variables if v.name not in state

@@ -29,11 +29,13 @@ from graph_rewriter.pass_manager import Pass
 
 class MirrorVariablesPass(Pass):
     name = "mirror_variables"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"variables_mirrored"})
+    requires = frozenset({"plan", "replicas"})
+
+    def applies(self, ctx):
+        return ctx.num_replicas > 1 and any(v.placement == "mirrored" for v in ctx.plan.variables)
 
     def run(self, graph, ctx):
-        rm = graph.replicas
+        rm = ctx.replicas
         if rm.group_size == 1:
             return False
         mirrored = [vp for vp in ctx.plan.variables if vp.placement == "mirrored"]
@@ -69,7 +71,7 @@ class MirrorVariablesPass(Pass):
         return changed
 
     def _broadcast_initial_values(self, graph, ctx, mirrored):
-        rm = graph.replicas
+        rm = ctx.replicas
         timeout = ctx.options.timeout_seconds
         gkey = group_key(rm.group_devices)
         packs = {}

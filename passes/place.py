@@ -27,11 +27,13 @@ from graph_rewriter.pass_manager import Pass
 
 class PlacePass(Pass):
     name = "place"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"placed"})
+    requires = frozenset({"plan", "replicas"})
+    # it places every node, so every pass that adds nodes comes first
+    after = frozenset({"replicate", "split_inputs", "mirror_variables", "micro_batches", "allreduce",
+                       "allgather", "accumulate", "sync_queues", "shard_variables", "merge_summaries"})
 
     def run(self, graph, ctx):
-        rm = graph.replicas
+        rm = ctx.replicas
         device_type = ctx.options.device_type
         nodes = graph.nodes
         pinned = {n for n in nodes if n.device}

@@ -13,7 +13,7 @@ from graph_rewriter.pass_manager import Pass
 
 class PlanPass(Pass):
     name = "plan"
-    ensures = frozenset({"plan"})
+    provides = frozenset({"plan"})
 
     def run(self, graph, ctx):
         analysis = analyze(graph, ctx.options.gradients)

@@ -31,11 +31,12 @@ _PREFIX_FAMILIES = ("replica_", "gr_replica_", "graph_rewriter_replica_")
 class ReplicatePass(Pass):
     name = "replicate"
     requires = frozenset({"plan"})
-    ensures = frozenset({"replicated"})
+    provides = frozenset({"replicas"})
 
     def run(self, graph, ctx):
         analysis = analyze(graph, ctx.options.gradients)
-        rm = graph.replicas = replica_map(graph, ctx)
+        rm = ctx.replicas = replica_map(graph, ctx)
+        graph.infer_replicas = True
         rm.template = use_template(ctx, rm)
         rm.variant = sorted(n.name for n in analysis.variant)
         global_nodes = _global_nodes(graph, analysis, ctx.plan)

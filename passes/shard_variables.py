@@ -25,8 +25,13 @@ from graph_rewriter.pass_manager import Pass
 
 class ShardVariablesPass(Pass):
     name = "shard_variables"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"variables_sharded"})
+    requires = frozenset({"plan", "replicas"})
+    # it rewrites every reader of a variable it splits, so the passes that add readers
+    # (accumulate's applies) or look variables up by name (sync_queues) come first
+    after = frozenset({"accumulate", "sync_queues"})
+
+    def applies(self, ctx):
+        return any(v.placement == "ps" and v.shards for v in ctx.plan.variables)
 
     def run(self, graph, ctx):
         sharded = [v for v in ctx.plan.variables if v.placement == "ps" and v.shards]

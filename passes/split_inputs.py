@@ -49,11 +49,14 @@ from graph_rewriter.pass_manager import Pass
 
 class SplitInputsPass(Pass):
     name = "split_inputs"
-    requires = frozenset({"replicated", "plan"})
-    ensures = frozenset({"inputs_split"})
+    requires = frozenset({"plan", "replicas"})
+
+    def applies(self, ctx):
+        # several local replicas to split a batch between, or a worker's dataset to shard
+        return ctx.num_local_replicas > 1 or ctx.cluster.task is not None
 
     def run(self, graph, ctx):
-        rm = graph.replicas
+        rm = ctx.replicas
         r = rm.num_local
         sharded = self._shard_datasets(graph, ctx) if ctx.cluster.task is not None else False
         if r == 1:
@@ -80,13 +83,12 @@ class SplitInputsPass(Pass):
                     continue  # a global reader (e.g. a summary of the raw input) keeps the batch
                 c.set_input(pos, split.output(replica))
         for node in drawn:
-            self._draw_per_replica(graph, node)
+            self._draw_per_replica(graph, rm, node)
         return bool(ctx.plan.batch_inputs) or sharded
 
     @staticmethod
-    def _draw_per_replica(graph, node):
+    def _draw_per_replica(graph, rm, node):
         """Replica k reads the k-th of R draws of ``node`` (an IteratorGetNext)."""
-        rm = graph.replicas
         draws = [node]
         for k in range(1, rm.num_local):
             draw = graph.clone_node(node, graph.unique_name(f"{node.name}/draw_{k}"))
@@ -95,7 +97,7 @@ class SplitInputsPass(Pass):
             draw.add_control_input(draws[-1])
             draw.replica = GLOBAL
             draws.append(draw)
-        checks = _equal_rows(graph, node, draws)
+        checks = _equal_rows(graph, rm, node, draws)
         for i in range(len(node.attr["output_types"].list.type)):
             readers = [(c, pos) for c, pos in node.consumers(i) if c not in draws]
             replicas = [(c, pos, rm.replica_of(graph, c.name)) for c, pos in readers]
@@ -116,7 +118,7 @@ class SplitInputsPass(Pass):
         if len(workers) == 1:
             return False
         me = workers.index(ctx.cluster.task)
-        host = graph.replicas.global_device
+        host = ctx.replicas.global_device
         batching = [n for n in graph if n.op in BATCH_DATASETS]
         for batch in batching:
             source = batch.inputs[0]
@@ -150,7 +152,7 @@ def _set_first_dimension(node, rows):
         node.set_attr(key, value)
 
 
-def _equal_rows(graph, node, draws):
+def _equal_rows(graph, rm, node, draws):
     """Asserts (run before any replica reads a draw) that every draw has as many rows as
     the first, when the iterator's batch dimension is dynamic; [] when it is static."""
     shapes = node.attr["output_shapes"].list.shape
@@ -158,7 +160,7 @@ def _equal_rows(graph, node, draws):
     if not dynamic or len(draws) < 2:
         return []
     from tensorflow.python.framework import dtypes
-    host = graph.replicas.global_device
+    host = rm.global_device
     i, scope = dynamic[0], f"{node.name}/equal_rows"
 
     def rows(k, draw):

@@ -51,14 +51,13 @@ def _cond_switch(node):
     return node.op in _SWITCHES and node.inputs[1].node.op != "LoopCond"
 
 
-def _live_after(graph, nodes, takes, stop):
+def _live_after(graph, rm, nodes, takes, stop):
     """``nodes`` (ops after the takes), where one may not run when the takes do (it is in
     the branch of a v1 tf.cond not taken: dead, and so is every op that waits for it),
     replaced by the first ops after it that run whenever the takes do (the Merge that
     ends the cond); ``stop``: nodes not to look past. The conditions a node runs under
     are the (predicate, branch) pairs of the Switches it depends on; a Merge keeps those
     its inputs share (a cond's branches differ by the branch)."""
-    rm = graph.replicas
     if not any(_cond_switch(n) for n in descendants(takes)):
         return nodes
     region = descendants([n for n in graph if _cond_switch(n)])
@@ -107,7 +106,7 @@ def _live_after(graph, nodes, takes, stop):
     return list(out)
 
 
-def _ps_writes(graph, plan):
+def _ps_writes(graph, rm, plan):
     """The global ops that write a parameter-server variable during a step (not its
     initializer, not a restore): a counter of runs a predicate reads, bumped after a
     v1 cond. Synchronous training writes such a variable once per step, so the chief
@@ -115,7 +114,6 @@ def _ps_writes(graph, plan):
     on_ps = {v.name for v in plan.variables if v.placement == "ps"}
     initializers = {v.initializer for v in plan.variables if v.initializer}
     restores = restore_region(graph)
-    rm = graph.replicas
     out = []
     for n in graph:
         if n.name in initializers or rm.replica_of(graph, n.name) is not None or n in restores:
@@ -143,15 +141,19 @@ def _scalar_queue(graph, name, fingerprint, what, device):
 
 class SyncQueuesPass(Pass):
     name = "sync_queues"
-    requires = frozenset({"replicated", "plan", "ps_synced"})
-    ensures = frozenset({"workers_synced"})
+    requires = frozenset({"plan", "replicas"})
+    # its tokens wait for the updates accumulate builds (and the counter it bumps)
+    after = frozenset({"accumulate"})
+
+    def applies(self, ctx):
+        return ctx.cluster.task is not None and any(v.placement == "ps" for v in ctx.plan.variables)
 
     def run(self, graph, ctx):
         plan, cluster = ctx.plan, ctx.cluster
         on_ps = [v for v in plan.variables if v.placement == "ps"]
         if cluster.task is None or not on_ps:
             return False
-        rm = graph.replicas
+        rm = ctx.replicas
         before = set(graph.names())
         ps0 = cluster.ps_device(0)
         fp = plan.fingerprint
@@ -200,8 +202,8 @@ class SyncQueuesPass(Pass):
             increment = graph.node(INCREMENT)
             updates = [n for n in graph if n in after_updates and n not in roots and n is not increment
                        and rm.replica_of(graph, n.name) is None]
-            updates += [n for n in _ps_writes(graph, plan) if n not in updates]
-            updates = _live_after(graph, updates, [n for n in graph if n.op in _TAKES], set(roots))
+            updates += [n for n in _ps_writes(graph, ctx.replicas, plan) if n not in updates]
+            updates = _live_after(graph, ctx.replicas, updates, [n for n in graph if n.op in _TAKES], set(roots))
             token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
                             attrs={"dtype": dtypes.int64}, control_inputs=[increment] + updates,
                             device=ps0).output(0)
@@ -223,7 +225,7 @@ class SyncQueuesPass(Pass):
                     op.add_control_input(ready)
             before_wait = applies + enqueues
         else:
-            dropped = self._drop_chief_work(graph, _ps_writes(graph, plan))
+            dropped = self._drop_chief_work(graph, ctx.replicas, _ps_writes(graph, ctx.replicas, plan))
             before_wait = applies
         wait = make_op(graph, "QueueDequeueV2", f"{TOKENS}/wait", [queues[me].output(0)],
                        attrs={"component_types": [dtypes.int64]}, control_inputs=before_wait, device=ps0,
@@ -263,11 +265,10 @@ class SyncQueuesPass(Pass):
             op.add_control_input(done)
         return end_with_barrier
 
-    def _drop_chief_work(self, graph, ps_writes=()):
+    def _drop_chief_work(self, graph, rm, ps_writes=()):
         """A non-chief worker never takes gradients or applies updates, nor writes a
         parameter-server variable in a step (``ps_writes``): the chief does.
         Returns {removed root's name: the control inputs its replacement needs}."""
-        rm = graph.replicas
         takes = [n for n in graph if n.op in _TAKES]
         chief_only = set(takes) | set(ps_writes)
         if INCREMENT in graph:

@@ -1,10 +1,9 @@
-"""Shared test setup: quiet TensorFlow, graph mode, and the repository on sys.path."""
+"""Shared test setup: quiet TensorFlow and graph mode. (pytest puts this folder on sys.path
+itself, which lets test modules import each other's helpers.)"""
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tensorflow as tf  # noqa: E402
 

@@ -37,20 +37,18 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.local_cluster import LocalCluster
+from graph_rewriter.testing import harness, models
 
 from test_cluster import procs  # noqa: F401  (a fixture: client processes, ended by their ids)
 from test_equivalence import ATOL, RTOL, _case_id, _step_counter_name
 
-V1 = examples.OPTIMIZERS_V1
-KERAS = examples.OPTIMIZERS_KERAS
+V1 = models.OPTIMIZERS_V1
+KERAS = models.OPTIMIZERS_KERAS
 MICRO = 8             # rows of one micro-batch (a whole batch is k of them)
 WINDOWS = 2           # applied steps per case: two windows of k runs
 OP_TIMEOUT_MS = 20000  # a blocked step (accumulator, collective) fails instead of hanging
 MICRO_SCOPE = "graph_rewriter/micro_batches"
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _config():
@@ -82,7 +80,7 @@ def _reference(model, optimizer, resource, k, seed=0):
     device: ``states[s]`` holds every variable after s steps on the whole batches
     (states[0]: after init); ``losses[s * k + j]`` is the loss on micro-batch j of batch s
     with the variables of states[s] (evaluated before step s, nothing trained by it)."""
-    ex = examples.build(model, optimizer, resource=resource, seed=seed)
+    ex = models.build(model, optimizer, resource=resource, seed=seed)
     batches = [ex.batch(s, size=MICRO * k) for s in range(WINDOWS)]
     graph = _import(ex.graph_def)
     names = dict(ex.variables)
@@ -137,7 +135,7 @@ def check_windows(model, optimizer, resource=True, strategy="allreduce", replica
     counter = _step_counter_name(ex)
     what = f"{model}/{optimizer} {strategy} R={replicas} k={k}"
     with gr.Session(result, config=_config()) as sess:
-        read = examples.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
+        read = harness.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
         sess.run(ex.init)
         last = read()
         assert set(last) == _expected_copies(result, ex), f"{what}: variable copies"
@@ -243,7 +241,7 @@ def _single_steps_from(ex, start, batches):
     """The original graph on one device with its variables set to ``start`` (every
     variable) and trained on ``batches``: [start, after step 1, ...]."""
     graph = _import(ex.graph_def)
-    assigns = examples.assign_ops(graph, start)
+    assigns = harness.assign_ops(graph, start)
     names = dict(ex.variables)
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(ex.init)
@@ -271,7 +269,7 @@ def test_init_resets_a_window_in_progress(case):
                         accumulation_steps=k)
     what = f"{model}/{optimizer} {strategy} k={k}"
     with gr.Session(result, config=_config()) as sess:
-        read = examples.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
+        read = harness.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
         sess.run(ex.init)
         start = read()
         _assert_state(f"{what}: after init", start, states[0])
@@ -322,7 +320,7 @@ def test_checkpoint_restore_resets_a_window_in_progress(case, tmp_path):
     junk = _junk(ex, k)
     mid, after_one = str(tmp_path / "mid.ckpt"), str(tmp_path / "step1.ckpt")
     with gr.Session(result, config=_config()) as sess:
-        read = examples.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
+        read = harness.ReplicaCopies(sess, ex, result.metadata["replica_prefixes"])
         sess.run(ex.init)
         start = read()
         _train_window(sess, ex, junk, k, runs=k - 1)              # mid-window
@@ -348,7 +346,7 @@ def test_checkpoint_restore_resets_a_window_in_progress(case, tmp_path):
 def test_one_step_adds_nothing(model, optimizer, strategy):
     """accumulation_steps=1 (the default) is the plain rewrite: no micro_batches node and
     the same graph as without the option; k=2 does add them (so the check can fail)."""
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     kw = dict(strategy=strategy, devices_per_worker=2, device_type="CPU")
     plain = gr.rewrite(ex.graph_def, **kw)
     one = gr.rewrite(ex.graph_def, accumulation_steps=1, **kw)
@@ -363,7 +361,7 @@ def test_one_step_adds_nothing(model, optimizer, strategy):
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_plan_records_accumulation_steps(k, tmp_path):
-    ex = examples.build("embedding", "adam")
+    ex = models.build("embedding", "adam")
     result = gr.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU", accumulation_steps=k)
     assert result.plan.accumulation_steps == k
     path = str(tmp_path / "rewritten.pb")
@@ -382,7 +380,7 @@ def test_plan_records_accumulation_steps(k, tmp_path):
 def test_sums_live_on_the_replicas_gpus(model, optimizer, strategy):
     """device_type="GPU", 2 replicas: replica i's dense sums ("<var>/sum") and sparse rows
     ("<var>/rows") of every gradient are variables on /device:GPU:i."""
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     result = gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=2, device_type="GPU",
                         accumulation_steps=2)
     nodes = {n.name: n for n in result.graph_def.node}
@@ -404,7 +402,7 @@ def test_accepted_next_to_its_rejections():
     """The combinations next to the refused ones (tests/test_bad_input.py) are accepted:
     sync parameter servers, hybrid with one in-graph client, between-graph allreduce and
     ps, and between-graph hybrid without accumulation."""
-    ex = examples.build("embedding", "adam")
+    ex = models.build("embedding", "adam")
     cluster = {"worker": ["localhost:2222", "localhost:2223"], "ps": ["localhost:2224"]}
     cpu = dict(devices_per_worker=1, device_type="CPU")
     for kw in (dict(strategy="ps", sync=True, accumulation_steps=2),
@@ -451,9 +449,9 @@ def _between_client(argv):
 
 
 def _between_client_cmd(*args):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_accumulation; "
-            "sys.exit(test_accumulation._between_client(sys.argv[2:]))")
-    return [sys.executable, "-c", code, TESTS_DIR] + [str(a) for a in args]
+    # run by test_cluster's Processes, whose environment makes the tests folder importable
+    code = "import sys, test_accumulation; sys.exit(test_accumulation._between_client(sys.argv[1:]))"
+    return [sys.executable, "-c", code] + [str(a) for a in args]
 
 
 @pytest.fixture

@@ -8,9 +8,10 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples, graph_io
+from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.context import Options, RewriteContext
+from graph_rewriter.testing import models
 from graph_rewriter.verifier import verify
 
 tf1 = tf.compat.v1
@@ -246,7 +247,7 @@ def test_root_ops_fan_out_once_per_replica_and_the_output_grows_linearly():
     name runs every replica's copy: the master gets one control input per other replica,
     and no copy depends on another replica's copy (which would make the graph quadratic
     in the replicas)."""
-    ex = examples.build("mlp", "momentum")
+    ex = models.build("mlp", "momentum")
     original = {n.name: n for n in ex.graph_def.node}
     consumed = {i.lstrip("^").split(":")[0] for n in ex.graph_def.node for i in n.input}
     roots = [name for name in original if name not in consumed]

@@ -5,15 +5,16 @@ counters, batch inputs, init op, saver, BatchNorm state, hints and errors."""
 import pytest
 import tensorflow as tf
 
-from graph_rewriter import examples, graph_io
+from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.testing import models
 
 tf1 = tf.compat.v1
 
 # Fused-op optimizers: one dense cut per trainable variable, found on the op's grad arg.
-V1 = examples.OPTIMIZERS_V1
-KERAS = examples.OPTIMIZERS_KERAS
+V1 = models.OPTIMIZERS_V1
+KERAS = models.OPTIMIZERS_KERAS
 
 
 def _analyze(example):
@@ -27,7 +28,7 @@ def _trainable_names(example):
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
 @pytest.mark.parametrize("optimizer", V1)
 def test_v1_optimizers_dense(optimizer, resource):
-    ex = examples.build("mlp", optimizer, resource=resource)
+    ex = models.build("mlp", optimizer, resource=resource)
     a = _analyze(ex)
     trainable = {v.name for v in a.variables.values() if v.role == "trainable"}
     assert trainable == _trainable_names(ex) - _slot_like(a)
@@ -53,9 +54,9 @@ def _slot_like(a):
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
 @pytest.mark.parametrize("optimizer", V1)
 def test_v1_optimizers_sparse(optimizer, resource):
-    ex = examples.build("embedding", optimizer, resource=resource)
+    ex = models.build("embedding", optimizer, resource=resource)
     a = _analyze(ex)
-    emb = [v for v in a.variables.values() if v.shape and v.shape[0] == examples.EMBED_ROWS]
+    emb = [v for v in a.variables.values() if v.shape and v.shape[0] == models.EMBED_ROWS]
     assert len(emb) >= 1
     table = next(v for v in emb if v.role == "trainable")
     cut = a.cut_of(table.name)
@@ -73,7 +74,7 @@ def test_v1_optimizers_sparse(optimizer, resource):
 
 @pytest.mark.parametrize("optimizer", KERAS)
 def test_keras_legacy_optimizers(optimizer):
-    ex = examples.build("keras", optimizer)
+    ex = models.build("keras", optimizer)
     a = _analyze(ex)
     trainable = [v for v in a.variables.values() if v.role == "trainable"]
     assert len(trainable) >= 2
@@ -86,14 +87,14 @@ def test_keras_legacy_optimizers(optimizer):
 
 @pytest.mark.parametrize("optimizer", ["keras_sgd", "keras_adam", "keras_adagrad", "keras_nadam"])
 def test_keras_legacy_optimizers_sparse(optimizer):
-    ex = examples.build("keras_embedding", optimizer)
+    ex = models.build("keras_embedding", optimizer)
     a = _analyze(ex)
     sparse = [c for c in a.cuts if c.kind == "sparse"]
     assert len(sparse) == 1
 
 
 def test_batchnorm_moving_statistics_are_state_not_trainable():
-    ex = examples.build("batchnorm", "sgd")
+    ex = models.build("batchnorm", "sgd")
     a = _analyze(ex)
     state = sorted(v.name for v in a.variables.values() if v.role == "state")
     assert len(state) == 2 and all("moving" in n for n in state)
@@ -103,7 +104,7 @@ def test_batchnorm_moving_statistics_are_state_not_trainable():
 
 
 def test_replica_variant_nodes_include_loss_but_not_variables():
-    ex = examples.build("mlp", "adam")
+    ex = models.build("mlp", "adam")
     a = _analyze(ex)
     names = {n.name for n in a.variant}
     assert "loss" in names
@@ -113,7 +114,7 @@ def test_replica_variant_nodes_include_loss_but_not_variables():
 
 
 def test_iterator_outputs_are_batch_inputs_and_the_pipeline_is_found():
-    ex = examples.build("iterator", "sgd")
+    ex = models.build("iterator", "sgd")
     a = _analyze(ex)
     assert a.batch_inputs and all(t.node.op.startswith("IteratorGetNext") for t in a.batch_inputs)
     assert any("Dataset" in n.op for n in a.input_pipeline)
@@ -184,7 +185,7 @@ def test_two_optimizers_on_one_variable_is_an_error():
 
 def test_analysis_does_not_use_names():
     """Renaming every node (no 'gradients/', 'Adam', 'global_step' left) changes nothing."""
-    ex = examples.build("embedding", "adam")
+    ex = models.build("embedding", "adam")
     gd = ex.graph_def
     rename = {n.name: f"n{i}" for i, n in enumerate(gd.node)}
     renamed = tf1.GraphDef()

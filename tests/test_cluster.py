@@ -50,8 +50,8 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.local_cluster import LocalCluster, accepts, free_port
+from graph_rewriter.testing import harness, models
 
 # Slow: part of the full run, left out of the quick one (pytest -m "not slow").
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
@@ -74,7 +74,10 @@ COUNTER_READ = "graph_rewriter/sync_step/read:0"   # the ps's count of applied s
 # ----- processes ---------------------------------------------------------------------
 
 def _env(**extra):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    """The environment of a child process: quiet TensorFlow, unbuffered output, and the
+    tests folder importable (the client processes run functions of these test modules)."""
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.pop("TF_CONFIG", None)
     env.update(extra)
     return env
@@ -241,7 +244,7 @@ def _compute_tasks(cluster):
 # ----- references and comparisons ----------------------------------------------------
 
 def _build(model, optimizer, seed, **kw):
-    return examples.build(model, optimizer, seed=seed, **kw)
+    return models.build(model, optimizer, seed=seed, **kw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,8 +252,8 @@ def _reference(model, optimizer, seed, steps=STEPS, batch=BATCH):
     """(example, global batches, single-device losses, final variables), checked to train."""
     ex = _build(model, optimizer, seed)
     batches = [ex.batch(s, size=batch) for s in range(steps)]
-    _, initial = examples.run_single(ex, steps=0, feeds=batches)
-    losses, values = examples.run_single(ex, steps=steps, feeds=batches)
+    _, initial = harness.run_single(ex, steps=0, feeds=batches)
+    losses, values = harness.run_single(ex, steps=steps, feeds=batches)
     moved = [n for n in values if not np.allclose(values[n], initial[n])]
     assert moved, f"the single-device {model}/{optimizer} reference did not train"
     counter = _counter_variable(ex)
@@ -307,7 +310,7 @@ def _run_in_graph(cluster, ex, strategy, dpw, batches, call_timeout=CALL_TIMEOUT
                   for b in batches]
         values = {k: np.asarray(v) for k, v in sess.run(dict(ex.variables), options=opts).items()}
         prefixes = sess.result.metadata["replica_prefixes"][1:]
-        read = examples.read_replica_copies(sess, ex, prefixes)
+        read = harness.read_replica_copies(sess, ex, prefixes)
         copies = {(prefix, name): read[prefix + name] for prefix in prefixes for name in ex.variables
                   if prefix + name in read}
         applied = int(sess.run(COUNTER_READ, options=opts)) if has_counter else None
@@ -504,9 +507,8 @@ def _lead_client(argv):
 
 
 def _lead_client_cmd(w, steps, out, timeout):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cluster; "
-            "sys.exit(test_cluster._lead_client(sys.argv[2:]))")
-    return [sys.executable, "-c", code, TESTS_DIR, w.graph_path, w.target, w.feeds_path,
+    code = "import sys, test_cluster; sys.exit(test_cluster._lead_client(sys.argv[1:]))"
+    return [sys.executable, "-c", code, w.graph_path, w.target, w.feeds_path,
             str(steps), out, str(timeout)]
 
 
@@ -575,7 +577,7 @@ def _mean_loss_at(ex, values, batches):
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(ex.graph_def, name="")
-    assigns = examples.assign_ops(graph, values)
+    assigns = harness.assign_ops(graph, values)
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(ex.init)
         sess.run(assigns)
@@ -593,7 +595,7 @@ def test_async_ps_training_runs_to_completion_and_learns(fresh_cluster, procs, t
     ex = _build("mlp", "sgd", seed=300, learning_rate=0.1)
     data = [ex.batch(s, size=ASYNC_BATCH) for s in range(2)]
     batches = [data[s % 2] for s in range(ASYNC_STEPS)]
-    _, initial = examples.run_single(ex, steps=0, feeds=batches)
+    _, initial = harness.run_single(ex, steps=0, feeds=batches)
     cluster = fresh_cluster(2, 1, 1)
     workers = _prepare_workers(cluster, ex, "ps", 1, batches, tmp_path, sync=False)
     for w in workers:
@@ -718,18 +720,18 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pool
     it = _build("iterator", "sgd", seed, batch_size=per_worker)
     mlp = _build("mlp", "sgd", seed)
     # the two models start from the same weights (so the comparison below means something)
-    _, start_it = examples.run_single(it, steps=0)
-    _, start_mlp = examples.run_single(mlp, steps=0)
+    _, start_it = harness.run_single(it, steps=0)
+    _, start_mlp = harness.run_single(mlp, steps=0)
     for name in start_mlp:
         np.testing.assert_array_equal(start_it[name], start_mlp[name], err_msg=name)
-    rng = np.random.default_rng([seed, 4099])   # the pipeline's data, as examples.py makes it
-    xs = rng.normal(size=(examples.ITERATOR_ROWS, examples.FEATURES)).astype(np.float32)
-    ys = (np.sin(xs.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(examples.ITERATOR_ROWS, 1))).astype(np.float32)
+    rng = np.random.default_rng([seed, 4099])   # the pipeline's data, as the zoo makes it
+    xs = rng.normal(size=(models.ITERATOR_ROWS, models.FEATURES)).astype(np.float32)
+    ys = (np.sin(xs.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(models.ITERATOR_ROWS, 1))).astype(np.float32)
     shards = [(xs[k::2], ys[k::2]) for k in range(2)]
     batches = [{"x:0": np.concatenate([s[0][t * per_worker:(t + 1) * per_worker] for s in shards]),
                 "y:0": np.concatenate([s[1][t * per_worker:(t + 1) * per_worker] for s in shards])}
                for t in range(steps)]
-    ref_losses, ref_values = examples.run_single(mlp, steps=steps, feeds=batches)
+    ref_losses, ref_values = harness.run_single(mlp, steps=steps, feeds=batches)
     with pool.use(2, 0, SERVER_DEVICES) as cluster:
         outs = []
         for k in range(2):
@@ -841,9 +843,8 @@ def _checkpoint_client(argv):
 
 
 def _checkpoint_client_cmd(*args):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cluster; "
-            "sys.exit(test_cluster._checkpoint_client(sys.argv[2:]))")
-    return [sys.executable, "-c", code, TESTS_DIR] + [str(a) for a in args]
+    code = "import sys, test_cluster; sys.exit(test_cluster._checkpoint_client(sys.argv[1:]))"
+    return [sys.executable, "-c", code] + [str(a) for a in args]
 
 
 @pytest.mark.parametrize("strategy, num_ps", [("allreduce", 0), ("ps", 1)])
@@ -856,7 +857,7 @@ def test_training_killed_and_restarted_from_its_checkpoint_ends_like_an_uninterr
     test_cluster_training_equals_one_device)."""
     ex = _build("mlp", "adam", seed=500 + num_ps)
     batches = [ex.batch(s, size=BATCH) for s in range(RESTART_STEPS)]
-    _, ref_values = examples.run_single(ex, steps=RESTART_STEPS, feeds=batches)
+    _, ref_values = harness.run_single(ex, steps=RESTART_STEPS, feeds=batches)
     feeds_path = str(tmp_path / "feeds.npz")
     np.savez(feeds_path, **{f"{s}/{k}": v for s, b in enumerate(batches) for k, v in b.items()})
     ckpt_dir = tmp_path / "ckpt"

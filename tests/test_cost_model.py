@@ -12,7 +12,7 @@ import pytest
 
 import graph_rewriter as gr
 from graph_rewriter import cost_model as cm
-from graph_rewriter import examples
+from graph_rewriter.testing import harness, models
 
 MB = 1000 * 1000
 ROWS, DIM, IDS_PER_EXAMPLE = 100_000, 64, 10     # a 25.6 MB embedding table
@@ -28,7 +28,7 @@ def cluster(workers, ps):
 
 def big_embedding_model(rows=ROWS):
     """ids [batch, 10] -> embedding [rows, 64] (sparse gradient) -> dense layer of 4096
-    -> output -> mean squared loss, Adagrad; seeded. Returns an examples.Example (feeds "ids:0", "y:0")."""
+    -> output -> mean squared loss, Adagrad; seeded. Returns an models.Example (feeds "ids:0", "y:0")."""
     import tensorflow as tf
     g = tf.Graph()
     with g.as_default():
@@ -49,8 +49,8 @@ def big_embedding_model(rows=ROWS):
         step = tf.compat.v1.train.get_or_create_global_step()
         tf.compat.v1.train.AdagradOptimizer(0.5).minimize(loss, global_step=step, name="train_op")
         tf.group(*[v.initializer for v in tf.compat.v1.global_variables()], name="init")
-        variables = {v.op.name: examples._read_tensor_name(v) for v in tf.compat.v1.global_variables()}
-    return examples.Example(graph_def=g.as_graph_def(), model="big_embedding", optimizer="adagrad",
+        variables = {v.op.name: models._read_tensor_name(v) for v in tf.compat.v1.global_variables()}
+    return models.Example(graph_def=g.as_graph_def(), model="big_embedding", optimizer="adagrad",
                             resource=True, feeds=["ids:0", "y:0"], variables=variables)
 
 
@@ -237,8 +237,8 @@ def test_auto_plan_mixing_ps_and_allreduce_trains_like_one_device():
     rng = np.random.default_rng(0)
     batches = [{"ids:0": rng.integers(0, 50, size=(8, IDS_PER_EXAMPLE)),
                 "y:0": rng.normal(size=(8, 1)).astype(np.float32)} for _ in range(3)]
-    ref_losses, ref = examples.run_single(ex, steps=3, feeds=batches)
-    losses, values = examples.run_rewritten(r, ex, steps=3, feeds=batches, replica_copies=True)
+    ref_losses, ref = harness.run_single(ex, steps=3, feeds=batches)
+    losses, values = harness.run_rewritten(r, ex, steps=3, feeds=batches, replica_copies=True)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert ref["global_step"] == 3
     # float32 sums over 4096 hidden units, reduced in another order across replicas
@@ -251,7 +251,7 @@ def test_auto_plan_mixing_ps_and_allreduce_trains_like_one_device():
 def test_the_whole_step_is_checked_so_a_latency_bound_model_pays_one_round_of_messages():
     # a few hundred bytes of gradients: per gradient, ps and allreduce are close, and a mix
     # would pay both rounds' latency; the whole-plan check keeps one
-    ex = examples.build("embedding", optimizer="adam")
+    ex = models.build("embedding", optimizer="adam")
     r = gr.rewrite(ex.graph_def, None, strategy="auto", devices_per_worker=4, device_type="CPU")
     cost = r.plan.cost
     assert set(cost["alternatives"]) == {"mixed", "mirrored", "ps"}

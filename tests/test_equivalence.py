@@ -1,7 +1,7 @@
 """Numeric equivalence, the backbone: a model rewritten for R replicas and trained on the
 same global batches computes what one device computes.
 
-For each example of graph_rewriter.examples, ``rewrite(graph_def, devices_per_worker=R,
+For each example of graph_rewriter.testing.models, ``rewrite(graph_def, devices_per_worker=R,
 device_type="CPU")`` run through graph_rewriter.Session must give the single-device losses
 and final variables (every variable: weights, optimizer slots, step counters) within float
 rounding after STEPS steps, for R in {1, 2, 4}; every replica's copy of every variable must
@@ -29,16 +29,16 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.session import session_config
+from graph_rewriter.testing import harness, models
 
 STEPS = 3
 BATCH = 8                 # divisible by every R below
 REPLICAS = (1, 2, 4)
 RTOL, ATOL = 1e-4, 1e-6
 
-V1 = examples.OPTIMIZERS_V1
-KERAS = examples.OPTIMIZERS_KERAS
+V1 = models.OPTIMIZERS_V1
+KERAS = models.OPTIMIZERS_KERAS
 REPRESENTATIVE_V1 = ("sgd", "adam", "adagrad", "ftrl")
 REPRESENTATIVE_KERAS = ("keras_sgd", "keras_adam", "keras_adagrad", "keras_ftrl")
 
@@ -80,9 +80,9 @@ def _case_id(value):
 @functools.lru_cache(maxsize=None)
 def _reference(model, optimizer, resource, options=()):
     """(example, initial values, single-device losses, single-device final values)."""
-    ex = examples.build(model, optimizer, resource=resource, **dict(options))
-    _, initial = examples.run_single(ex, steps=0, batch_size=BATCH)
-    losses, final = examples.run_single(ex, steps=STEPS, batch_size=BATCH)
+    ex = models.build(model, optimizer, resource=resource, **dict(options))
+    _, initial = harness.run_single(ex, steps=0, batch_size=BATCH)
+    losses, final = harness.run_single(ex, steps=STEPS, batch_size=BATCH)
     return ex, initial, losses, final
 
 
@@ -99,7 +99,7 @@ def check_equivalence(model, optimizer, resource, replicas, **options):
 
     result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
     assert result.num_replicas == replicas
-    got_losses, got = examples.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH,
+    got_losses, got = harness.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH,
                                              replica_copies=True)
 
     counter = _step_counter_name(ex)
@@ -154,10 +154,10 @@ def _steady_ids(example, replicas):
         ids = []
         for _ in range(replicas):
             if BATCH // replicas >= 4:
-                a, b, c = rng.choice(examples.ID_RANGE, 3, replace=False)
+                a, b, c = rng.choice(models.ID_RANGE, 3, replace=False)
                 ids += [a, a, b, c] + [a] * (BATCH // replicas - 4)
             else:
-                ids += [rng.integers(examples.ID_RANGE)] * (BATCH // replicas)
+                ids += [rng.integers(models.ID_RANGE)] * (BATCH // replicas)
         out["ids:0"] = np.asarray(ids, np.int32)
         return out
     return feed
@@ -170,11 +170,11 @@ def _steady_ids(example, replicas):
     ids=_case_id)
 @pytest.mark.parametrize("replicas", [2, 4], ids=_case_id)
 def test_sparse_with_steady_shard_sizes(model, optimizer, resource, replicas):
-    ex = examples.build(model, optimizer, resource=resource)
+    ex = models.build(model, optimizer, resource=resource)
     feeds = _steady_ids(ex, replicas)
-    losses, want = examples.run_single(ex, steps=STEPS, batch_size=BATCH, feeds=feeds)
+    losses, want = harness.run_single(ex, steps=STEPS, batch_size=BATCH, feeds=feeds)
     result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
-    got_losses, got = examples.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH, feeds=feeds)
+    got_losses, got = harness.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH, feeds=feeds)
     np.testing.assert_allclose(got_losses, losses, rtol=RTOL, atol=ATOL)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
@@ -244,7 +244,7 @@ def _read_replicas(result, ex, names, steps, batch):
         sess.run(ex.init)
         for step in range(steps):
             sess.run(ex.train_op, batch(step))
-        values = examples.read_replica_copies(sess, ex, prefixes)
+        values = harness.read_replica_copies(sess, ex, prefixes)
     out = {(p, n): values[p + n] for p in prefixes for n in names if p + n in values}
     missing = {p + n for p in prefixes for n in names} - set(values)
     assert not missing, f"variable copies missing from the rewritten graph: {sorted(missing)}"
@@ -262,8 +262,8 @@ def test_batchnorm_moving_statistics(replicas, resource, update_ops):
     tf.control_dependencies(UPDATE_OPS) as TF1's docs recommend."""
     ex, initial, _, _ = _reference("batchnorm", "sgd", resource, (("update_ops", update_ops),))
     feed = ex.batch(0, BATCH)
-    _, single = examples.run_single(ex, steps=1, batch_size=BATCH)
-    want_variance = examples.sharded_moving_variance(ex, feed, replicas, initial["bn/moving_variance"])
+    _, single = harness.run_single(ex, steps=1, batch_size=BATCH)
+    want_variance = harness.sharded_moving_variance(ex, feed, replicas, initial["bn/moving_variance"])
     # The variance of replica means differs from the batch variance: the test can tell.
     assert not np.allclose(want_variance, single["bn/moving_variance"], rtol=RTOL, atol=ATOL)
 
@@ -295,13 +295,13 @@ def test_batchnorm_replicas_stay_identical(replicas):
 
 # ----- the examples themselves --------------------------------------------------------------
 
-@pytest.mark.parametrize("model", examples.MODELS)
+@pytest.mark.parametrize("model", models.MODELS)
 def test_examples_build_deterministically(model):
     """Same arguments, byte-identical GraphDef, even for v2 control flow and Keras (whose
     function names TensorFlow numbers with a process-wide counter)."""
-    optimizer = "keras_adam" if model in examples.KERAS_MODELS else "adam"
-    a = examples.build(model, optimizer).graph_def.SerializeToString(deterministic=True)
-    b = examples.build(model, optimizer).graph_def.SerializeToString(deterministic=True)
+    optimizer = "keras_adam" if model in models.KERAS_MODELS else "adam"
+    a = models.build(model, optimizer).graph_def.SerializeToString(deterministic=True)
+    b = models.build(model, optimizer).graph_def.SerializeToString(deterministic=True)
     assert a == b
 
 

@@ -17,8 +17,9 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import analysis, examples, graph_io
+from graph_rewriter import analysis, graph_io
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.testing import harness, models
 
 tf1 = tf.compat.v1
 STEPS = 8
@@ -91,12 +92,12 @@ def _build(loss_scale=False, control_flow_v1=False, resource=False):
             with tf.control_dependencies([applied]):
                 bump = step.assign_add(1)
             tf.group(bump, name="train_op")
-            reads = {v.op.name: examples._read_tensor_name(v) for v in tf1.global_variables()}
+            reads = {v.op.name: models._read_tensor_name(v) for v in tf1.global_variables()}
             tf1.variables_initializer(tf1.global_variables(), name="init")
     finally:
         if control_flow_v1:
             tf1.enable_control_flow_v2()
-    return examples.Example(graph_def=g.as_graph_def(), model="clipped_adamw", optimizer="adamw",
+    return models.Example(graph_def=g.as_graph_def(), model="clipped_adamw", optimizer="adamw",
                             resource=resource, feeds=["ids:0", "x:0", "y:0"],
                             variables=reads)
 
@@ -121,14 +122,14 @@ def _model(loss_scale=False):
 @functools.lru_cache(maxsize=None)
 def _reference(loss_scale=False):
     ex = _model(loss_scale)
-    return examples.run_single(ex, steps=STEPS, feeds=functools.partial(_feed, overflow=bool(loss_scale)))
+    return harness.run_single(ex, steps=STEPS, feeds=functools.partial(_feed, overflow=bool(loss_scale)))
 
 
 def _rewritten(strategy, r, loss_scale=False, **options):
     ex = _model(loss_scale)
     result = gr.rewrite(ex.graph_def, devices_per_worker=r, device_type="CPU", strategy=strategy,
                         timeout_seconds=60, **options)
-    return examples.run_rewritten(result, ex, steps=STEPS, feeds=functools.partial(_feed, overflow=bool(loss_scale)),
+    return harness.run_rewritten(result, ex, steps=STEPS, feeds=functools.partial(_feed, overflow=bool(loss_scale)),
                                   replica_copies=True)
 
 
@@ -233,7 +234,7 @@ def test_the_verifier_refuses_a_replica_collective_the_train_op_does_not_run(mon
     """Break the one mechanism that makes the other replica's updates run under ps (the
     global step's bump waiting for every replica): the rewrite must refuse the graph
     instead of emitting one whose step hangs."""
-    from passes import replicate
+    from graph_rewriter.passes import replicate
     monkeypatch.setattr(replicate, "_read_only_by_global", lambda cloned, global_nodes: [])
     with pytest.raises(GraphRewriteError, match="runs collective .* but not its copy 'replica_1/"):
         gr.rewrite(_model().graph_def, devices_per_worker=2, device_type="CPU", strategy="ps")

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
+from graph_rewriter.testing import models
 
 GRAPH_REWRITE = os.path.join(os.path.dirname(sys.executable), "graph-rewrite")
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
@@ -23,7 +23,7 @@ CLUSTER = {"worker": ["host0:2222", "host1:2222"], "ps": ["ps0:2222"]}
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """The embedding example (Adam), hybrid, in-graph over 2 workers x 2 GPUs and 1 ps."""
-    ex = examples.build("embedding", "adam", seed=0)
+    ex = models.build("embedding", "adam", seed=0)
     path = str(tmp_path_factory.mktemp("inspect") / "hybrid.pb")
     gr.rewrite(ex.graph_def, CLUSTER, strategy="hybrid", devices_per_worker=2, device_type="GPU").save(path)
     return path

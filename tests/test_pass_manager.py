@@ -32,7 +32,7 @@ def make_ctx(log=None):
     return RewriteContext(options=Options(), cluster=parse_cluster(None), log=log)
 
 
-def make_pass(name, requires=(), ensures=(), run=None, modified=True):
+def make_pass(name, requires=(), provides=(), after=(), run=None, modified=True, applies=True):
     """A Pass subclass instance; ``run(graph, ctx)`` defaults to adding a node named
     after the pass (so each pass visibly changes the graph)."""
 
@@ -41,7 +41,8 @@ def make_pass(name, requires=(), ensures=(), run=None, modified=True):
         return modified
 
     cls = type(f"{name.title()}Pass", (Pass,), {
-        "name": name, "requires": frozenset(requires), "ensures": frozenset(ensures),
+        "name": name, "requires": frozenset(requires), "provides": frozenset(provides),
+        "after": frozenset(after), "applies": lambda self, ctx: applies,
         "run": (lambda self, graph, ctx: run(graph, ctx)) if run else default_run})
     return cls()
 
@@ -83,36 +84,83 @@ def test_result_reports_unmodified_when_no_pass_changed_anything():
     assert result.modified is False
 
 
-def test_check_order_accepts_requirements_ensured_earlier_or_initially():
-    pm = PassManager([make_pass("plan", ensures={"plan"}),
-                      make_pass("replicate", requires={"plan", "analysis"}, ensures={"replicated"}),
-                      make_pass("place", requires={"replicated"})])
-    assert pm.check_order(initial={"analysis"}) == {"analysis", "plan", "replicated"}
-    with pytest.raises(GraphRewriteError, match="analysis"):
-        pm.check_order()
+def test_check_order_accepts_products_provided_earlier_or_initially():
+    pm = PassManager([make_pass("plan", provides={"plan"}),
+                      make_pass("replicate", requires={"plan"}, provides={"replicas"}),
+                      make_pass("place", requires={"replicas", "plan"}, after={"replicate"})])
+    assert pm.check_order() == {"plan", "replicas"}
+    late = PassManager([make_pass("replicate", requires={"plan"}, provides={"replicas"})])
+    assert late.check_order(initial={"plan"}) == {"plan", "replicas"}
+    with pytest.raises(GraphRewriteError, match="'replicate' requires plan"):
+        late.check_order()
 
 
-def test_check_order_names_the_pass_the_missing_property_and_the_passes_before_it():
-    pm = PassManager([make_pass("plan", ensures={"plan"}),
-                      make_pass("mirror", requires={"plan"}, ensures={"mirrored"}),
-                      make_pass("allreduce", requires={"replicated", "mirrored"}),
-                      make_pass("replicate", requires={"plan"}, ensures={"replicated"})])
+def test_check_order_names_the_pass_the_missing_product_and_the_passes_before_it():
+    pm = PassManager([make_pass("plan", provides={"plan"}),
+                      make_pass("mirror", requires={"plan"}),
+                      make_pass("allreduce", requires={"replicas", "plan"}),
+                      make_pass("replicate", requires={"plan"}, provides={"replicas"})])
     with pytest.raises(GraphRewriteError) as err:
         pm.check_order()
     message = str(err.value)
     assert "'allreduce'" in message
-    assert "requires replicated," in message  # mirrored is ensured by mirror, before it
+    assert "requires replicas," in message  # plan is provided by the plan pass, before it
     assert "plan, mirror" in message
-    assert "replicate" not in message.replace("replicated", "")
+    assert "replicate" not in message
+
+
+def test_check_order_refuses_a_pass_before_one_it_must_run_after():
+    """allreduce and micro_batches require the same products; only allreduce's declared
+    constraint (it reduces the micro-batch mean) says which goes first."""
+    from graph_rewriter import passes
+    wrong = PassManager([passes.PlanPass(), passes.ReplicatePass(), passes.AllReducePass(),
+                         passes.MicroBatchesPass()])
+    with pytest.raises(GraphRewriteError, match="'allreduce' must run after micro_batches") as err:
+        wrong.check_order()
+    assert "move micro_batches before 'allreduce'" in str(err.value)
+    PassManager([passes.PlanPass(), passes.ReplicatePass(), passes.MicroBatchesPass(),
+                 passes.AllReducePass()]).check_order()
+    # a constraint on a pass the pipeline does not run binds nothing
+    PassManager([passes.PlanPass(), passes.ReplicatePass(), passes.AllReducePass()]).check_order()
+
+
+def test_the_rewrite_pipeline_satisfies_every_declaration():
+    from graph_rewriter.api import pipeline
+    passes = pipeline()
+    assert PassManager(passes).check_order() == {"plan", "replicas"}
+    names = [p.name for p in passes]
+    for p in passes:   # every constraint names a pass of the pipeline (no stale name)
+        assert set(p.after) <= set(names), p.name
+
+
+def test_check_order_refuses_undeclared_and_twice_provided_products():
+    with pytest.raises(GraphRewriteError, match="'x' declares product analysis"):
+        PassManager([make_pass("x", requires={"analysis"})]).check_order()
+    with pytest.raises(GraphRewriteError, match="'again' provides plan, which an earlier pass"):
+        PassManager([make_pass("plan", provides={"plan"}),
+                     make_pass("again", provides={"plan"})]).check_order()
 
 
 def test_a_pipeline_out_of_order_runs_nothing():
     g = small_graph()
     ctx = make_ctx()
-    pm = PassManager([make_pass("late", requires={"early"}), make_pass("early", ensures={"early"})])
-    with pytest.raises(GraphRewriteError, match="'late' requires early.*none"):
+    pm = PassManager([make_pass("late", requires={"replicas"}),
+                      make_pass("early", provides={"replicas"})])
+    with pytest.raises(GraphRewriteError, match="'late' requires replicas.*none"):
         pm.run(g, ctx)
     assert [n.name for n in g.nodes] == ["a", "b", "c"] and ctx.passes_run == []
+
+
+def test_passes_the_plan_does_not_need_are_skipped_and_logged():
+    lines = []
+    g = small_graph()
+    ctx = make_ctx(log=lines.append)
+    PassManager([make_pass("first"), make_pass("unneeded", applies=False),
+                 make_pass("last")]).run(g, ctx)
+    assert ctx.passes_run == ["first", "last"]
+    assert "unneeded_node" not in g
+    assert any(line.startswith("pass unneeded") and "skipped" in line for line in lines), lines
+    assert [name for name, _, _ in ctx.timings if name != "verify"] == ["first", "last"]
 
 
 def test_verifier_runs_before_the_pipeline_and_after_each_pass():

@@ -22,9 +22,9 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.plan import CutPlan, Plan, VariablePlan
 from graph_rewriter.planner import balance_ps
+from graph_rewriter.testing import harness, models
 
 from test_equivalence import ATOL, BATCH, RTOL, STEPS, _reference
 
@@ -58,7 +58,7 @@ def _canonical(result):
 
 @pytest.fixture(scope="module")
 def example():
-    return examples.build(MODEL, OPTIMIZER, resource=True)
+    return models.build(MODEL, OPTIMIZER, resource=True)
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_edited_plan_trains_like_one_device(edited, example):
     assert not np.array_equal(initial[TABLE], final[TABLE])
     result = _rewrite(example, edited)
     config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=10000)
-    got_losses, got = examples.run_rewritten(result, example, steps=STEPS, batch_size=BATCH,
+    got_losses, got = harness.run_rewritten(result, example, steps=STEPS, batch_size=BATCH,
                                              replica_copies=True, config=config)
     np.testing.assert_allclose(got_losses, losses, rtol=RTOL, atol=ATOL)
     for name, want in final.items():
@@ -282,7 +282,7 @@ def _group_loads(plan):
 
 @pytest.mark.parametrize("model,optimizer", [("embedding", "adam"), ("mlp", "adagrad")])
 def test_ps_variables_are_balanced_over_ps_tasks(model, optimizer):
-    ex = examples.build(model, optimizer, resource=True)
+    ex = models.build(model, optimizer, resource=True)
     result = gr.rewrite(ex.graph_def, TWO_PS, strategy="ps", device_type="CPU", ps_shard_bytes=0)
     plan = result.plan
     assert plan.num_ps == 2 and result.num_replicas == 2
@@ -336,13 +336,13 @@ def test_plan_ps_task_is_honoured_with_several_ps(example):
 def test_large_variable_is_split_by_rows(ps, rows):
     cluster = {"worker": ["localhost:2222", "localhost:2223"],
                "ps": [f"localhost:{2300 + k}" for k in range(ps)]}
-    ex = examples.build("embedding", "adam", resource=True)
-    table_bytes = examples.EMBED_ROWS * examples.EMBED_DIM * 4
+    ex = models.build("embedding", "adam", resource=True)
+    table_bytes = models.EMBED_ROWS * models.EMBED_DIM * 4
     threshold = table_bytes - 1          # the table (320 bytes) is above, hidden/kernel (256) below
     plan = gr.rewrite(ex.graph_def, cluster, strategy="ps", device_type="CPU",
                       ps_shard_bytes=threshold).plan
     want = [{"ps_task": k, "rows": n} for k, n in enumerate(rows)]
-    assert sum(rows) == examples.EMBED_ROWS
+    assert sum(rows) == models.EMBED_ROWS
     for name in ("embedding", "embedding/Adam", "embedding/Adam_1"):
         v = plan.variable(name)
         assert v.bytes == table_bytes
@@ -355,13 +355,13 @@ def test_large_variable_is_split_by_rows(ps, rows):
 
 @pytest.mark.parametrize("options", [dict(ps_shard_bytes=0), dict()], ids=["never", "default"])
 def test_no_split_at_or_below_the_threshold(options):
-    ex = examples.build("embedding", "adam", resource=True)
+    ex = models.build("embedding", "adam", resource=True)
     plan = gr.rewrite(ex.graph_def, TWO_PS, strategy="ps", device_type="CPU", **options).plan
     assert all(v.shards is None and v.ps_task in (0, 1) for v in plan.variables)
 
 
 def test_ref_variables_are_not_split():
-    ex = examples.build("embedding", "adam", resource=False)
+    ex = models.build("embedding", "adam", resource=False)
     plan = gr.rewrite(ex.graph_def, TWO_PS, strategy="ps", device_type="CPU", ps_shard_bytes=100).plan
     assert all(v.kind == "ref" for v in plan.variables if v.name.startswith("embedding"))
     assert all(v.shards is None and v.ps_task in (0, 1) for v in plan.variables)

@@ -31,14 +31,14 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.session import session_config
+from graph_rewriter.testing import harness, models
 
 from test_equivalence import (ATOL, BATCH, REPRESENTATIVE_V1, RTOL, STEPS, _case_id,
                               _reference, _step_counter_name)
 
-V1 = examples.OPTIMIZERS_V1
-KERAS = examples.OPTIMIZERS_KERAS
+V1 = models.OPTIMIZERS_V1
+KERAS = models.OPTIMIZERS_KERAS
 STRATEGIES = ("ps", "hybrid")
 HOST_CPU = "/device:CPU:0"
 OP_TIMEOUT_MS = 10000
@@ -94,7 +94,7 @@ def check_ps_equivalence(model, optimizer, resource, strategy, replicas, **optio
     if strategy == "hybrid" and model in ("embedding", "keras_embedding"):
         assert on_ps, "hybrid put no variable of an embedding model on the parameter server"
 
-    got_losses, got = examples.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH,
+    got_losses, got = harness.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH,
                                              replica_copies=True, config=_config())
 
     counter = _step_counter_name(ex)
@@ -140,7 +140,7 @@ def test_v1_replica_counts(model, optimizer, resource, strategy, replicas):
 
 # ----- tf_keras legacy OptimizerV2: dense and sparse --------------------------------------
 
-KERAS_CASES = [(m, o, True, s, 2) for m in examples.KERAS_MODELS for o in KERAS for s in STRATEGIES]
+KERAS_CASES = [(m, o, True, s, 2) for m in models.KERAS_MODELS for o in KERAS for s in STRATEGIES]
 
 
 @pytest.mark.parametrize("model,optimizer,resource,strategy,replicas", KERAS_CASES, ids=_case_id)
@@ -173,7 +173,7 @@ def _train_plain(result, ex, steps):
         sess.run(ex.init)
         for step in range(steps):
             sess.run(ex.train_op, ex.batch(step, BATCH))
-        return examples.read_replica_copies(sess, ex, result.metadata["replica_prefixes"])
+        return harness.read_replica_copies(sess, ex, result.metadata["replica_prefixes"])
 
 
 @pytest.mark.parametrize("update_ops", ["group", "control"])
@@ -186,8 +186,8 @@ def test_batchnorm_moving_statistics(resource, update_ops):
     replicas = 2
     ex, initial, _, _ = _reference("batchnorm", "adam", resource, (("update_ops", update_ops),))
     feed = ex.batch(0, BATCH)
-    _, single = examples.run_single(ex, steps=1, batch_size=BATCH)
-    want_variance = examples.sharded_moving_variance(ex, feed, replicas, initial["bn/moving_variance"])
+    _, single = harness.run_single(ex, steps=1, batch_size=BATCH)
+    want_variance = harness.sharded_moving_variance(ex, feed, replicas, initial["bn/moving_variance"])
     # The variance of replica means differs from the batch variance: the test can tell.
     assert not np.allclose(want_variance, single["bn/moving_variance"], rtol=RTOL, atol=ATOL)
 
@@ -221,7 +221,7 @@ def test_batchnorm_trains_with_one_step_counter():
 def test_rewrite_is_deterministic(model, optimizer, strategy):
     """API.md: same input, same options, byte-identical output (three rewrites in one
     process, so that anything ordered by object identity shows)."""
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     outputs = {gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=2, device_type="CPU")
                .graph_def.SerializeToString(deterministic=True) for _ in range(3)}
     assert len(outputs) == 1, f"{len(outputs)} different graphs from 3 rewrites of one input"
@@ -236,7 +236,7 @@ def test_ps_variables_exist_once_on_the_host_cpu(model, optimizer, resource):
     """strategy="ps" with GPU replicas: every variable (and slot) keeps its name, is not
     cloned, and is placed on the host CPU, while the replicas' compute is on the GPUs."""
     replicas = 2
-    ex = examples.build(model, optimizer, resource=resource)
+    ex = models.build(model, optimizer, resource=resource)
     result = gr.rewrite(ex.graph_def, strategy="ps", devices_per_worker=replicas, device_type="GPU")
     prefixes = result.metadata["replica_prefixes"]
     assert prefixes == [""] + [f"replica_{i}/" for i in range(1, replicas)]
@@ -258,7 +258,7 @@ def test_ps_variables_exist_once_on_the_host_cpu(model, optimizer, resource):
     ("keras_embedding", "keras_adagrad", "embedding/embeddings")], ids=_case_id)
 @pytest.mark.parametrize("replicas", [2, 4], ids=_case_id)
 def test_hybrid_embedding_once_dense_mirrored(model, optimizer, table, replicas):
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     result = gr.rewrite(ex.graph_def, strategy="hybrid", devices_per_worker=replicas, device_type="CPU")
     plan = result.plan
     group = {v.name for v in plan.group(table)}
@@ -286,7 +286,7 @@ def test_one_accumulator_per_ps_gradient(model, optimizer, strategy, replicas):
     """Each parameter-server gradient: one accumulator of the gradient's kind with a
     shared_name of its own, one take feeding that variable's update, and one apply per
     replica, each applying that replica's gradient."""
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     result = gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=replicas, device_type="CPU")
     plan = result.plan
     prefixes = result.metadata["replica_prefixes"]
@@ -351,7 +351,7 @@ def test_between_graph_hybrid_steps_end_with_a_workers_barrier(strategy, barrier
     """Collectives spanning workers give their steps one id, so the workers' train and
     init ops end with an all-reduce over the workers' host CPUs (see sync_queues); plain
     ps needs none (no collective, random step ids)."""
-    ex = examples.build("embedding", "adam")
+    ex = models.build("embedding", "adam")
     cluster = {"worker": ["localhost:2222", "localhost:2223"], "ps": ["localhost:2224"]}
     graphs = [gr.rewrite(ex.graph_def, cluster, strategy=strategy, task=f"worker:{k}",
                          devices_per_worker=2, device_type="CPU").graph_def for k in (0, 1)]

@@ -33,9 +33,9 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.ps_state import COUNTER
 from graph_rewriter.session import Session
+from graph_rewriter.testing import harness, models
 
 import test_cluster as tc
 from test_cluster import fresh_cluster, pool, procs  # noqa: F401 (fixtures)
@@ -87,10 +87,10 @@ def _finish(graph, feeds, train_op, tensors=None):
     tf.compat.v1.variables_initializer(variables, name="init")
     tf.compat.v1.train.Saver(var_list=variables)
     step = tf.compat.v1.train.get_global_step()
-    names = {v.op.name: examples._read_tensor_name(v) for v in variables}
-    return examples.Example(graph_def=graph.as_graph_def(), model="issue15", optimizer="mixed",
+    names = {v.op.name: models._read_tensor_name(v) for v in variables}
+    return models.Example(graph_def=graph.as_graph_def(), model="issue15", optimizer="mixed",
                             resource=True, feeds=feeds, variables=names,
-                            step_counter=examples._read_tensor_name(step), train_op=train_op,
+                            step_counter=models._read_tensor_name(step), train_op=train_op,
                             tensors=dict(tensors or {}))
 
 
@@ -140,7 +140,7 @@ def conditional_update(control_flow, predicate, sparse, optimizer="adam"):
     ``sparse`` the model reads an embedding table (a sparse gradient: hybrid puts it on
     the parameter server), else only dense layers."""
     graph = tf.Graph()
-    with graph.as_default(), examples._ControlFlow(control_flow):
+    with graph.as_default(), models._ControlFlow(control_flow):
         tf.compat.v1.set_random_seed(16)
         ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
         x = tf.compat.v1.placeholder(tf.float32, [None, FEATURES], name="x")
@@ -201,7 +201,7 @@ def _reference(build, args, fed):
     with graph.as_default():
         tf.compat.v1.import_graph_def(ex.graph_def, name="")
     with tf.compat.v1.Session(graph=graph) as sess:
-        reader = examples.ReplicaCopies(sess, ex, [""])
+        reader = harness.ReplicaCopies(sess, ex, [""])
         losses, values, _ = _train(sess, ex, lambda s: _batch(s, fed), reader)
     return ex, losses, values
 
@@ -224,7 +224,7 @@ def check(build, args, strategy, replicas, applies=None, fed=None, on_ps=True):
     accumulated = any(c.sync == "accumulate" for c in result.plan.cuts)
     assert accumulated or not on_ps, f"{strategy}: no gradient goes to a parameter server"
     with Session(result, config=_config()) as sess:
-        reader = examples.ReplicaCopies(sess, ex, [""])
+        reader = harness.ReplicaCopies(sess, ex, [""])
         got_losses, got, counts = _train(sess, ex, lambda s: _batch(s, fed), reader,
                                          COUNTER_READ if accumulated else None)
 
@@ -353,7 +353,7 @@ def test_between_graph_worker_graph_is_deterministic(model):
     """A non-chief worker's graph drops the chief's work; the control inputs it keeps
     once followed the order of a set of nodes, so the same rewrite gave different
     bytes from one run to the next."""
-    gd = examples.build(model, "adam").graph_def
+    gd = models.build(model, "adam").graph_def
     cluster = {"ps": ["p0:1", "p1:1"], "worker": ["w0:1", "w1:1"]}
     outs = {bytes(gr.rewrite(gd, cluster, strategy="ps", task=("worker", 1)).serialized())
             for _ in range(4)}

@@ -1,5 +1,5 @@
-"""Real-model equivalence (issue 15, item 4): the models of tests/real_models.py, rewritten
-for R replicas under every strategy, train exactly like one device.
+"""Real-model equivalence (issue 15, item 4): the models of graph_rewriter.testing.real_models,
+rewritten for R replicas under every strategy, train exactly like one device.
 
 For each model (a BERT-style encoder with clip_by_global_norm and a hand-written AdamW,
 dynamic loss scaling around a v1 cond and around a v2 cond, a ResNet with batch norm fed
@@ -46,9 +46,9 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
+from graph_rewriter.testing import harness
+from graph_rewriter.testing import real_models as rm
 
-import real_models as rm
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 
@@ -97,8 +97,8 @@ def _reference(model, **kw):
     """(example, feed, initial values, single-device losses, final values); the
     reference is checked to have trained."""
     ex, feed = rm.build(model, **kw)
-    _, initial = examples.run_single(ex, steps=0, feeds=feed)
-    losses, final = examples.run_single(ex, steps=STEPS, feeds=feed)
+    _, initial = harness.run_single(ex, steps=0, feeds=feed)
+    losses, final = harness.run_single(ex, steps=STEPS, feeds=feed)
     _check_trained(f"{model} {kw or ''}", ex, initial, losses, final, MAY_STAY.get(model, set()))
     return ex, feed, initial, losses, final
 
@@ -186,7 +186,7 @@ def test_training_equals_one_device(model, replicas, strategy):
     ex, feed, _, ref_losses, ref_values = _reference(model)
     what = f"{model} R={replicas} {strategy}"
     result = _rewrite(ex, replicas, strategy)
-    losses, values = examples.run_rewritten(result, ex, steps=STEPS, feeds=feed, replica_copies=True)
+    losses, values = harness.run_rewritten(result, ex, steps=STEPS, feeds=feed, replica_copies=True)
     _assert_equal(what, ref_losses, ref_values, losses, values)
     assert int(values[_counter(ex)]) == STEPS, f"{what}: step counter {values[_counter(ex)]}"
     _assert_copies_equal(what, result, ex, values)
@@ -211,7 +211,7 @@ def test_references_are_deterministic():
     reference is one number, not one draw of a schedule."""
     for model in FED_MODELS:
         ex, feed, _, losses, final = _reference(model)
-        again_losses, again = examples.run_single(ex, steps=STEPS, feeds=feed)
+        again_losses, again = harness.run_single(ex, steps=STEPS, feeds=feed)
         assert again_losses == losses, model
         for name in final:
             np.testing.assert_array_equal(again[name], final[name], err_msg=f"{model}: {name}")
@@ -255,7 +255,7 @@ def test_bert_per_replica_clipping_would_be_caught(replicas):
     runs = {}
     for per_shard in (True, False):     # one run each: their initial values are the reference's
         control, _ = rm.build_bert(shards=replicas, per_shard_clipping=per_shard)
-        runs[per_shard] = examples.run_single(control, steps=STEPS, feeds=feed)
+        runs[per_shard] = harness.run_single(control, steps=STEPS, feeds=feed)
     (losses, per_replica), (sharded_losses, sharded) = runs[True], runs[False]
     loss_diff, var_diff, worst, rel = _differences(ref_losses, ref_values, losses, per_replica)
     s_loss, s_var, s_worst, s_rel = _differences(ref_losses, ref_values, sharded_losses, sharded)
@@ -336,8 +336,8 @@ def test_loss_scale_overflow_step_is_skipped_when_rewritten(model, replicas, str
 @functools.lru_cache(maxsize=None)
 def _resnet_reference(global_batch, batch_norm, steps=STEPS):
     ex, feed = rm.build_resnet(batch_size=global_batch, batch_norm=batch_norm)
-    _, initial = examples.run_single(ex, steps=0, feeds=feed)
-    losses, final = examples.run_single(ex, steps=steps, feeds=feed)
+    _, initial = harness.run_single(ex, steps=0, feeds=feed)
+    losses, final = harness.run_single(ex, steps=steps, feeds=feed)
     return ex, feed, initial, losses, final
 
 
@@ -352,12 +352,12 @@ def test_resnet_equals_one_device_on_the_global_batch(replicas, strategy):
         replicas * rm.RESNET_BATCH, False)
     _check_trained("resnet", ref_ex, ref_initial, ref_losses, ref_values)
     ex, feed = rm.build_resnet(batch_size=rm.RESNET_BATCH, batch_norm=False)
-    _, initial = examples.run_single(ex, steps=0, feeds=feed)
+    _, initial = harness.run_single(ex, steps=0, feeds=feed)
     for name in ref_initial:     # the two builds differ only in the batch size
         np.testing.assert_array_equal(initial[name], ref_initial[name], err_msg=name)
     what = f"resnet R={replicas} {strategy}"
     result = _rewrite(ex, replicas, strategy)
-    losses, values = examples.run_rewritten(result, ex, steps=STEPS, feeds=feed, replica_copies=True)
+    losses, values = harness.run_rewritten(result, ex, steps=STEPS, feeds=feed, replica_copies=True)
     _assert_equal(what, ref_losses, ref_values, losses, values)
     assert int(values["global_step"]) == STEPS
     _assert_copies_equal(what, result, ex, values)
@@ -403,7 +403,7 @@ def test_resnet_batchnorm_moving_statistics(replicas, strategy):
         sess.run(ex.init)
         sess.run(ex.train_op)
         prefixes = sess.result.metadata["replica_prefixes"]
-        values = examples.read_replica_copies(sess, ex, prefixes)
+        values = harness.read_replica_copies(sess, ex, prefixes)
     what = f"resnet+bn R={replicas} {strategy}"
     mean, variance = "resnet/stem_bn/moving_mean", "resnet/stem_bn/moving_variance"
     mean_diff = np.max(np.abs(values[mean] - ref_values[mean]))
@@ -432,8 +432,8 @@ def test_wide_deep_between_graph_on_servers(strategy, num_ps, pool, procs, tmp_p
     seed = 300 + [c[0] for c in BETWEEN_CASES].index(strategy)   # a graph of its own per case
     ex, feed = rm.build_wide_deep(seed=seed)
     batches = [feed(step) for step in range(BETWEEN_STEPS)]
-    _, initial = examples.run_single(ex, steps=0, feeds=batches)
-    ref_losses, ref_values = examples.run_single(ex, steps=BETWEEN_STEPS, feeds=batches)
+    _, initial = harness.run_single(ex, steps=0, feeds=batches)
+    ref_losses, ref_values = harness.run_single(ex, steps=BETWEEN_STEPS, feeds=batches)
     assert any(not np.array_equal(initial[n], ref_values[n]) for n in initial)
     with pool.use(2, num_ps, tc.SERVER_DEVICES) as cluster:
         _, outputs = tc._run_between(cluster, procs, tmp_path, ex, strategy, 1, batches,

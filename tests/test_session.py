@@ -6,15 +6,15 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter import examples
 from graph_rewriter.session import merge_values, session_config
+from graph_rewriter.testing import harness, models
 
 tf1 = tf.compat.v1
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    return examples.build("mlp", "adam", seed=3)
+    return models.build("mlp", "adam", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_plain_tf_session_trains_every_replica_by_running_train_op(mlp, mlp2):
             s.run("train_op", mlp.batch(step, size=8))
         master = s.run([mlp.variables[n] for n in names])
         copies = s.run(reads)
-    _, single = examples.run_single(mlp, steps=3, feeds=lambda step: mlp.batch(step, size=8))
+    _, single = harness.run_single(mlp, steps=3, feeds=lambda step: mlp.batch(step, size=8))
     for n, a, b in zip(names, master, copies):
         np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=n)
         np.testing.assert_allclose(a, single[n], rtol=1e-4, atol=1e-6, err_msg=n)
@@ -120,12 +120,12 @@ def test_save_and_load_round_trip(tmp_path, mlp, mlp2):
         loaded = gr.load(path)
         assert loaded.num_replicas == 2
         assert loaded.plan.to_json() == mlp2.plan.to_json()
-        losses, _ = examples.run_rewritten(path, mlp, steps=2)
+        losses, _ = harness.run_rewritten(path, mlp, steps=2)
         assert len(losses) == 2 and np.isfinite(losses).all()
 
 
 def test_meta_graph_keeps_saver_def_and_collections(tmp_path):
-    g = _import(examples.build("mlp", "sgd").graph_def)
+    g = _import(models.build("mlp", "sgd").graph_def)
     with g.as_default():
         saver = tf1.train.Saver(var_list=[v for v in tf1.global_variables()] or None) if tf1.global_variables() else None
         meta = tf1.train.export_meta_graph(graph=g, saver_def=saver.as_saver_def() if saver else None)
@@ -162,7 +162,7 @@ def _restore(sess, graph, path):
 
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
 def test_checkpoints_restore_across_the_rewrite_both_ways(tmp_path, resource):
-    example = examples.build("mlp", "momentum", resource=resource, seed=5)
+    example = models.build("mlp", "momentum", resource=resource, seed=5)
     result = gr.rewrite(example.graph_def, devices_per_worker=2, device_type="CPU")
     names = list(example.variables)
     ckpt = str(tmp_path / "dist.ckpt")
@@ -236,12 +236,12 @@ def test_step_counter_advances_once_per_step(mlp):
 
 
 def test_non_batch_placeholder_is_fed_to_every_replica():
-    example = examples.build("cond", "sgd", seed=2)
+    example = models.build("cond", "sgd", seed=2)
     result = gr.rewrite(example.graph_def, devices_per_worker=2, device_type="CPU")
     assert "use_branch:0" not in result.plan.batch_inputs
     assert "use_branch:0" in result.plan.broadcast_inputs
-    losses1, v1 = examples.run_single(example, steps=4)
-    losses2, v2 = examples.run_rewritten(result, example, steps=4)
+    losses1, v1 = harness.run_single(example, steps=4)
+    losses2, v2 = harness.run_rewritten(result, example, steps=4)
     np.testing.assert_allclose(losses2, losses1, rtol=1e-4)
 
 

@@ -1,6 +1,6 @@
-"""tools/simulate.py: predictions on hand-computed plans, its synthetic plans against
-graph_rewriter.planner's, its outputs (table, --json, --png), its errors, and (slow) its
---validate run on real loopback servers.
+"""tools/simulate.py and graph_rewriter.simulate behind it: predictions on hand-computed
+plans, its synthetic plans against graph_rewriter.planner's, its outputs (table, --json,
+--png), its errors, and (slow) its --validate run on real loopback servers.
 
 The tool runs as a user runs it (a subprocess with a timeout) for the outputs and the
 errors; the predictions are also checked in-process. Error contract: exit status 2,
@@ -8,7 +8,6 @@ stderr exactly one line starting with "simulate: error: " that names the flag, n
 traceback.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -18,23 +17,15 @@ import sys
 import pytest
 
 import graph_rewriter as gr
-from graph_rewriter import cost_model, examples
+from graph_rewriter import cost_model
+from graph_rewriter import simulate as sim
+from graph_rewriter.testing import models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "simulate.py")
 TIMEOUT = 180
 ERROR_PREFIX = "simulate: error: "
 MB100 = 100 * 10 ** 6
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("tools_simulate", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load_tool()
 
 
 def run_tool(*args, timeout=TIMEOUT, prelude=None):
@@ -187,7 +178,7 @@ def test_synthetic_planning_is_make_plan_s(model, optimizer, strategy, options):
     """simulate.py plans --model with graph_rewriter.planner's placement and packing, without
     the analysis: from a real rewrite's cuts and variables, unplanned, they must give the
     rewrite's own plan."""
-    ex = examples.build(model, optimizer)
+    ex = models.build(model, optimizer)
     cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3", "localhost:4"]}
     result = gr.rewrite(ex.graph_def, cluster, strategy=strategy, device_type="CPU", **options)
     real = result.metadata["plan"]
@@ -269,7 +260,7 @@ def test_png_without_matplotlib_says_what_to_install(tmp_path):
 
 
 def test_a_rewritten_graph_file_is_simulated_with_its_plan(tmp_path):
-    ex = examples.build("embedding", "adagrad")
+    ex = models.build("embedding", "adagrad")
     out = tmp_path / "out.pb"
     gr.rewrite(ex.graph_def, strategy="hybrid", device_type="CPU", devices_per_worker=2).save(str(out))
     proc = run_tool(out, "--gpus", "1,2,4,16", "--json")

@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 import graph_rewriter as gr
-from graph_rewriter import examples
+from graph_rewriter.testing import harness, models
 
 tf1 = tf.compat.v1
 
@@ -97,8 +97,8 @@ def build(batch, source="placeholder", loss="mean", optimizer="adam", seed=0, ro
         init = tf1.variables_initializer(variables, name="init_variables")
         tf.group(init, *extra_init, name="init")
         tf1.train.Saver(var_list=variables)
-        reads = {v.op.name: examples._read_tensor_name(v) for v in variables}
-    return examples.Example(
+        reads = {v.op.name: models._read_tensor_name(v) for v in variables}
+    return models.Example(
         graph_def=graph.as_graph_def(), model="static_mlp", optimizer=optimizer, resource=True,
         feeds=["x:0", "y:0"] if source == "placeholder" else [], variables=reads,
         step_counter=reads[step.op.name])
@@ -117,15 +117,15 @@ def _feeds(rows, source="placeholder"):
 def _reference(replicas, source, loss, optimizer="adam", dynamic=False):
     """(losses, values) of one device on the global batch: R*B rows per step."""
     ref = build(None if dynamic else replicas * B, source, loss, optimizer)
-    return examples.run_single(ref, steps=STEPS, feeds=_feeds(replicas * B, source))
+    return harness.run_single(ref, steps=STEPS, feeds=_feeds(replicas * B, source))
 
 
 def _assert_equivalent(result, ex, replicas, source, loss, optimizer="adam", dynamic=False):
     want_losses, want = _reference(replicas, source, loss, optimizer, dynamic)
-    _, initial = examples.run_single(ex, steps=0, feeds=_feeds(B, source))
+    _, initial = harness.run_single(ex, steps=0, feeds=_feeds(B, source))
     moved = [n for n in want if not np.array_equal(want[n], initial[n])]
     assert len(moved) >= 3, f"the reference barely trained: only {moved} moved"
-    got_losses, got = examples.run_rewritten(result, ex, steps=STEPS, feeds=_feeds(replicas * B, source),
+    got_losses, got = harness.run_rewritten(result, ex, steps=STEPS, feeds=_feeds(replicas * B, source),
                                              replica_copies=True)
     np.testing.assert_allclose(got_losses, want_losses, rtol=RTOL, atol=ATOL,
                                err_msg=f"losses of {replicas} replicas of batch {B} vs one device on {replicas * B}")
@@ -296,7 +296,7 @@ def test_dynamic_inputs_keep_todays_graph():
     """The default path: split inputs add nothing to the plan or the metadata; and
     per_replica on a dynamic placeholder builds the very same graph (the feed is what
     differs: R batches), its metadata aside."""
-    ex = examples.build("mlp", "sgd")
+    ex = models.build("mlp", "sgd")
     default = gr.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
     assert "inputs" not in default.metadata and "inputs" not in default.metadata["plan"]
     assert default.serialized() == gr.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU",
@@ -344,7 +344,7 @@ def test_verbose_and_inspect_say_how_each_input_reaches_the_replicas(static_file
 
 def test_inspect_lists_split_inputs_as_before(tmp_path):
     path = tmp_path / "mlp.pb"
-    gr.rewrite(examples.build("mlp", "sgd").graph_def, devices_per_worker=2, device_type="CPU").save(str(path))
+    gr.rewrite(models.build("mlp", "sgd").graph_def, devices_per_worker=2, device_type="CPU").save(str(path))
     from graph_rewriter.inspect_report import format_report, report
     rep = report(gr.load(str(path)))
     assert "batch inputs split across replicas: x:0, y:0" in format_report(rep).splitlines()
@@ -354,7 +354,7 @@ def test_inspect_lists_split_inputs_as_before(tmp_path):
 
 def test_cli_batch_split_per_replica_reaches_the_rewrite(static_files, tmp_path):
     src = tmp_path / "mlp.pb"
-    src.write_bytes(examples.build("mlp", "sgd").graph_def.SerializeToString())
+    src.write_bytes(models.build("mlp", "sgd").graph_def.SerializeToString())
     out = tmp_path / "out.pb"
     proc = _run_cli(src, out, "--device-type", "CPU", "--devices-per-worker", "2", "--batch-split", "per_replica")
     assert proc.returncode == 0, proc.stderr

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 import graph_rewriter as gr
-from graph_rewriter import examples
+from graph_rewriter.testing import models
 
 tf1 = tf.compat.v1
 
@@ -86,9 +86,9 @@ def _used_template(lines):
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("model", examples.MODELS)
+@pytest.mark.parametrize("model", models.MODELS)
 def test_template_output_equals_every_replica_built(model, config):
-    example = examples.build(model, _optimizer(model))
+    example = models.build(model, _optimizer(model))
     built, template, lines, result = _rewrite_both(example.graph_def, **CONFIGS[config])
     assert _used_template(lines), lines
     _assert_same_graph(built, template)
@@ -107,7 +107,7 @@ def test_template_output_equals_every_replica_built(model, config):
     dict(sparse_as_dense=True),
 ])
 def test_template_with_options_that_add_per_replica_ops(options):
-    example = examples.build("embedding", "adagrad")
+    example = models.build("embedding", "adagrad")
     built, template, lines, _ = _rewrite_both(example.graph_def, devices_per_worker=10,
                                               device_type="GPU", **options)
     assert _used_template(lines)
@@ -168,14 +168,14 @@ def test_template_expands_single_nodes_reading_every_replica():
 ])
 def test_every_replica_is_built_where_a_template_does_not_apply(kw):
     lines = []
-    gr.rewrite(examples.build("mlp", "sgd").graph_def, log=lines.append, **kw)
+    gr.rewrite(models.build("mlp", "sgd").graph_def, log=lines.append, **kw)
     assert any(line.startswith("replicate:") for line in lines)
     assert not _used_template(lines)
 
 
 def test_materialize_replicas_must_be_a_bool():
     with pytest.raises(gr.GraphRewriteError, match="materialize_replicas must be True or False"):
-        gr.rewrite(examples.build("mlp", "sgd").graph_def, devices_per_worker=4, materialize_replicas="yes")
+        gr.rewrite(models.build("mlp", "sgd").graph_def, devices_per_worker=4, materialize_replicas="yes")
 
 
 def test_asking_for_an_unbuilt_replica_is_an_error_not_the_master():
@@ -184,7 +184,7 @@ def test_asking_for_an_unbuilt_replica_is_an_error_not_the_master():
     replica 2's ops to it: the map refuses instead."""
     from graph_rewriter import graph_io
     from graph_rewriter.replicas import ReplicaMap
-    graph = graph_io.load_graph(examples.build("mlp", "sgd").graph_def)
+    graph = graph_io.load_graph(models.build("mlp", "sgd").graph_def)
     rm = ReplicaMap(prefixes=["", "replica_1/", "replica_2/"], devices=["/cpu:0"] * 3,
                     hosts=["/cpu:0"] * 3, global_device="/cpu:0", template=True)
     assert list(rm.built) == [0, 1]

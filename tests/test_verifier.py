@@ -112,9 +112,10 @@ def test_the_output_of_rewrite_passes_verify():
     result = gr.rewrite(small_training_graph(), devices_per_worker=2, device_type="CPU")
     g = graph_io.load_graph(result.graph_def)
     md = result.metadata
-    g.replicas = ReplicaMap(prefixes=md["replica_prefixes"], devices=md["replica_devices"],
-                            hosts=md["host_devices"], global_device=md["host_devices"][0])
-    order = verify(g, cpu_ctx())
+    ctx = cpu_ctx()
+    ctx.replicas = ReplicaMap(prefixes=md["replica_prefixes"], devices=md["replica_devices"],
+                              hosts=md["host_devices"], global_device=md["host_devices"][0])
+    order = verify(g, ctx)
     assert len(order) == len(g)
     ops = {n.op for n in g}
     assert "CollectiveReduceV2" in ops  # the collective checks had something to check
@@ -357,11 +358,14 @@ def test_separate_groups_and_instances_pass():
 
 # ----- replica isolation ------------------------------------------------------------------
 
-def _replicas(g):
-    g.replicas = ReplicaMap(prefixes=["", "replica_1/"],
-                            devices=["/device:CPU:0", "/device:CPU:1"],
-                            hosts=["/device:CPU:0", "/device:CPU:0"],
-                            global_device="/device:CPU:0")
+def _replicated_ctx():
+    """A context whose ReplicaMap says nodes under replica_1/ are replica 1's."""
+    ctx = cpu_ctx()
+    ctx.replicas = ReplicaMap(prefixes=["", "replica_1/"],
+                              devices=["/device:CPU:0", "/device:CPU:1"],
+                              hosts=["/device:CPU:0", "/device:CPU:0"],
+                              global_device="/device:CPU:0")
+    return ctx
 
 
 def _loop_entry(g, prefix, frame, device):
@@ -382,8 +386,8 @@ def test_loop_frame_shared_between_replicas():
     g = GraphItem()
     _loop_entry(g, "", "while", "/device:CPU:0")
     _loop_entry(g, "replica_1/", "while", "/device:CPU:1")
-    _replicas(g)
-    message = rejects(g, "replica_1/while/Enter", cpu_ctx(), match="'while'")
+    ctx = _replicated_ctx()
+    message = rejects(g, "replica_1/while/Enter", ctx, match="'while'")
     assert "'while/Enter'" in message
 
 
@@ -395,11 +399,11 @@ def test_loop_frames_unique_per_replica_pass():
     g = GraphItem()
     _loop_entry(g, "", "while", "/device:CPU:0")
     _loop_entry(g, "replica_1/", "replica_1/while", "/device:CPU:1")
-    _replicas(g)
-    verify(g, cpu_ctx())
-    g.replicas = None
+    ctx = _replicated_ctx()
+    verify(g, ctx)
+    ctx.replicas = None
     g.node("replica_1/while/Enter").set_attr("frame_name", "while")
-    verify(g, cpu_ctx())  # not replicated: the verifier cannot tell replicas apart
+    verify(g, ctx)  # not replicated: the verifier cannot tell replicas apart
 
 
 def _var(g, name, shared_name, device, container=""):
@@ -425,8 +429,8 @@ def test_shared_name_shared_between_replicas_on_one_device():
     g = GraphItem()
     _var(g, "v", "v", "/device:CPU:0")
     _var(g, "replica_1/v", "v", "/device:CPU:0")
-    _replicas(g)
-    message = rejects(g, "replica_1/v", cpu_ctx(), match="shared_name")
+    ctx = _replicated_ctx()
+    message = rejects(g, "replica_1/v", ctx, match="shared_name")
     assert "'v'" in message
 
 
@@ -442,5 +446,5 @@ def test_shared_names_that_do_not_alias_pass(second):
     g = GraphItem()
     _var(g, "v", "v", "/device:CPU:0")
     _var(g, "replica_1/v", shared_name, device, container)
-    _replicas(g)
-    verify(g, cpu_ctx())
+    ctx = _replicated_ctx()
+    verify(g, ctx)

@@ -28,9 +28,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
 
 def build_model(name, path):
     """A tf_keras model's single-device training graph (SGD with momentum, BatchNorm
@@ -117,7 +114,10 @@ def main():
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "graph_rewriter_bench"))
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--build-model", nargs=2, help=argparse.SUPPRESS)   # NAME PATH, in a fresh process
     args = p.parse_args()
+    if args.build_model:
+        return build_model(*args.build_model)
     if args.measure:
         kind, path, replicas = args.measure
         return _measure(kind, path, int(replicas))
@@ -129,8 +129,7 @@ def main():
     for model in args.models.split(","):
         path = os.path.join(args.cache_dir, f"{model}.pb")
         if not os.path.exists(path):
-            subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(HERE)!r}); "
-                            f"from tools.bench_rewrite import build_model; build_model({model!r}, {path!r})"],
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--build-model", model, path],
                            check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         for r in [int(x) for x in args.replicas.split(",")]:
             # Interleaved rounds (floor, ours, then peer in the first rounds): this

@@ -27,8 +27,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 FEATURES, HIDDEN, LAYERS, CLASSES, BATCH = 1024, 1024, 3, 10, 512
 
 

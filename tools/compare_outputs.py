@@ -10,6 +10,10 @@ the SHA-256 of the emitted bytes (or the error message, for a combination the gr
 refuses; each rewrite runs twice, and a rewrite whose two outputs differ is
 reported as nondeterministic). Prints every difference with the first nodes that differ and exits 1 if any.
 
+With --ignore-passes-run the metadata's list of the passes that ran is left out of
+the comparison (and the pass names out of error messages), for a change that only
+changes which passes a plan runs.
+
     python tools/compare_outputs.py inputs DIR      # only build the input graphs
     python tools/compare_outputs.py emit DIR OUT    # rewrite them with the importable code
 
@@ -22,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,10 +70,8 @@ def build_inputs(out_dir, keras=False):
     """Writes every input graph as OUT_DIR/<name>.pb; returns the names."""
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
-    try:
-        from graph_rewriter.testing import models as zoo
-    except ImportError:
-        from graph_rewriter import examples as zoo
+    from graph_rewriter.testing import models as zoo
+    from graph_rewriter.testing import real_models
     os.makedirs(out_dir, exist_ok=True)
     graphs = {}
     for model in zoo.MODELS:
@@ -76,8 +79,6 @@ def build_inputs(out_dir, keras=False):
             graphs[f"{model}_{optimizer}"] = zoo.build(model, optimizer).graph_def
     graphs["cond_v1_sgd"] = zoo.build("cond", "sgd", control_flow="v1").graph_def
     graphs["mlp_ftrl_ref"] = zoo.build("mlp", "ftrl", resource=False).graph_def
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import real_models
     for model in REAL_MODELS:
         graphs[f"real_{model}"] = real_models.build(model)[0].graph_def
     if keras:
@@ -96,7 +97,25 @@ def build_inputs(out_dir, keras=False):
     return sorted(graphs)
 
 
-def emit(in_dir, out_path, keep_dir=None):
+def _without_passes_run(data):
+    """The output with the metadata's list of the passes that ran emptied (for comparing
+    a change that only changes which passes a plan runs)."""
+    from tensorflow.core.framework import graph_pb2
+    gd = graph_pb2.GraphDef.FromString(data)
+    for node in gd.node:
+        if node.name == "graph_rewriter/metadata":
+            doc = json.loads(node.attr["value"].tensor.string_val[0])
+            doc["passes"] = []
+            node.attr["value"].tensor.string_val[0] = json.dumps(
+                doc, sort_keys=True, separators=(",", ":")).encode()
+    return gd.SerializeToString(deterministic=True)
+
+
+def _error_without_passes_run(message):
+    return re.sub(r" \((?:passes run|after)[^)]*\)", "", message)
+
+
+def emit(in_dir, out_path, keep_dir=None, ignore_passes_run=False):
     """Rewrites every input under every config; writes {input/config: sha256 or error}."""
     import graph_rewriter as gr
     results = {}
@@ -113,8 +132,10 @@ def emit(in_dir, out_path, keep_dir=None):
                 out = bytes(gr.rewrite(data, cluster, **kw).serialized())
                 again = bytes(gr.rewrite(data, cluster, **kw).serialized())
             except gr.GraphRewriteError as e:
-                results[key] = "error: " + str(e)
+                results[key] = "error: " + (_error_without_passes_run(str(e)) if ignore_passes_run else str(e))
                 continue
+            if ignore_passes_run:
+                out, again = _without_passes_run(out), _without_passes_run(again)
             results[key] = hashlib.sha256(out).hexdigest()
             if again != out:   # the same input and options must give the same bytes
                 results[key] += " NONDETERMINISTIC " + hashlib.sha256(again).hexdigest()
@@ -174,7 +195,8 @@ def compare(rev, work):
         out = os.path.join(work, label + ".json")
         code = _stage(root, os.path.join(work, "code_" + label))
         env = dict(os.environ, PYTHONPATH=code)
-        subprocess.run([sys.executable, os.path.abspath(__file__), "emit", inputs, out, "--keep", keep],
+        subprocess.run([sys.executable, os.path.abspath(__file__), "emit", inputs, out, "--keep", keep]
+                       + (["--ignore-passes-run"] if ARGS.ignore_passes_run else []),
                        cwd=code, env=env, check=True)
         runs[label] = json.load(open(out))
     before, after = runs["before"], runs["after"]
@@ -200,6 +222,9 @@ def main():
     c.add_argument("rev")
     c.add_argument("--work")
     c.add_argument("--keras", action="store_true", help="also a Keras ResNet50 (needs tf_keras)")
+    c.add_argument("--ignore-passes-run", action="store_true",
+                   help="compare outputs with the metadata's list of passes run left out (and "
+                        "errors without the passes they name), for a change of which passes run")
     i = sub.add_parser("inputs")
     i.add_argument("dir")
     i.add_argument("--keras", action="store_true")
@@ -207,11 +232,12 @@ def main():
     e.add_argument("dir")
     e.add_argument("out")
     e.add_argument("--keep")
+    e.add_argument("--ignore-passes-run", action="store_true")
     ARGS = p.parse_args()
     if ARGS.cmd == "inputs":
         print("\n".join(build_inputs(ARGS.dir, keras=ARGS.keras)))
     elif ARGS.cmd == "emit":
-        emit(ARGS.dir, ARGS.out, ARGS.keep)
+        emit(ARGS.dir, ARGS.out, ARGS.keep, ARGS.ignore_passes_run)
     else:
         sys.exit(compare(ARGS.rev, ARGS.work))
 

@@ -24,29 +24,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "graph_rewriter", "data", "gpu_kernels.json")
 
 
-def gpu_kernel_table():
-    """{op: [kernel, ...]} where a kernel is {constraint attr: [allowed dtype enums]}; the
-    GPU and DEVICE_DEFAULT kernels of this build."""
-    import tensorflow as tf
-    from tensorflow.python.framework import kernels
-
-    table = {}
-    for k in kernels.get_all_registered_kernels().kernel:
-        if k.device_type not in ("GPU", "DEFAULT"):
-            continue
-        constraints = {c.name: sorted(c.allowed_values.list.type) for c in k.constraint
-                       if c.allowed_values.list.type}
-        entry = table.setdefault(k.op, [])
-        if constraints not in entry:
-            entry.append(constraints)
-    return tf.__version__, table
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the table")
     args = parser.parse_args(argv)
-    version, table = gpu_kernel_table()
+    from graph_rewriter.opdefs import registered_gpu_kernels
+    version, table = registered_gpu_kernels()
     if "MatMul" not in table:
         print("gen_kernel_table: this TensorFlow registers no GPU kernels (tensorflow-cpu?); "
               "install the 'tensorflow' wheel, which is built with CUDA", file=sys.stderr)

@@ -3,7 +3,7 @@
     python tools/make_example_graphs.py OUT_DIR [--model mlp] [--optimizer adam]
 
 writes OUT_DIR/<model>_<optimizer>.pb, .pbtxt and .meta (the .meta keeps the Saver's
-SaverDef and collections). Every graph is one of graph_rewriter.examples: placeholders
+SaverDef and collections). Every graph is one of graph_rewriter.testing.models: placeholders
 x (and y, ids) with an unknown batch dimension, "loss", "train_op", "init".
 """
 
@@ -16,15 +16,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
-    p.add_argument("--model", default="mlp", help="one of graph_rewriter.examples.MODELS")
-    p.add_argument("--optimizer", default="adam", help="an optimizer name of graph_rewriter.examples")
+    p.add_argument("--model", default="mlp", help="one of graph_rewriter.testing.models.MODELS")
+    p.add_argument("--optimizer", default="adam", help="an optimizer name of graph_rewriter.testing.models")
     p.add_argument("--resource", choices=("yes", "no"), default="yes", help="resource or ref variables")
     args = p.parse_args()
     import tensorflow as tf
 
-    from graph_rewriter import examples
+    from graph_rewriter.testing import models
     tf.compat.v1.disable_eager_execution()
-    ex = examples.build(args.model, args.optimizer, resource=args.resource == "yes")
+    ex = models.build(args.model, args.optimizer, resource=args.resource == "yes")
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"{args.model}_{args.optimizer}")
     tf.io.write_graph(ex.graph_def, args.out_dir, os.path.basename(stem) + ".pb", as_text=False)

@@ -1,12 +1,13 @@
 """The model zoo: small, seeded, single-device tf.compat.v1 TRAINING graphs.
 
-Tests, the demo and the benchmarks all build their inputs here, so that "the same model"
-means the same GraphDef everywhere:
+Tests, tools (benchmarks, tools/compare_outputs.py) and users checking a rewrite all build
+their inputs here, so that "the same model" means the same GraphDef everywhere; the
+equivalence harness (graph_rewriter.testing.harness) trains them:
 
     ex = build("embedding", optimizer="adagrad", resource=False)
-    losses, values = run_single(ex, steps=3)               # one device
+    losses, values = harness.run_single(ex, steps=3)               # one device
     result = graph_rewriter.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
-    losses2, values2 = run_rewritten(result, ex, steps=3)  # must be the same numbers
+    losses2, values2 = harness.run_rewritten(result, ex, steps=3)  # must be the same numbers
 
 Every graph follows one convention: batch placeholders "x:0", "y:0" (and "ids:0") with an
 unknown first dimension, a scalar mean loss "loss:0", a train op "train_op", an init op
@@ -14,6 +15,9 @@ unknown first dimension, a scalar mean loss "loss:0", a train op "train_op", an 
 loss is a MEAN over the batch, so averaging equal shards' gradients is exact.
 Everything is seeded (graph seed and op seeds): the same arguments give the same graph
 and the same numbers. TensorFlow is imported lazily, like the rest of the package.
+
+The Keras models ("keras", "keras_embedding") and, with Keras 3 installed, "batchnorm"
+need tf_keras (see ``import_tf_keras``).
 """
 
 import dataclasses
@@ -529,14 +533,42 @@ def _init_op(variables, extra_ops):
 
 
 def _batch_normalization():
-    """tf.compat.v1.layers.batch_normalization. With Keras 3 installed (TF >= 2.16) the
-    tf.compat.v1.layers names raise; tf_keras still ships the same function."""
+    """tf.compat.v1.layers.batch_normalization (TF1's layer function: variables by
+    variable scope, moving-average updates in UPDATE_OPS), which "batchnorm" needs.
+
+    With Keras 3 installed (TF >= 2.16) the tf.compat.v1.layers names raise unless
+    TF_USE_LEGACY_KERAS=1 was set before TensorFlow routed them; then TensorFlow itself
+    takes them from tf_keras's v1 API, ``tf_keras.api._v1.keras.__internal__.legacy.layers``,
+    which is where this falls back to. tf_keras's public (v2) API has no equivalent: its
+    ``layers.BatchNormalization`` names its variables and collects its updates
+    differently, so the graph would change."""
     import tensorflow as tf
     try:
         return tf.compat.v1.layers.batch_normalization
     except (AttributeError, ImportError):
+        import_tf_keras('the "batchnorm" example model with Keras 3')
         from tf_keras.api._v1.keras.__internal__.legacy.layers import batch_normalization
         return batch_normalization
+
+
+def import_tf_keras(what="a Keras example model"):
+    """The tf_keras module, or an ImportError that says how to install it: tf-keras is
+    installed with ``--no-deps`` (it depends on the ``tensorflow`` distribution, which
+    would pull the full TensorFlow wheel next to tensorflow-cpu) and its version must
+    match TensorFlow's."""
+    try:
+        import tf_keras
+    except ModuleNotFoundError as e:
+        if e.name != "tf_keras":
+            raise
+        import tensorflow as tf
+        release = ".".join(tf.__version__.split(".")[:2])
+        raise ImportError(
+            f"building {what} needs tf_keras, which is not installed: pip install --no-deps "
+            f"'tf-keras=={release}.*' (--no-deps: tf-keras depends on the 'tensorflow' "
+            "distribution, which would install the full TensorFlow wheel next to "
+            "tensorflow-cpu; its version must match TensorFlow's)", name="tf_keras") from e
+    return tf_keras
 
 
 _V1_RATES = {
@@ -574,7 +606,7 @@ _KERAS_RATES = {
 
 
 def _keras_optimizer(name, learning_rate=None):
-    from tf_keras.optimizers import legacy
+    legacy = import_tf_keras().optimizers.legacy
     lr = _KERAS_RATES[name] if learning_rate is None else learning_rate
     return {
         "keras_sgd": lambda: legacy.SGD(lr),
@@ -607,7 +639,7 @@ class _KerasBuilder:
 
     def build(self):
         import tensorflow as tf
-        import tf_keras
+        tf_keras = import_tf_keras()
         L = tf_keras.layers
         init = tf_keras.initializers
 
@@ -649,126 +681,3 @@ class _KerasBuilder:
     def extra_variables(self):
         """Keras variables missing from the GLOBAL_VARIABLES collection, if any."""
         return list(self.keras_model.variables) + list(self.opt.variables())
-
-
-# ----- running ------------------------------------------------------------------------------
-
-def _feed(example, step, batch_size, feeds):
-    if feeds is None:
-        return example.batch(step, size=batch_size)
-    return feeds(step) if callable(feeds) else feeds[step]
-
-
-def _train(sess, example, steps, batch_size, feeds):
-    sess.run(example.init)
-    for op in example.extra_init:
-        sess.run(op)
-    losses = []
-    for step in range(steps):
-        loss, _ = sess.run([example.loss, example.train_op],
-                           feed_dict=_feed(example, step, batch_size, feeds))
-        losses.append(float(loss))
-    values = sess.run(dict(example.variables))
-    return losses, {name: np.asarray(v) for name, v in values.items()}
-
-
-class ReplicaCopies:
-    """Reads every replica's copy of every variable of an example ({prefix + variable:
-    value}; prefix "" is the master, the others the rewritten graph's replica prefixes),
-    with the read ops built once, so a test can read after every run.
-
-    Reads through the variable op itself: a replica's copy of the variable's read op
-    may not exist (a read that only the Saver uses is not cloned). Works on a plain
-    tf.compat.v1.Session and on graph_rewriter.Session alike."""
-
-    def __init__(self, sess, example, prefixes):
-        import tensorflow as tf
-        self.sess, self.fetches = sess, {}
-        with sess.graph.as_default():
-            for prefix in prefixes:
-                for name in example.variables:
-                    try:
-                        op = sess.graph.get_operation_by_name(prefix + name)
-                    except KeyError:
-                        continue
-                    if op.type == "VarHandleOp":
-                        self.fetches[prefix + name] = tf.raw_ops.ReadVariableOp(
-                            resource=op.outputs[0], dtype=op.get_attr("dtype"),
-                            name=f"{prefix}{name}/examples_read_copy")
-                    else:   # a ref variable: fetching its ref output returns the value
-                        self.fetches[prefix + name] = op.outputs[0]
-
-    def __call__(self):
-        import tensorflow as tf
-        # the plain Session.run: graph_rewriter.Session only knows the rewritten graph's nodes
-        values = tf.compat.v1.Session.run(self.sess, self.fetches)
-        return {name: np.asarray(v) for name, v in values.items()}
-
-
-def assign_ops(graph, values):
-    """Ops that set each variable named in ``values`` ({variable node: value}) of ``graph``
-    (imported from an example) to its value: to start a run from given weights."""
-    import tensorflow as tf
-    assigns = []
-    with graph.as_default():
-        for name, value in values.items():
-            op = graph.get_operation_by_name(name)
-            if op.type == "VarHandleOp":
-                assigns.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value))
-            else:
-                assigns.append(tf.compat.v1.assign(op.outputs[0], value))
-    return assigns
-
-
-def read_replica_copies(sess, example, prefixes):
-    """{prefix + variable: value} for every replica prefix ("" is the master) and every
-    variable of ``example`` that the session's graph holds under that prefix (see
-    ReplicaCopies)."""
-    return ReplicaCopies(sess, example, prefixes)()
-
-
-def sharded_moving_variance(example, feed, replicas, initial_variance):
-    """The "batchnorm" model's moving_variance after one step whose batch ``feed`` is split
-    into ``replicas`` equal shards, each updating with its own (biased) batch variance and
-    the updates averaged: momentum * v0 + (1 - momentum) * the mean of shard variances."""
-    import tensorflow as tf
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(example.graph_def, name="")
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(example.init)
-        bn_input = sess.run(example.tensors["bn_input"], feed)   # before any update
-    shard_variances = [s.var(axis=0) for s in np.split(bn_input, replicas)]
-    return BN_MOMENTUM * initial_variance + (1 - BN_MOMENTUM) * np.mean(shard_variances, axis=0)
-
-
-def run_single(example, steps=3, batch_size=8, feeds=None):
-    """Trains the original graph on one device: (losses per step, final variable values).
-
-    ``feeds``: None (``example.batch(step, batch_size)``), a list of feed dicts indexed by
-    step, or a callable step -> feed dict ("iterator" reads its own batches of
-    ``example.batch_size`` rows and ignores both). Values are keyed by variable node name
-    and include the step counter.
-    """
-    import tensorflow as tf
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(example.graph_def, name="")
-    with tf.compat.v1.Session(graph=graph) as sess:
-        return _train(sess, example, steps, batch_size, feeds)
-
-
-def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=None,
-                  replica_copies=False):
-    """The same training run through ``graph_rewriter.Session`` on a rewritten graph
-    (``result``: a RewriteResult or the path of a saved one), with the original names:
-    variables are read through the master replica's copy. With ``replica_copies`` the
-    values also hold every other replica's copy, keyed "replica_1/<variable>" (the
-    rewritten graph's prefix), so a test can check that the replicas stay identical."""
-    from graph_rewriter.session import Session
-    with Session(result, config=config) as sess:
-        losses, values = _train(sess, example, steps, batch_size, feeds)
-        if replica_copies:
-            prefixes = sess.result.metadata["replica_prefixes"][1:]
-            values.update(read_replica_copies(sess, example, prefixes))
-        return losses, values

@@ -1,10 +1,11 @@
-"""Real-model training graphs for tests/test_real_models.py (issue 15, item 4).
+"""Real-model training graphs for tests/test_real_models.py (issue 15, item 4) and
+tools/compare_outputs.py.
 
 Each builder makes a seeded, single-device tf.compat.v1 training graph in the style of a
 well-known training script, written here from the public descriptions of those models
 with hand-written layers from raw ops (no Keras), and returns ``(example, feed)``:
 
-- ``example``: a graph_rewriter.examples.Example (graph_def; the batch placeholders in
+- ``example``: a graph_rewriter.testing.models.Example (graph_def; the batch placeholders in
   ``feeds``; loss "loss:0"; train op "train_op"; init op "init"; ``variables`` maps EVERY
   variable of the graph, weights, optimizer slots, step counters and loss scales alike,
   to its read tensor; ``step_counter``; named inner tensors in ``tensors``);
@@ -61,7 +62,7 @@ import math
 
 import numpy as np
 
-from graph_rewriter import examples
+from graph_rewriter.testing import models
 
 # ----- shared pieces ------------------------------------------------------------------------
 
@@ -110,10 +111,10 @@ def _finish(graph, model, optimizer, feeds, seed, tensors=None, extra_init=(), b
     else:
         tf.compat.v1.variables_initializer(variables, name="init")
     tf.compat.v1.train.Saver(var_list=variables)
-    reads = {v.op.name: examples._read_tensor_name(v) for v in variables}
+    reads = {v.op.name: models._read_tensor_name(v) for v in variables}
     step = tf.compat.v1.train.get_global_step()
-    return examples.Example(
-        graph_def=examples.canonical_function_names(graph.as_graph_def()), model=model,
+    return models.Example(
+        graph_def=models.canonical_function_names(graph.as_graph_def()), model=model,
         optimizer=optimizer, resource=resource, feeds=list(feeds), variables=reads,
         step_counter=reads[step.op.name] if step is not None else None,
         tensors=dict(tensors or {}), seed=seed, batch_size=batch_size)

@@ -1,0 +1,137 @@
+"""The equivalence harness: trains an example graph on one device and a rewritten copy
+through ``graph_rewriter.Session`` with the same batches, and reads every replica's copy
+of the variables, so a test (or a user checking their own rewrite) can compare the two:
+
+    ex = models.build("embedding", optimizer="adagrad", resource=False)
+    losses, values = run_single(ex, steps=3)               # one device
+    result = graph_rewriter.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
+    losses2, values2 = run_rewritten(result, ex, steps=3)  # must be the same numbers
+
+Works with any ``graph_rewriter.testing.models.Example``, the zoo's or one built by hand.
+"""
+
+import numpy as np
+
+from graph_rewriter.testing.models import BN_MOMENTUM
+
+# ----- running ------------------------------------------------------------------------------
+
+def _feed(example, step, batch_size, feeds):
+    if feeds is None:
+        return example.batch(step, size=batch_size)
+    return feeds(step) if callable(feeds) else feeds[step]
+
+
+def _train(sess, example, steps, batch_size, feeds):
+    sess.run(example.init)
+    for op in example.extra_init:
+        sess.run(op)
+    losses = []
+    for step in range(steps):
+        loss, _ = sess.run([example.loss, example.train_op],
+                           feed_dict=_feed(example, step, batch_size, feeds))
+        losses.append(float(loss))
+    values = sess.run(dict(example.variables))
+    return losses, {name: np.asarray(v) for name, v in values.items()}
+
+
+class ReplicaCopies:
+    """Reads every replica's copy of every variable of an example ({prefix + variable:
+    value}; prefix "" is the master, the others the rewritten graph's replica prefixes),
+    with the read ops built once, so a test can read after every run.
+
+    Reads through the variable op itself: a replica's copy of the variable's read op
+    may not exist (a read that only the Saver uses is not cloned). Works on a plain
+    tf.compat.v1.Session and on graph_rewriter.Session alike."""
+
+    def __init__(self, sess, example, prefixes):
+        import tensorflow as tf
+        self.sess, self.fetches = sess, {}
+        with sess.graph.as_default():
+            for prefix in prefixes:
+                for name in example.variables:
+                    try:
+                        op = sess.graph.get_operation_by_name(prefix + name)
+                    except KeyError:
+                        continue
+                    if op.type == "VarHandleOp":
+                        self.fetches[prefix + name] = tf.raw_ops.ReadVariableOp(
+                            resource=op.outputs[0], dtype=op.get_attr("dtype"),
+                            name=f"{prefix}{name}/examples_read_copy")
+                    else:   # a ref variable: fetching its ref output returns the value
+                        self.fetches[prefix + name] = op.outputs[0]
+
+    def __call__(self):
+        import tensorflow as tf
+        # the plain Session.run: graph_rewriter.Session only knows the rewritten graph's nodes
+        values = tf.compat.v1.Session.run(self.sess, self.fetches)
+        return {name: np.asarray(v) for name, v in values.items()}
+
+
+def assign_ops(graph, values):
+    """Ops that set each variable named in ``values`` ({variable node: value}) of ``graph``
+    (imported from an example) to its value: to start a run from given weights."""
+    import tensorflow as tf
+    assigns = []
+    with graph.as_default():
+        for name, value in values.items():
+            op = graph.get_operation_by_name(name)
+            if op.type == "VarHandleOp":
+                assigns.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value))
+            else:
+                assigns.append(tf.compat.v1.assign(op.outputs[0], value))
+    return assigns
+
+
+def read_replica_copies(sess, example, prefixes):
+    """{prefix + variable: value} for every replica prefix ("" is the master) and every
+    variable of ``example`` that the session's graph holds under that prefix (see
+    ReplicaCopies)."""
+    return ReplicaCopies(sess, example, prefixes)()
+
+
+def sharded_moving_variance(example, feed, replicas, initial_variance):
+    """The "batchnorm" model's moving_variance after one step whose batch ``feed`` is split
+    into ``replicas`` equal shards, each updating with its own (biased) batch variance and
+    the updates averaged: momentum * v0 + (1 - momentum) * the mean of shard variances."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(example.graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(example.init)
+        bn_input = sess.run(example.tensors["bn_input"], feed)   # before any update
+    shard_variances = [s.var(axis=0) for s in np.split(bn_input, replicas)]
+    return BN_MOMENTUM * initial_variance + (1 - BN_MOMENTUM) * np.mean(shard_variances, axis=0)
+
+
+def run_single(example, steps=3, batch_size=8, feeds=None):
+    """Trains the original graph on one device: (losses per step, final variable values).
+
+    ``feeds``: None (``example.batch(step, batch_size)``), a list of feed dicts indexed by
+    step, or a callable step -> feed dict ("iterator" reads its own batches of
+    ``example.batch_size`` rows and ignores both). Values are keyed by variable node name
+    and include the step counter.
+    """
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(example.graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        return _train(sess, example, steps, batch_size, feeds)
+
+
+def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=None,
+                  replica_copies=False):
+    """The same training run through ``graph_rewriter.Session`` on a rewritten graph
+    (``result``: a RewriteResult or the path of a saved one), with the original names:
+    variables are read through the master replica's copy. With ``replica_copies`` the
+    values also hold every other replica's copy, keyed "replica_1/<variable>" (the
+    rewritten graph's prefix), so a test can check that the replicas stay identical."""
+    from graph_rewriter.session import Session
+    with Session(result, config=config) as sess:
+        losses, values = _train(sess, example, steps, batch_size, feeds)
+        if replica_copies:
+            prefixes = sess.result.metadata["replica_prefixes"][1:]
+            values.update(read_replica_copies(sess, example, prefixes))
+        return losses, values

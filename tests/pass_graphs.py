@@ -1,0 +1,86 @@
+"""Tiny training graphs and structural queries for the tests of one pass at a time.
+
+Each builder returns a fresh GraphItem of a one-layer model, small enough to draw:
+
+    dense:   x --> MatMul(w) --> + b --> loss (mean squared error vs y)
+             backward: d loss/d w --> ApplyGradientDescent(w), d loss/d b --> ApplyGradientDescent(b)
+    sparse:  ids --> Gather(table) --> Sum --> loss;  d loss/d table is IndexedSlices
+             (rows + ids) --> ResourceScatterAdd-style sparse update of table
+
+Queries find nodes by their role (op type, what they read, what reaches what), never by
+the names a pass generates or by input positions, so a test states structure that
+survives a renaming.
+"""
+
+import tensorflow as tf
+
+from graph_rewriter import graph_io
+from graph_rewriter.cluster import parse_cluster
+from graph_rewriter.context import Options, RewriteContext
+from graph_rewriter.traversal import descendants
+
+PS2_WORKERS2 = {"ps": ["p0:2222", "p1:2222"], "worker": ["w0:2222", "w1:2222"]}
+WORKERS2 = {"worker": ["w0:2222", "w1:2222"]}
+
+
+def _optimizer(name, lr=0.1):
+    return {"sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(lr),
+            "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(lr, 0.9),
+            "adam": lambda: tf.compat.v1.train.AdamOptimizer(lr)}[name]()
+
+
+def dense(optimizer="sgd", summary=False, global_step=False):
+    """x [None, 3], y [None, 1]; variables w [3, 1], b [1]; "loss", "train_op"."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        w = tf.compat.v1.get_variable("w", [3, 1], use_resource=True)
+        b = tf.compat.v1.get_variable("b", [1], initializer=tf.compat.v1.zeros_initializer(), use_resource=True)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y), name="loss")
+        if summary:
+            tf.compat.v1.summary.scalar("loss", loss)
+        step = tf.compat.v1.train.get_or_create_global_step() if global_step else None
+        _optimizer(optimizer).minimize(loss, global_step=step, name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph_io.load_graph(g.as_graph_def())
+
+
+def sparse(optimizer="sgd", rows=10):
+    """ids [None] (int64) into table [rows, 2]; "loss", "train_op"."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(0)
+        ids = tf.compat.v1.placeholder(tf.int64, [None], name="ids")
+        table = tf.compat.v1.get_variable("table", [rows, 2], use_resource=True)
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), name="loss")
+        _optimizer(optimizer).minimize(loss, name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph_io.load_graph(g.as_graph_def())
+
+
+def context(cluster=None, task=None, **options):
+    """A RewriteContext as rewrite() would make it (CPU replicas unless told)."""
+    options.setdefault("device_type", "CPU")
+    return RewriteContext(options=Options(**options).validate(), cluster=parse_cluster(cluster, task))
+
+
+def ops(graph, *types):
+    """The nodes of these op types, in graph order."""
+    return [n for n in graph if n.op in types]
+
+
+def reads(node):
+    """The nodes ``node`` reads, by data edge."""
+    return [t.node for t in node.inputs]
+
+
+def reaches(a, b):
+    """Whether a path of data or control edges leads from node ``a`` to node ``b``."""
+    return b in descendants([a])
+
+
+def replica_of(ctx, graph, node):
+    """The replica a node belongs to (None: global), from the rewrite's ReplicaMap."""
+    return ctx.replicas.replica_of(graph, node.name)

@@ -1,0 +1,150 @@
+"""Tests of the sync_queues pass alone (after plan, replicate and accumulate): between-graph
+parameter-server workers are kept in step by token queues on the first ps task.
+
+    every worker:  its accumulator applies --> dequeue a token from its own queue --> train_op
+    the chief:     takes --> sync_step bump --> updates --> enqueue a token in every worker's queue
+    init:          the chief initializes and releases an init barrier; other workers wait on it
+"""
+
+import pytest
+
+from graph_rewriter import passes
+from graph_rewriter.pass_manager import run_passes
+from pass_graphs import PS2_WORKERS2, WORKERS2, context, dense, ops, reaches, reads
+
+APPLIES = ("AccumulatorApplyGradient", "SparseAccumulatorApplyGradient")
+UPDATES = ("ResourceApplyGradientDescent",)
+
+
+def sync(graph, ctx):
+    return run_passes(graph, ctx, passes.PlanPass(), passes.ReplicatePass(), passes.AccumulatePass(),
+                      passes.SyncQueuesPass())
+
+
+def queue_read_by(node):
+    """The FIFOQueueV2 a queue op uses."""
+    (q,) = [n for n in reads(node) if n.op == "FIFOQueueV2"]
+    return q
+
+
+def test_each_worker_waits_for_a_token_after_its_applies():
+    """
+        worker k:  applies --> NoOp --> QueueDequeueV2(tokens_k on ps 0) --> train_op
+    """
+    for k in (0, 1):
+        g = dense()
+        ctx = context(PS2_WORKERS2, task=("worker", k), strategy="ps")
+        sync(g, ctx)
+        train_op = g.node("train_op")
+        waits = [n for n in ops(g, "QueueDequeueV2") if n in train_op.control_inputs]
+        assert len(waits) == 1, k
+        wait = waits[0]
+        assert wait.device == queue_read_by(wait).device == ctx.cluster.ps_device(0)
+        for a in ops(g, *APPLIES):
+            assert reaches(a, wait)
+        # each worker dequeues from its own queue: the chief's enqueue into it is the k-th
+        own = queue_read_by(wait)
+        assert own.attr["shared_name"].s.endswith(f"tokens/{k}".encode())
+
+
+def test_the_chief_enqueues_a_token_per_worker_after_the_updates():
+    """
+        chief:  take --> sync_step bump --> update_w, update_b --> read sync_step
+                                              --> QueueEnqueueV2(tokens_0), QueueEnqueueV2(tokens_1)
+    """
+    g = dense()
+    ctx = context(PS2_WORKERS2, task=("worker", 0), strategy="ps")
+    sync(g, ctx)
+    enqueues = ops(g, "QueueEnqueueV2")
+    assert len({queue_read_by(e) for e in enqueues}) == len(enqueues) == 2
+    bump = ops(g, "AssignAddVariableOp")[0]
+    for e in enqueues:
+        assert e.device == ctx.cluster.ps_device(0)
+        assert reaches(bump, e)
+        for update in ops(g, *UPDATES):
+            assert reaches(update, e)
+        (wait,) = [n for n in ops(g, "QueueDequeueV2") if n in g.node("train_op").control_inputs]
+        assert reaches(e, wait)   # the chief waits for its own token too
+
+
+def test_another_worker_leaves_the_takes_and_updates_to_the_chief():
+    """
+        worker 1: applies --> NoOp --> dequeue --> train_op   (no take, no bump, no update)
+    """
+    g = dense()
+    ctx = context(PS2_WORKERS2, task=("worker", 1), strategy="ps")
+    sync(g, ctx)
+    assert not ops(g, "AccumulatorTakeGradient", "AssignAddVariableOp", "QueueEnqueueV2", *UPDATES)
+    assert len(ops(g, "AccumulatorApplyGradient")) == 2
+    train_op = g.node("train_op")
+    for a in ops(g, *APPLIES):
+        assert reaches(a, train_op)
+
+
+def test_only_the_chief_initializes_the_shared_variables():
+    """
+        chief:    w/Assign, b/Assign, resets --> QueueEnqueueManyV2(init barrier) --> init
+        worker 1: QueueDequeueV2(init barrier) --> init   (no assign of a shared variable)
+    """
+    chief, other = dense(), dense()
+    chief_ctx = context(PS2_WORKERS2, task=("worker", 0), strategy="ps")
+    other_ctx = context(PS2_WORKERS2, task=("worker", 1), strategy="ps")
+    sync(chief, chief_ctx)
+    sync(other, other_ctx)
+    (release,) = [n for n in ops(chief, "QueueEnqueueManyV2") if n in chief.node("init").control_inputs
+                  and n.control_inputs]
+    assert {"w/Assign", "b/Assign"} <= {c.name for c in release.control_inputs}
+    assert any(c.op == "AccumulatorSetGlobalStep" for c in release.control_inputs)
+    init = other.node("init")
+    assert [c.op for c in init.control_inputs] == ["QueueDequeueV2"]
+    barrier = queue_read_by(init.control_inputs[0])
+    assert barrier.attr["shared_name"].s == queue_read_by(release).attr["shared_name"].s
+    assert not any(reaches(other.node(name), init) for name in ("w/Assign", "b/Assign"))
+
+
+def test_staleness_gives_every_queue_a_head_start_at_init():
+    """
+        chief init: drain tokens_k --> QueueEnqueueManyV2(tokens_k, [0] * staleness) --> init
+    """
+    g = dense()
+    ctx = context(PS2_WORKERS2, task=("worker", 0), strategy="ps", staleness=2)
+    sync(g, ctx)
+    init = g.node("init")
+    head_starts = [n for n in ops(g, "QueueEnqueueManyV2")
+                   if any(c.op == "QueueDequeueUpToV2" for c in n.control_inputs)]
+    assert len({queue_read_by(n) for n in head_starts}) == 2
+    for n in head_starts:
+        assert n in init.control_inputs
+        tokens = [t for t in reads(n) if t.op == "Const"][0]
+        shape = [d.size for d in tokens.attr["value"].tensor.tensor_shape.dim]
+        assert shape == [2]
+
+
+def test_asynchronous_workers_get_an_init_barrier_but_no_tokens():
+    """
+        sync=False: no accumulator, no token queue; only the init barrier (FIFOQueueV2) remains
+    """
+    g = dense()
+    ctx = context(PS2_WORKERS2, task=("worker", 0), strategy="ps", sync=False)
+    sync(g, ctx)
+    assert "sync_queues" in ctx.passes_run
+    assert len(ops(g, "FIFOQueueV2")) == 1   # the init barrier only
+    assert not ops(g, "QueueDequeueV2", "QueueEnqueueV2")
+
+
+@pytest.mark.parametrize("cluster, task, strategy", [
+    (PS2_WORKERS2, None, "ps"),                # in-graph: one client runs every replica
+    (WORKERS2, ("worker", 0), "allreduce"),    # no variable on a parameter server
+])
+def test_applies_only_between_graph_with_parameter_servers(cluster, task, strategy):
+    """In-graph (one client) or without ps variables, nobody needs tokens: the pass is skipped."""
+    g = dense()
+    ctx = context(cluster, task=task, strategy=strategy)
+    run_passes(g, ctx, passes.PlanPass(), passes.ReplicatePass(), passes.AccumulatePass(),
+               passes.SyncQueuesPass())
+    assert not passes.SyncQueuesPass().applies(ctx)
+    assert "sync_queues" not in ctx.passes_run
+    assert not ops(g, "FIFOQueueV2")
+    between = context(PS2_WORKERS2, task=("worker", 1), strategy="ps")
+    passes.PlanPass().run(dense(), between)
+    assert passes.SyncQueuesPass().applies(between)

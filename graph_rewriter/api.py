@@ -2,17 +2,18 @@
 return the distributed GraphDef with everything needed to run it (``RewriteResult``)."""
 
 import gc
+import inspect
 import os
 import time
 
 from graph_rewriter import passes
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import (DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS, Options,
-                                    RewriteContext)
-from graph_rewriter.cost_model import CostModel
+from graph_rewriter import options as option_schema
+from graph_rewriter.context import RewriteContext
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.metadata import METADATA_NODE, read_metadata, read_metadata_of
+from graph_rewriter.options import Options
 from graph_rewriter.pass_manager import PassManager
 from graph_rewriter.plan import Plan
 from graph_rewriter.verifier import check_collectives_run, verify, verify_changes
@@ -140,77 +141,57 @@ def _check_client_task(cluster):
             "of a chief or worker task", hint="pass a worker task (ps tasks only run a server)")
 
 
-def rewrite(graph_def, cluster_spec=None, *, strategy="allreduce", devices_per_worker=1,
-            device_type="GPU", task=None, bytes_per_pack=None,
-            compression=None, sparse_as_dense=False, merge=None, gradients=None,
-            timeout_seconds=DEFAULT_TIMEOUT_SECONDS, sync=True, staleness=0,
-            ps_shard_bytes=DEFAULT_PS_SHARD_BYTES, verify_each=True, dump_after=(),
-            dump_dir=".", log=None, accumulation_steps=1, cost_model=None,
-            materialize_replicas=False, batch_split="global"):
-    """Rewrites a single-device training graph for data-parallel training.
-
-    See API.md for the contract. Beyond it: ``bytes_per_pack`` (dense gradients are
-    packed into same-dtype buffers of at most this size; 0 = one per dtype; default
-    32 MiB, or under strategy "auto" the cost model's size), ``accumulation_steps`` (k:
-    each run of the train op with a micro-batch adds to the replicas' gradient sums,
-    every k-th run synchronises their mean and applies it once), ``cost_model`` (a
-    ``CostModel`` or a dict of its fields: link speeds and the global batch that
-    strategy "auto" assumes),
-    ``compression`` ("fp16"/"bf16": cast before the allreduce, back after),
-    ``sparse_as_dense`` (allreduce sparse gradients as dense tensors), ``gradients``
-    ({variable: tensor} hints for custom optimizers), ``timeout_seconds`` (a collective
-    waiting longer for a peer fails the step instead of hanging), ``sync`` (parameter
-    servers: False trains asynchronously), ``staleness`` (parameter servers: steps a
-    worker may run ahead of the applied updates), ``ps_shard_bytes`` (parameter-server
-    variables larger than this are split by rows across the ps tasks), ``verify_each`` (run
-    the verifier after every pass), ``dump_after`` (pass names; write the graph after
-    them into ``dump_dir``), ``log`` (a callable receiving progress lines),
-    ``materialize_replicas`` (build every replica in the IR instead of one template for
-    replicas 1..R-1: the same output graph, slower; for debugging the passes),
-    ``batch_split`` ("global": a batch input with an unknown first dimension is split
-    across the replicas; "per_replica": each replica takes its own batch of it, so a feed
-    holds the replicas' batches concatenated in replica order and an iterator is drawn
-    once per replica. Inputs with a static first dimension are always per replica).
-    """
+def rewrite(graph_def, cluster_spec=None, **options):
+    # The docstring and signature are generated from the options' schema (below).
+    plan, options = _options(options)
     # The IR allocates many small objects; CPython's cyclic collector would otherwise walk
     # all of TensorFlow's module objects again and again while it does (a third of the
     # run time on small graphs). Nothing here needs collecting before the rewrite ends.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
-                        bytes_per_pack, compression, sparse_as_dense, merge, gradients,
-                        timeout_seconds, sync, staleness, ps_shard_bytes, verify_each,
-                        dump_after, dump_dir, log, accumulation_steps, cost_model,
-                        materialize_replicas, batch_split)
+        return _rewrite(graph_def, cluster_spec, options, plan)
     finally:
         if collecting:
             gc.enable()
 
 
-def _rewrite(graph_def, cluster_spec, strategy, devices_per_worker, device_type, task,
-             bytes_per_pack, compression, sparse_as_dense, merge, gradients, timeout_seconds,
-             sync, staleness, ps_shard_bytes, verify_each, dump_after, dump_dir, log,
-             accumulation_steps, cost_model, materialize_replicas, batch_split):
-    started = time.perf_counter()
+rewrite.__doc__ = option_schema.docstring(
+    """Rewrites a single-device training graph for data-parallel training.
+
+``graph_def``: a tf.compat.v1.GraphDef, MetaGraphDef, its bytes, or the path of a .pb,
+.pbtxt or .meta file. ``cluster_spec``: None (this machine only, or TF_CONFIG's cluster
+and task when set), a dict {"chief": [...], "worker": [...], "ps": [...]}, a
+tf.train.ClusterSpec, JSON text or the path of a JSON file. Returns a ``RewriteResult``.
+The contract is API.md; docs/api.md describes the options below, which every
+``graph-rewrite`` flag mirrors (graph_rewriter/options.py is their one description).""")
+rewrite.__signature__ = inspect.Signature(
+    [inspect.Parameter("graph_def", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     inspect.Parameter("cluster_spec", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    + [inspect.Parameter(option_schema.keyword_of(f, spec), inspect.Parameter.KEYWORD_ONLY,
+                         default=option_schema.default_of(f))
+       for f, spec in option_schema.specs()])
+
+
+def _options(keywords):
+    """(plan or None, Options) from rewrite()'s keywords: ``strategy`` may be a Plan or
+    the path of a plan's JSON, which gives the strategy."""
     plan = None
+    strategy = keywords.get("strategy")
     if isinstance(strategy, Plan):
-        plan, strategy = strategy, strategy.strategy
+        plan = strategy
     elif isinstance(strategy, (str, os.PathLike)) and os.fspath(strategy).endswith(".json"):
         path = os.fspath(strategy)
         plan = Plan.from_json(graph_io.read_file(path).decode("utf-8", "replace"), path)
-        strategy = plan.strategy
-    options = Options(
-        strategy=strategy, devices_per_worker=devices_per_worker, device_type=device_type,
-        bytes_per_pack=bytes_per_pack, compression=compression, sparse_as_dense=sparse_as_dense,
-        merge=dict(merge or {}), gradients=dict(gradients or {}), timeout_seconds=timeout_seconds,
-        sync=sync, staleness=staleness, ps_shard_bytes=ps_shard_bytes,
-        verify=verify_each, dump_after=tuple(dump_after), dump_dir=dump_dir,
-        accumulation_steps=accumulation_steps,
-        cost_model=CostModel.from_value(cost_model),
-        materialize_replicas=materialize_replicas, batch_split=batch_split).validate()
-    cluster = parse_cluster(cluster_spec, task)
-    ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=log)
+    if plan is not None:
+        keywords = dict(keywords, strategy=plan.strategy)
+    return plan, Options.from_keywords(**keywords)
+
+
+def _rewrite(graph_def, cluster_spec, options, plan=None):
+    started = time.perf_counter()
+    cluster = parse_cluster(cluster_spec, options.task)
+    ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=options.log)
     _check_client_task(cluster)
     t0 = time.perf_counter()
     graph = graph_io.load_graph(graph_def)

@@ -44,60 +44,46 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _add_rewrite_options(p):
+def _add_rewrite_options(p, command="rewrite"):
+    """--cluster, every rewrite option's flag(s) of ``command`` (generated from
+    graph_rewriter/options.py) and -v."""
+    from graph_rewriter import options
     p.add_argument("--cluster", metavar="SPEC",
                    help="cluster spec: JSON text or a JSON file {\"worker\": [\"host:port\", ...], \"ps\": [...]}; "
                         "default: this machine only (or TF_CONFIG when set)")
-    p.add_argument("--strategy", default="allreduce", metavar="S",
-                   help="allreduce (default), ps, hybrid, or auto: per variable what the cost model "
-                        "predicts cheapest (see docs/strategies.md)")
-    p.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
-                   help="replicas per machine: its GPUs, or CPU replicas with --device-type CPU (default 1)")
-    p.add_argument("--device-type", default="GPU", metavar="GPU|CPU",
-                   help="GPU (default) or CPU replicas (CPU:0..N-1, for tests and CPU clusters)")
-    p.add_argument("--task", metavar="JOB:INDEX",
-                   help="build the graph this task's own client runs (between-graph replication)")
-    p.add_argument("--bytes-per-pack", type=int, default=None, metavar="BYTES",
-                   help="largest allreduce pack of same-dtype gradients (default 32 MiB, or auto's "
-                        "choice; 0: one per dtype)")
-    p.add_argument("--compression", choices=("fp16", "bf16", "none"), default="none",
-                   help="cast dense gradients down for the allreduce and back after")
-    p.add_argument("--sparse-as-dense", action="store_true",
-                   help="allreduce sparse gradients as dense tensors instead of gathering rows")
-    p.add_argument("--gradient", action="append", default=[], metavar="VAR=TENSOR",
-                   help="name a custom optimizer's gradient for a variable (repeatable); "
-                        "sparse: VAR=VALUES,INDICES")
-    p.add_argument("--merge", action="append", default=[], metavar="TENSOR=HOW",
-                   help="how Session merges a fetched tensor across replicas: sum, mean, concat or master")
-    p.add_argument("--async", dest="sync", action="store_false",
-                   help="parameter servers: every replica applies its own gradient, nobody waits")
-    p.add_argument("--staleness", type=int, default=0, metavar="S",
-                   help="parameter servers: a worker may run up to S steps ahead of the applied updates")
-    p.add_argument("--ps-shard-bytes", type=int, default=None, metavar="BYTES",
-                   help="parameter-server variables larger than this are split by rows across the ps tasks "
-                        "(default 64 MiB; 0: never)")
-    p.add_argument("--timeout-seconds", type=float, default=None, metavar="S",
-                   help="a collective waiting longer than this for a peer fails the step (default 600; 0: never)")
-    p.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
-                   help="sum gradients over K runs of the train op (micro-batches) and apply their "
-                        "mean on every K-th (default 1)")
-    p.add_argument("--batch-split", choices=("global", "per_replica"), default="global",
-                   help="inputs with an unknown batch dimension: global (default) splits each fed or "
-                        "drawn batch across the replicas; per_replica gives each replica its own batch "
-                        "(a feed holds the replicas' batches concatenated, an iterator is drawn once per "
-                        "replica). Inputs with a static batch dimension are always per replica")
-    costs = p.add_argument_group("cost model (strategy auto)")
-    costs.add_argument("--intra-bandwidth", type=float, metavar="GB/S",
-                       help="between the devices of one machine (default 12, PCIe 3.0 x16)")
-    costs.add_argument("--inter-bandwidth", type=float, metavar="GB/S",
-                       help="between machines (default 1.25, 10 Gb Ethernet)")
-    costs.add_argument("--intra-latency", type=float, metavar="US",
-                       help="per message within a machine, microseconds (default 10)")
-    costs.add_argument("--inter-latency", type=float, metavar="US",
-                       help="per message between machines, microseconds (default 50)")
-    costs.add_argument("--cost-batch-size", type=int, metavar="N",
-                       help="global batch the sparse gradients' costs assume (default 256)")
+    groups = {}
+    for f, spec in options.specs():
+        for flag in spec.cli:
+            if command not in flag.commands:
+                continue
+            if flag.group is None:
+                target = p
+            elif flag.group not in groups:
+                target = groups[flag.group] = p.add_argument_group(flag.group)
+            else:
+                target = groups[flag.group]
+            _add_flag(target, flag, spec, f)
     p.add_argument("-v", "--verbose", action="store_true", help="print progress and per-pass timings")
+
+
+def _add_flag(target, flag, spec, f):
+    """One argparse argument from the schema; an absent flag parses as None, so the
+    option keeps rewrite()'s default."""
+    from graph_rewriter import options
+    help_text = flag.help
+    if help_text is None:
+        help_text = spec.help[:1].lower() + spec.help[1:].rstrip(".")
+        if flag.action == "store":
+            help_text += f"; default: {spec.default_text or options.default_of(f)}"
+    help_text = help_text.replace("%", "%%")
+    kwargs = dict(dest=flag.dest, default=None, help=help_text)
+    if flag.action == "const":
+        kwargs.update(action="store_const", const=flag.const)
+    else:
+        kwargs.update(action=flag.action, metavar=flag.metavar, choices=flag.choices)
+        if flag.type is not None:
+            kwargs["type"] = flag.type
+    target.add_argument(flag.name, **kwargs)
 
 
 def _rewrite_parser():
@@ -106,15 +92,8 @@ def _rewrite_parser():
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef) or .meta (MetaGraphDef)")
     p.add_argument("output", metavar="OUT", help="where to write the rewritten graph (.pb, .pbtxt or .meta)")
-    _add_rewrite_options(p)
+    _add_rewrite_options(p, "rewrite")
     p.add_argument("--plan", metavar="FILE", help="apply a plan written by `graph-rewrite plan` (and perhaps edited)")
-    p.add_argument("--dump-after", action="append", default=[], metavar="PASS",
-                   help="write the graph after this pass (repeatable; 'all' for every pass)")
-    p.add_argument("--dump-dir", default=".", metavar="DIR", help="where --dump-after writes (default .)")
-    p.add_argument("--no-verify", action="store_true", help="verify only the final graph, not after every pass")
-    p.add_argument("--materialize-replicas", action="store_true",
-                   help="build every replica while rewriting instead of one template for replicas 1..R-1 "
-                        "(the same output, slower; for debugging a pass)")
     return p
 
 
@@ -124,7 +103,7 @@ def _plan_parser():
                        "  (edit plan.json, then) graph-rewrite train.pb out.pb --devices-per-worker 4 --plan plan.json",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef) or .meta (MetaGraphDef)")
-    _add_rewrite_options(p)
+    _add_rewrite_options(p, "plan")
     return p
 
 
@@ -175,55 +154,10 @@ def _demo_parser():
     return p
 
 
-def _pairs(items, flag):
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise GraphRewriteError(f"{flag} {item!r} is not NAME=VALUE")
-        out[key] = value
-    return out
-
-
-def _rewrite_kwargs(args):
-    from graph_rewriter.context import DEFAULT_PS_SHARD_BYTES, DEFAULT_TIMEOUT_SECONDS
-    if args.devices_per_worker < 1:
-        raise GraphRewriteError(f"--devices-per-worker must be at least 1, got {args.devices_per_worker}")
-    if args.device_type not in ("GPU", "CPU"):
-        raise GraphRewriteError(f"--device-type must be GPU or CPU, got {args.device_type!r}")
-    gradients = {}
-    for var, grad in _pairs(args.gradient, "--gradient").items():
-        gradients[var] = tuple(grad.split(",", 1)) if "," in grad else grad
-    return dict(
-        cluster_spec=args.cluster, strategy=args.strategy,
-        devices_per_worker=args.devices_per_worker, device_type=args.device_type, task=args.task,
-        bytes_per_pack=args.bytes_per_pack,
-        compression=None if args.compression == "none" else args.compression,
-        sparse_as_dense=args.sparse_as_dense, gradients=gradients,
-        merge=_pairs(args.merge, "--merge"), sync=args.sync, staleness=args.staleness,
-        ps_shard_bytes=DEFAULT_PS_SHARD_BYTES if args.ps_shard_bytes is None else args.ps_shard_bytes,
-        timeout_seconds=DEFAULT_TIMEOUT_SECONDS if args.timeout_seconds is None else args.timeout_seconds,
-        accumulation_steps=args.accumulation_steps, cost_model=_cost_model(args),
-        batch_split=args.batch_split)
-
-
-def _cost_model(args):
-    """The cost model's fields the flags set (bandwidths given in GB/s, latencies in us)."""
-    fields = {}
-    for flag, field, scale in (("intra_bandwidth", "intra_bandwidth", 1e9),
-                               ("inter_bandwidth", "inter_bandwidth", 1e9),
-                               ("intra_latency", "intra_latency", 1e-6),
-                               ("inter_latency", "inter_latency", 1e-6)):
-        value = getattr(args, flag)
-        if value is not None:
-            if not value > 0 and not (value == 0 and "latency" in flag):
-                raise GraphRewriteError(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
-            fields[field] = value * scale
-    if args.cost_batch_size is not None:
-        if args.cost_batch_size < 1:
-            raise GraphRewriteError(f"--cost-batch-size must be at least 1, got {args.cost_batch_size}")
-        fields["batch_size"] = args.cost_batch_size
-    return fields or None
+def _rewrite_kwargs(args, command="rewrite"):
+    """rewrite()'s keywords from the parsed flags (the schema maps and checks them)."""
+    from graph_rewriter.options import keywords_from_cli
+    return dict(cluster_spec=args.cluster, **keywords_from_cli(args, command))
 
 
 def _log(message):
@@ -241,14 +175,11 @@ def cmd_rewrite(argv):
     if not os.access(out_dir, os.W_OK):
         raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' is not writable")
     from graph_rewriter.api import rewrite
-    kwargs = _rewrite_kwargs(args)
+    kwargs = _rewrite_kwargs(args, "rewrite")
     if args.plan:
         kwargs["strategy"] = args.plan if args.plan.endswith(".json") else _plan_from(args.plan)
     started = time.perf_counter()
-    result = rewrite(args.input, **kwargs, verify_each=not args.no_verify,
-                     materialize_replicas=args.materialize_replicas,
-                     dump_after=args.dump_after, dump_dir=args.dump_dir,
-                     log=_log if args.verbose else None)
+    result = rewrite(args.input, **kwargs, log=_log if args.verbose else None)
     result.save(args.output)
     if args.verbose:
         for line in result.summary().splitlines():
@@ -268,7 +199,7 @@ def _plan_from(path):
 def cmd_plan(argv):
     args = _plan_parser().parse_args(argv)
     from graph_rewriter.api import rewrite
-    result = rewrite(args.input, **_rewrite_kwargs(args), log=_log if args.verbose else None)
+    result = rewrite(args.input, **_rewrite_kwargs(args, "plan"), log=_log if args.verbose else None)
     sys.stdout.write(result.plan.to_json())
     return 0
 

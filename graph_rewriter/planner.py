@@ -17,10 +17,10 @@ import dataclasses
 import hashlib
 
 from graph_rewriter import cost_model
-from graph_rewriter.context import DEFAULT_BYTES_PER_PACK
 from graph_rewriter.cost_model import Topology
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_vocabulary import shardable_user
+from graph_rewriter.options import DEFAULT_BYTES_PER_PACK
 from graph_rewriter.plan import DENSE_SYNCS, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan
 
 

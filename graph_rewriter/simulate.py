@@ -43,7 +43,7 @@ import time
 import types
 
 from graph_rewriter import cost_model  # (pure Python: no TensorFlow)
-from graph_rewriter.context import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES
+from graph_rewriter.options import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.plan import PLAN_FORMAT, Plan  # (no TensorFlow either)
 from graph_rewriter.planner import assign_packs, place_for_strategy  # (nor here)

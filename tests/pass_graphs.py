@@ -16,7 +16,8 @@ import tensorflow as tf
 
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import Options, RewriteContext
+from graph_rewriter.context import RewriteContext
+from graph_rewriter.options import Options
 from graph_rewriter.traversal import descendants
 
 PS2_WORKERS2 = {"ps": ["p0:2222", "p1:2222"], "worker": ["w0:2222", "w1:2222"]}

@@ -10,7 +10,8 @@ import tensorflow as tf
 import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import Options, RewriteContext
+from graph_rewriter.context import RewriteContext
+from graph_rewriter.options import Options
 from graph_rewriter.testing import models
 from graph_rewriter.verifier import verify
 

@@ -12,7 +12,8 @@ import pytest
 
 from graph_rewriter import graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import Options, RewriteContext
+from graph_rewriter.context import RewriteContext
+from graph_rewriter.options import Options
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GraphItem
 from graph_rewriter.op_builder import const, make_op

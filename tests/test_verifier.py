@@ -9,7 +9,8 @@ from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, t
 import graph_rewriter as gr
 from graph_rewriter import collectives, graph_io
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter.context import Options, RewriteContext
+from graph_rewriter.context import RewriteContext
+from graph_rewriter.options import Options
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GraphItem, Tensor
 from graph_rewriter.op_builder import const, make_op

@@ -33,50 +33,11 @@ from tensorflow.core.framework import types_pb2
 from graph_rewriter import opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Tensor
-from graph_rewriter.traversal import ancestors, topological_order
+from graph_rewriter.op_vocabulary import (
+    DENSE_ASSIGNS, ELEMENTWISE, FUNCTION_CALLS, INCREMENTS, ITERATOR_GET_NEXT, LINEAR_SCATTERS,
+    PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, READERS, SAVER_OPS, VARIABLE_OPS)
+from graph_rewriter.traversal import absorb_exclusive_ancestors, topological_order
 
-VARIABLE_OPS = {"VarHandleOp": "resource", "VariableV2": "ref", "Variable": "ref"}
-# Ops that hand a variable (handle or ref) through unchanged.
-PASS_THROUGH = frozenset((
-    "Identity", "RefIdentity", "Enter", "RefEnter", "Switch", "RefSwitch", "Exit", "RefExit",
-    "Merge", "RefMerge", "NextIteration", "RefNextIteration"))
-# Ops that take a variable but only read it. Every other op taking a variable handle,
-# or a variable ref through a ref argument, is taken to write it.
-READERS = frozenset((
-    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
-    "VarIsInitializedOp", "IsVariableInitialized", "_ReadVariablesOp", "DestroyResourceOp"))
-FUNCTION_CALLS = frozenset((
-    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
-    "PartitionedCall", "StatefulPartitionedCall"))
-DENSE_ASSIGNS = frozenset((
-    "Assign", "AssignAdd", "AssignSub",
-    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"))
-INCREMENTS = frozenset(("AssignAdd", "AssignAddVariableOp", "CountUpTo", "ResourceCountUpTo"))
-LINEAR_SCATTERS = frozenset(("ScatterAdd", "ScatterSub", "ResourceScatterAdd", "ResourceScatterSub"))
-# Element-wise ops (broadcasting allowed): the walk from an assigned value back to the
-# gradient passes through these while only one of their inputs depends on the batch.
-ELEMENTWISE = frozenset((
-    "Identity", "Snapshot", "StopGradient", "Cast", "Neg", "Reciprocal", "Mul", "MulNoNan",
-    "RealDiv", "Div", "DivNoNan", "AddV2", "Add", "Sub", "Square", "Sqrt", "Rsqrt", "Abs",
-    "Sign", "Maximum", "Minimum", "Exp", "Log", "Pow", "Tanh", "Sigmoid", "ClipByValue",
-    "SquaredDifference"))
-SHARDABLE_USERS = frozenset((
-    "ReadVariableOp", "ResourceGather", "AssignVariableOp", "AssignAddVariableOp",
-    "AssignSubVariableOp", "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
-    "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMax", "ResourceScatterMin",
-    "VarIsInitializedOp", "VariableShape"))
-
-
-def shardable_user(node):
-    """True if a use of a variable handle can be rewritten for a variable split by rows
-    (passes/shard_variables.py)."""
-    return node.op in SHARDABLE_USERS or node.op.startswith(("ResourceApply", "ResourceSparseApply"))
-
-
-PLACEHOLDERS = frozenset(("Placeholder", "PlaceholderV2", "PlaceholderWithDefault"))
-ITERATOR_GET_NEXT = frozenset(("IteratorGetNext", "IteratorGetNextSync"))
-SAVER_OPS = frozenset(("SaveV2", "RestoreV2", "Save", "Restore", "RestoreSlice", "SaveSlices",
-                       "MergeV2Checkpoints"))
 HINTS_COLLECTION = "graph_rewriter_gradients"
 
 
@@ -739,28 +700,6 @@ def variant_nodes(seeds, cuts):
     return variant
 
 
-def absorb_exclusive_ancestors(region, keep_out):
-    """Grows ``region`` by every ancestor all of whose readers are already in it."""
-    region = set(region)
-    changed = True
-    frontier = list(region)
-    while changed:
-        changed = False
-        candidates = []
-        for n in frontier:
-            candidates += [t.node for t in n.inputs] + list(n.control_inputs)
-        frontier = []
-        for p in dict.fromkeys(candidates):
-            if p in region or keep_out(p):
-                continue
-            readers = [c for c, _ in p.consumers()] + list(p.control_consumers)
-            if readers and all(r in region for r in readers):
-                region.add(p)
-                frontier.append(p)
-                changed = True
-    return region
-
-
 def _is_pure_initial_value(node):
     """True if a value depends on no variable, placeholder, iterator or checkpoint: what
     an initializer computes (constants, random ops, arithmetic on them)."""
@@ -800,17 +739,6 @@ def _gathered_variable(indices):
         elif n.op == "ConcatV2":
             stack.extend(n.inputs[:-1])
     return None
-
-
-# Ops that post-process gradients between the backward pass and the updates, and that
-# the walk from an update back to the backward pass goes through: element-wise math,
-# predicates, and the v1 cond routing (Switch) into a conditional apply. Not Merge: the
-# gradient of a cond's branch leaves it through one, and is made there.
-POST_PROCESSING = ELEMENTWISE | frozenset((
-    "Switch", "RefSwitch", "Select", "SelectV2", "IsFinite", "IsNan",
-    "IsInf", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
-    "LogicalOr", "LogicalNot", "Floor", "Ceil", "Round", "Rint", "Reciprocal", "Inv",
-    "ZerosLike", "OnesLike", "Xdivy", "Xlogy", "Softplus", "Erf"))
 
 
 class _PostProcessingWalk:
@@ -1125,54 +1053,3 @@ def _body_written_args(fn_name, index, visiting):
                     continue  # nested calls: conservatively treated as readers here
                 written.add(args[base])
     return written
-
-
-def rows_per_example(tensor, batch_inputs, max_nodes=2000):
-    """How many rows ``tensor`` (a sparse gradient's indices) holds per example of the
-    batch, or None when that is not a fixed number.
-
-    Batch inputs have a first dimension of None, so TensorFlow's shape inference is run
-    twice on the tensor's ancestors (a few ops even in a large model), imported into a
-    scratch tf.Graph with the batch dimension set to 1 and to 2: rows that grow by
-    exactly the count at 1 are that many per example (ids [batch, k] give k). Indices an
-    optimizer deduplicated (Unique) count as their input: an upper bound."""
-    while tensor.node.op in ("Unique", "Identity") and tensor.node.inputs:
-        tensor = tensor.node.inputs[0]
-    region = ancestors([tensor.node]) | {tensor.node}
-    if len(region) > max_nodes:
-        return None
-    batch_nodes = {t.node.name for t in batch_inputs}
-    one, two = (_static_rows(tensor, region, batch_nodes, b) for b in (1, 2))
-    if one is None or two is None or two != 2 * one:
-        return None
-    return one
-
-
-def _static_rows(tensor, region, batch_nodes, batch):
-    import tensorflow as tf
-    from tensorflow.core.framework import graph_pb2
-
-    gd = graph_pb2.GraphDef()
-    if tensor.node.graph.library is not None:
-        gd.library.CopyFrom(tensor.node.graph.library)
-    for n in [n for n in tensor.node.graph if n in region]:   # import_graph_def takes any order
-        nd = gd.node.add(name=n.name, op=n.op)
-        nd.input.extend([t.name if t.index else t.node.name for t in n.inputs] +
-                        ["^" + c.name for c in n.control_inputs])
-        for k, v in n.attr.items():
-            nd.attr[k].CopyFrom(v)
-        if n.name in batch_nodes:
-            shapes = [nd.attr["shape"].shape] if "shape" in nd.attr else list(nd.attr["output_shapes"].list.shape)
-            for s in shapes:
-                if s.dim and s.dim[0].size < 0:
-                    s.dim[0].size = batch
-    scratch = tf.Graph()
-    try:
-        with scratch.as_default():
-            tf.compat.v1.import_graph_def(gd, name="")
-        shape = scratch.get_tensor_by_name(tensor.name).shape
-    except (ValueError, TypeError, KeyError, tf.errors.OpError):
-        return None
-    if shape.rank is None or shape.rank == 0 or shape[0] is None:
-        return None
-    return int(shape[0])

@@ -10,7 +10,7 @@ package so that tests and users import it like any module:
 
 The plan comes from a rewritten graph (``graph-rewrite IN OUT`` or ``result.save``), from
 a plan file, or from ``--model``: a synthetic plan of a well-known model's variables,
-planned the way ``graph_rewriter.plan`` plans them (resnet50: tf_keras ResNet50,
+planned the way ``graph_rewriter.planner`` plans them (resnet50: tf_keras ResNet50,
 1000 classes, Momentum; mlp: tools/bench_step.py's 3x1024 MLP; embedding: a
 1,000,000 x 64 table looked up by 8 ids per example under a 2x1024 MLP, Adagrad;
 dense4096: the --validate model). Each GPU count becomes a cluster of
@@ -45,7 +45,8 @@ import types
 from graph_rewriter import cost_model  # (pure Python: no TensorFlow)
 from graph_rewriter.options import DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.plan import PLAN_FORMAT, Plan, assign_packs, place_for_strategy  # (no TensorFlow either)
+from graph_rewriter.plan import PLAN_FORMAT, Plan  # (no TensorFlow either)
+from graph_rewriter.planner import assign_packs, place_for_strategy  # (nor here)
 
 PROG = "simulate"
 DEFAULT_GPUS = [2 ** k for k in range(11)]  # 1, 2, 4, ..., 1024
@@ -223,7 +224,7 @@ MODELS = {  # name: (variables, optimizer slots per trainable variable, what it 
 
 def synthetic_plan(model, strategy="allreduce", num_ps=1, bytes_per_pack=DEFAULT_BYTES_PER_PACK,
                    ps_shard_bytes=DEFAULT_PS_SHARD_BYTES):
-    """A plan dict for one of MODELS, placed and packed by graph_rewriter.plan's own
+    """A plan dict for one of MODELS, placed and packed by graph_rewriter.planner's own
     functions for that strategy: every variable mirrored (allreduce), all on the
     parameter servers (ps), or those with sparse gradients there (hybrid); ps variables
     balanced over ``num_ps`` tasks; allreduced gradients packed."""

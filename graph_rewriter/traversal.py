@@ -1,4 +1,5 @@
-"""Graph walks over a GraphItem: topological order, ancestors, descendants, cycles.
+"""Graph walks over a GraphItem: topological order, ancestors, descendants, cycles, and
+growing a region by the ancestors only it reads.
 
 v1 while loops are cycles by construction: NextIteration feeds Merge. Those back-edges
 (an input of a Merge whose producer is a NextIteration) are the only cycles TensorFlow
@@ -184,3 +185,25 @@ def descendants(nodes, data_only=False):
                 seen.add(c)
                 stack.append(c)
     return seen
+
+
+def absorb_exclusive_ancestors(region, keep_out):
+    """Grows ``region`` by every ancestor all of whose readers are already in it."""
+    region = set(region)
+    changed = True
+    frontier = list(region)
+    while changed:
+        changed = False
+        candidates = []
+        for n in frontier:
+            candidates += [t.node for t in n.inputs] + list(n.control_inputs)
+        frontier = []
+        for p in dict.fromkeys(candidates):
+            if p in region or keep_out(p):
+                continue
+            readers = [c for c, _ in p.consumers()] + list(p.control_consumers)
+            if readers and all(r in region for r in readers):
+                region.add(p)
+                frontier.append(p)
+                changed = True
+    return region

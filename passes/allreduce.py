@@ -18,10 +18,11 @@ averaged the same way.
 
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.analysis import DENSE_ASSIGNS, FUNCTION_CALLS, variable_of
+from graph_rewriter.analysis import variable_of
 from graph_rewriter.collectives import all_reduce_mean, dense_instance_key, group_key
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, FUNCTION_CALLS
 from graph_rewriter.pass_manager import Pass
 
 _COMPRESS = {"fp16": "float16", "bf16": "bfloat16"}

@@ -25,10 +25,11 @@ the sums are reset by the init op and by a checkpoint restore.
 import numpy as np
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.analysis import PASS_THROUGH, READERS, variable_of, written_variables
+from graph_rewriter.analysis import variable_of, written_variables
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, shape_attr
+from graph_rewriter.op_vocabulary import PASS_THROUGH, READERS
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import MICRO_BATCHES, init_ops, int_variable, shared_name
 from graph_rewriter.traversal import ancestors, descendants, reaches

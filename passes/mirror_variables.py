@@ -21,7 +21,7 @@ mirrors are touched (parameter-server variables exist once).
 from tensorflow.python.framework import dtypes
 
 from graph_rewriter import opdefs
-from graph_rewriter.analysis import DENSE_ASSIGNS, PASS_THROUGH
+from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, PASS_THROUGH
 from graph_rewriter.collectives import broadcast_recv, broadcast_send, group_key, init_instance_key
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass

@@ -20,7 +20,8 @@ replica's host CPU. For the others:
 """
 
 from graph_rewriter import opdefs
-from graph_rewriter.analysis import PASS_THROUGH, variable_of
+from graph_rewriter.analysis import variable_of
+from graph_rewriter.op_vocabulary import PASS_THROUGH
 from graph_rewriter.pass_manager import Pass
 
 

@@ -18,8 +18,9 @@ once for it, and the export writes it R-1 times. The output is the same graph as
 every replica built (``materialize_replicas=True``), at a fraction of the cost.
 """
 
-from graph_rewriter.analysis import PLACEHOLDERS, VARIABLE_OPS, absorb_exclusive_ancestors, analyze
-from graph_rewriter.traversal import gradient_readers, topological_order
+from graph_rewriter.analysis import analyze
+from graph_rewriter.op_vocabulary import PLACEHOLDERS, VARIABLE_OPS
+from graph_rewriter.traversal import absorb_exclusive_ancestors, gradient_readers, topological_order
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.replicas import ReplicaMap

@@ -22,7 +22,8 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
-from graph_rewriter.plan import CutPlan, Plan, VariablePlan, balance_ps
+from graph_rewriter.plan import CutPlan, Plan, VariablePlan
+from graph_rewriter.planner import balance_ps
 from graph_rewriter.testing import harness, models
 
 from test_equivalence import ATOL, BATCH, RTOL, STEPS, _reference

@@ -1,5 +1,5 @@
 """tools/simulate.py and graph_rewriter.simulate behind it: predictions on hand-computed
-plans, its synthetic plans against graph_rewriter.plan's, its outputs (table, --json,
+plans, its synthetic plans against graph_rewriter.planner's, its outputs (table, --json,
 --png), its errors, and (slow) its --validate run on real loopback servers.
 
 The tool runs as a user runs it (a subprocess with a timeout) for the outputs and the
@@ -155,7 +155,7 @@ def test_the_table_s_default_gpu_counts_and_workers():
     assert all(a["seconds"] <= b["seconds"] for a, b in zip(rows, rows[1:]))
 
 
-# ----- synthetic plans are graph_rewriter.plan's -------------------------------------------
+# ----- synthetic plans are graph_rewriter.planner's ----------------------------------------
 
 def _unplanned(plan_dict):
     """A rewrite's plan dict as make_plan starts it: everything mirrored, default syncs."""
@@ -175,7 +175,7 @@ def _unplanned(plan_dict):
     ("embedding", "adagrad", "ps", {"ps_shard_bytes": 100}),
 ])
 def test_synthetic_planning_is_make_plan_s(model, optimizer, strategy, options):
-    """simulate.py plans --model with graph_rewriter.plan's placement and packing, without
+    """simulate.py plans --model with graph_rewriter.planner's placement and packing, without
     the analysis: from a real rewrite's cuts and variables, unplanned, they must give the
     rewrite's own plan."""
     ex = models.build(model, optimizer)

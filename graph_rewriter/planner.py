@@ -1,0 +1,472 @@
+"""The planner: every decision of a rewrite, and every check of it, in one module.
+
+``plan(graph, analysis, options, cluster, num_replicas, given=None, log=None)`` returns
+the final Plan (graph_rewriter/plan.py holds the data): it checks that the graph can be
+planned, makes the default plan for the options' strategy (or checks a given one),
+then applies, in order, the decisions that depend on more than the strategy: ops that
+cannot use a sharded variable keep it whole, gradients a parameter server cannot
+average like one device stay mirrored, dtypes a collective cannot carry and cluster
+setups TensorFlow would abort are refused. The passes only apply the result.
+
+TensorFlow is imported inside the functions that need it, not at the top: a Plan, its
+placement and packing need none (tools/simulate.py plans without it).
+"""
+
+import copy
+import dataclasses
+import hashlib
+
+from graph_rewriter import cost_model
+from graph_rewriter.cost_model import Topology
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.op_vocabulary import shardable_user
+from graph_rewriter.options import DEFAULT_BYTES_PER_PACK
+from graph_rewriter.plan import DENSE_SYNCS, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan
+
+
+def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
+    """The final plan of a rewrite of ``graph`` (whose ``analysis`` is given) into
+    ``num_replicas`` replicas on ``cluster``: ``given`` (a user's plan, checked against
+    the graph and completed) or the default plan for the options. ``log`` takes one
+    line per decision the options did not spell out."""
+    info = log if log is not None else (lambda message: None)
+    _check_plannable(graph, analysis, options, cluster, num_replicas)
+    r = num_replicas
+    if given is None:
+        result = make_plan(analysis, options, r, num_ps=len(cluster.ps_tasks),
+                           topology=Topology.of(cluster, options.devices_per_worker),
+                           can_use_ps=_can_use_ps(cluster))
+    else:
+        result = check_plan(given, analysis, options, r)
+    result.fingerprint = graph_fingerprint(graph)
+    result.inputs = plan_inputs(analysis, options.batch_split, r)
+    _check_shared_step_ids(result, cluster)
+    _check_collective_dtypes(result, r)
+    _keep_unshardable_whole(result, graph, info)
+    _keep_coupled_together(result, analysis, info)
+    planned = {vp.name: vp for vp in result.variables}
+    for v in analysis.variables.values():
+        vp = planned.get(v.name)
+        if vp is not None:
+            vp.initializer = v.initializer.name if v.initializer is not None else None
+    info(f"plan: {len(analysis.variables)} variables, {len(result.cuts)} gradients "
+         f"({sum(c.kind == 'sparse' for c in result.cuts)} sparse), "
+         f"{len(result.packs)} packs, batch inputs {', '.join(result.batch_inputs) or 'none'}")
+    for ip in result.input_plans().values():
+        info(f"plan: input {ip.name}: {describe_input(ip, r)}")
+    return result
+
+
+def _check_plannable(graph, analysis, options, cluster, num_replicas):
+    """Rejects graphs that do not train (no variables, or no update that depends on the
+    batch), a batch-less graph for several replicas, merge names that are not tensors,
+    and options the cluster cannot serve."""
+    if not analysis.variables:
+        raise GraphRewriteError(
+            f"{graph.source} has no variables: it looks like an inference graph, and there "
+            "is nothing to train", hint="pass the training graph (with its optimizer)")
+    r = num_replicas
+    if r > 1 and not analysis.batch_inputs:
+        raise GraphRewriteError(
+            f"{graph.source} has no batch input to give {r} replicas: expected a placeholder "
+            "of rank >= 1 (the batch first) or a tf.data iterator output",
+            hint="feed the training data through a placeholder or an iterator, not constants")
+    if not analysis.cuts:
+        raise GraphRewriteError(
+            f"{graph.source} has variables but no optimizer update that depends on the batch "
+            "(no gradient found)",
+            hint="export the graph after calling optimizer.minimize() or apply_gradients()")
+    for name in options.merge:
+        try:
+            graph.tensor(name)
+        except GraphRewriteError:
+            raise GraphRewriteError(
+                f"merge names '{name}', which is not a tensor of {graph.source}",
+                hint="use the original graph's tensor names, e.g. loss:0") from None
+    if options.strategy in ("ps", "hybrid") and not cluster.is_local and not cluster.ps_tasks:
+        raise GraphRewriteError(
+            f"strategy '{options.strategy}' needs parameter servers, but the cluster has no "
+            "'ps' tasks", hint="add a \"ps\" job to the cluster spec, or use strategy allreduce")
+    if options.staleness and cluster.task is None:
+        raise GraphRewriteError(
+            "staleness bounds how far between-graph workers run ahead of each other; with "
+            "one client driving every replica (no task) no worker can run ahead",
+            hint="pass task='worker:I' (--task) for each worker's graph, or drop staleness")
+
+
+def plan_inputs(analysis, batch_split, num_replicas):
+    """The InputPlans of the analysis' batch inputs, or None if every one is split: inputs
+    with a static first dimension are per replica, the others as ``batch_split`` says.
+    An iterator is drawn as a whole, so all its outputs share one mode."""
+    out = []
+    for t in analysis.batch_inputs:
+        iterator = t.node.op in ("IteratorGetNext", "IteratorGetNextSync")
+        if t.name in analysis.static_batch:
+            b = analysis.static_batch[t.name]
+            out.append(InputPlan(name=t.name, kind="iterator" if iterator else "placeholder",
+                                 mode="per_replica", static_batch=b,
+                                 global_batch=b * num_replicas if b is not None else None))
+        else:
+            mode = "per_replica" if batch_split == "per_replica" else "split"
+            out.append(InputPlan(name=t.name, kind="iterator" if iterator else "placeholder", mode=mode))
+    if not any(i.mode == "per_replica" for i in out):
+        return None
+    return out
+
+
+def dtype_name(enum):
+    from tensorflow.python.framework import dtypes
+    return dtypes.as_dtype(enum).base_dtype.name
+
+
+def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_ps=True):
+    """The default plan for the options' strategy over this analysis.
+
+    allreduce: every variable mirrored. ps: every variable on the parameter servers
+    (``num_ps`` tasks, or this machine's host CPU when 0), balanced by bytes, a variable
+    travelling with its optimizer slots, variables above ``ps_shard_bytes`` split by rows
+    across all ps tasks. hybrid: variables with sparse gradients (and their slots) on
+    the parameter servers, every other variable mirrored (Parallax's split). auto: per
+    gradient the synchronisation the cost model predicts cheapest on ``topology`` (the
+    parameter servers only if ``can_use_ps``), ps variables split into the shard count
+    it picks, and its pack size unless ``bytes_per_pack`` is given.
+
+    TensorFlow is imported here, not at the top: a Plan, its JSON, placement and packing
+    need none (tools/simulate.py plans without it).
+    """
+    from graph_rewriter.shape_probe import rows_per_example
+    from graph_rewriter.op_builder import dtype_of
+    cuts = []
+    for c in analysis.cuts:
+        var = analysis.variables[c.variable]
+        sync = "allreduce" if c.kind == "dense" or options.sparse_as_dense else "allgather"
+        cuts.append(CutPlan(
+            variable=c.variable, kind=c.kind, values=c.values.name,
+            indices=c.indices.name if c.indices is not None else None,
+            deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
+            sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
+            variables=list(c.variables), received=list(c.received),
+            post_processing=list(c.post_processing),
+            rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
+            index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
+    variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
+                              bytes=v.nbytes, slot_of=v.slot_of, kind=v.kind)
+                 for v in analysis.variables.values()]
+    plan = Plan(
+        strategy=options.strategy, num_replicas=num_replicas,
+        devices_per_worker=options.devices_per_worker, device_type=options.device_type,
+        variables=variables, cuts=cuts, packs=[],
+        batch_inputs=[t.name for t in analysis.batch_inputs],
+        broadcast_inputs=[t.name for t in analysis.broadcast_inputs],
+        step_counters=list(analysis.step_counters), compression=options.compression,
+        sync=options.sync, staleness=options.staleness, num_ps=max(num_ps, 1),
+        accumulation_steps=options.accumulation_steps)
+    pack_bytes = DEFAULT_BYTES_PER_PACK if options.bytes_per_pack is None else options.bytes_per_pack
+    if options.strategy == "auto":
+        return _auto_plan(plan, options, topology, can_use_ps)
+    place_for_strategy(plan, options.strategy, options.ps_shard_bytes)
+    assign_packs(plan, pack_bytes)
+    return plan
+
+
+def place_for_strategy(plan, strategy, shard_bytes):
+    """The placement of strategy ps (every variable on the parameter servers) or hybrid
+    (variables with sparse gradients and their slots), balanced over the ps tasks; other
+    strategies leave the plan mirrored."""
+    if strategy not in ("ps", "hybrid"):
+        return plan
+    if strategy == "ps":
+        chosen = [v.name for v in plan.variables]
+    else:
+        sparse = {c.variable for c in plan.cuts if c.kind == "sparse"}
+        chosen = [v.name for v in plan.variables if v.name in sparse or v.slot_of in sparse]
+    for name in chosen:
+        plan.set_placement(name, "ps")
+    balance_ps(plan, shard_bytes)
+    return plan
+
+
+def _auto_plan(plan, options, topology, can_use_ps):
+    """Strategy auto: per gradient the cheapest synchronisation, then a check of the whole
+    step. A round of messages costs its latency once per step however many gradients
+    ride in it, so per-gradient choices can mix two rounds where one would do: the mixed
+    plan is compared with the all-mirrored and the all-ps plan, and the cheapest predicted
+    step wins (ties: mixed, then mirrored)."""
+    model = options.cost_model or cost_model.CostModel()
+    candidates = []
+    for mode in ("mixed", "mirrored", "ps"):
+        if mode == "ps" and not can_use_ps:
+            continue
+        p = copy.deepcopy(plan)
+        pack = cost_model.choose(p, topology, model, can_use_ps, mode)
+        pack_bytes = pack if options.bytes_per_pack is None else options.bytes_per_pack
+        shards = {c.variable: c.costs["accumulate"].get("shards", 1)
+                  for c in p.cuts if c.sync == "accumulate"}
+        balance_ps(p, 0, shards)
+        assign_packs(p, pack_bytes)
+        predicted = cost_model.predict(p, topology, model)
+        p.cost = {"model": model.to_dict(), "topology": dataclasses.asdict(topology),
+                  "choice": mode, "predicted": predicted}
+        candidates.append((predicted["seconds"], len(candidates), p))
+    best = min(candidates, key=lambda c: c[:2])[2]
+    best.cost["alternatives"] = {p.cost["choice"]: p.cost["predicted"]["seconds"] for _, _, p in candidates}
+    return best
+
+
+def balance_ps(plan, shard_bytes, shard_counts=None):
+    """Spreads parameter-server variables over the ps tasks by bytes (largest groups
+    first, each to the least loaded task); a group whose variable exceeds
+    ``shard_bytes`` is split by rows across every task instead, and a variable with a
+    count in ``shard_counts`` ({name: shards}) across that many least loaded tasks
+    (resource variables of rank >= 1 only: ref variables cannot be partitioned behind
+    one name)."""
+    loads = [0] * plan.num_ps
+    groups, seen = [], set()
+    for v in plan.variables:
+        if v.placement != "ps" or v.name in seen:
+            continue
+        group = [g for g in plan.group(v.name) if g.placement == "ps"]
+        seen.update(g.name for g in group)
+        groups.append(group)
+    groups.sort(key=lambda g: -sum(m.bytes or 0 for m in g))
+    for group in groups:
+        primary = group[0]
+        rows = primary.shape[0] if primary.shape else None
+        count = (shard_counts or {}).get(primary.name) or (
+            plan.num_ps if shard_bytes and (primary.bytes or 0) > shard_bytes else 1)
+        count = min(count, plan.num_ps)
+        shardable = (count > 1 and all(m.kind == "resource" and m.shape and m.shape[0] == rows for m in group)
+                     and rows is not None and rows >= count)
+        if shardable:
+            base, extra = divmod(rows, count)
+            tasks = sorted(sorted(range(plan.num_ps), key=lambda i: (loads[i], i))[:count])
+            shards = [{"ps_task": t, "rows": base + (1 if k < extra else 0)} for k, t in enumerate(tasks)]
+            for m in group:
+                m.shards, m.ps_task = [dict(s) for s in shards], None
+            for s in shards:
+                loads[s["ps_task"]] += sum(m.bytes or 0 for m in group) * s["rows"] // rows
+            continue
+        k = min(range(plan.num_ps), key=lambda i: (loads[i], i))
+        for m in group:
+            m.ps_task, m.shards = k, None
+        loads[k] += sum(m.bytes or 0 for m in group)
+
+
+def assign_packs(plan, bytes_per_pack):
+    """Groups allreduced cuts into same-dtype packs of at most ``bytes_per_pack`` bytes
+    (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
+    first are issued first, so communication overlaps the rest of backprop."""
+    plan.packs = []
+    plan.bytes_per_pack = bytes_per_pack
+    open_pack = {}
+    # Batch statistics (BatchNorm moving averages) go first, in packs of their own: with
+    # TF1's control_dependencies(UPDATE_OPS) idiom the gradients wait for those updates.
+    ordered = [c for c in plan.cuts if c.role == "state"] + [c for c in plan.cuts if c.role != "state"]
+    for c in ordered:
+        c.pack = None
+        if c.sync != "allreduce":
+            continue
+        size = c.bytes
+        key = (c.dtype, c.role == "state")
+        p = open_pack.get(key)
+        if p is None or size is None or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):
+            p = PackPlan(dtype=c.dtype, cuts=[], bytes=0)
+            plan.packs.append(p)
+            open_pack[key] = p if size is not None else None
+        p.cuts.append(c.variable)
+        p.bytes += size or 0
+        c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)
+
+
+def check_plan(plan, analysis, options, num_replicas):
+    """Compares a given (possibly hand-edited) plan with the graph; names what differs."""
+    if plan.num_replicas != num_replicas:
+        raise GraphRewriteError(
+            f"the plan is for {plan.num_replicas} replicas, but the options give {num_replicas}",
+            hint="make the plan again with the same cluster and devices_per_worker")
+    known = {c.variable: c for c in analysis.cuts}
+    for c in plan.cuts:
+        found = known.get(c.variable)
+        if found is None:
+            raise GraphRewriteError(
+                f"the plan names variable '{c.variable}', which has no gradient in this graph")
+        allowed = DENSE_SYNCS if c.kind == "dense" else SPARSE_SYNCS
+        if c.sync not in allowed:
+            raise GraphRewriteError(
+                f"plan: variable '{c.variable}' has sync {c.sync!r}; a {c.kind} gradient "
+                f"allows {', '.join(allowed)}")
+    for c in plan.cuts:
+        placement = plan.variable(c.variable).placement
+        if (c.sync == "accumulate") != (placement == "ps"):
+            raise GraphRewriteError(
+                f"plan: variable '{c.variable}' is {placement} but its gradient sync is "
+                f"{c.sync!r}", hint="parameter-server variables use sync 'accumulate'; use "
+                "Plan.set_placement() to move a variable and its gradient together")
+    for v in plan.variables:
+        if v.placement not in ("mirrored", "ps"):
+            raise GraphRewriteError(
+                f"plan: variable '{v.name}' has placement {v.placement!r}", hint="use mirrored or ps")
+        if v.placement == "ps":
+            for m in plan.group(v.name):
+                if m.placement != "ps":
+                    raise GraphRewriteError(
+                        f"plan: variable '{v.name}' is on a parameter server but its optimizer "
+                        f"slot '{m.name}' is not", hint="place a variable and its slots together")
+            if v.ps_task is not None and not 0 <= v.ps_task < plan.num_ps:
+                raise GraphRewriteError(
+                    f"plan: variable '{v.name}' is on ps task {v.ps_task}, but there are {plan.num_ps}")
+    missing = set(known) - {c.variable for c in plan.cuts}
+    if missing:
+        raise GraphRewriteError(
+            f"the plan has no entry for variable '{sorted(missing)[0]}'",
+            hint="make the plan from this graph with `graph-rewrite plan`")
+    if options.bytes_per_pack is not None:
+        pack_bytes = options.bytes_per_pack
+    elif plan.bytes_per_pack is not None:
+        pack_bytes = plan.bytes_per_pack
+    else:
+        pack_bytes = DEFAULT_BYTES_PER_PACK
+    if options.accumulation_steps > 1:
+        plan.accumulation_steps = options.accumulation_steps
+    assign_packs(plan, pack_bytes)
+    return plan
+
+
+def _can_use_ps(cluster):
+    """Strategy auto may put variables on parameter servers when the cluster has ps
+    tasks, or is this machine alone (its host CPU serves)."""
+    return cluster.is_local or bool(cluster.ps_tasks)
+
+
+def _check_collective_dtypes(plan, num_replicas):
+    """Every gradient a collective carries has a dtype its kernel accepts (the OpDef's
+    allowed ``T``), or the rewrite stops here naming the variable."""
+    from graph_rewriter import opdefs
+    if num_replicas < 2:
+        return
+    wire = {"fp16": "float16", "bf16": "bfloat16"}.get(plan.compression)
+    for c in plan.cuts:
+        op = {"allreduce": "CollectiveReduceV2", "allgather": "CollectiveGatherV2"}.get(c.sync)
+        if op is None:
+            continue
+        dtype = wire if wire and c.dtype in ("float32", "float64") and c.sync == "allreduce" else c.dtype
+        allowed = opdefs.allowed_types(op, "T")
+        if dtype not in allowed:
+            raise GraphRewriteError(
+                f"variable '{c.variable}' has a {dtype} gradient, which {op} cannot carry "
+                f"(it takes {', '.join(allowed)})",
+                hint="keep the variable on a parameter server (strategy ps, or a plan placing it "
+                     "\"ps\"), or train it in a supported dtype")
+
+
+def _check_shared_step_ids(plan, cluster):
+    """Between-graph workers that all-reduce across machines share step ids (TensorFlow
+    numbers the steps of graphs with collectives from one sequence per cluster), so on
+    a ps task one worker's finished step cleans up, and aborts, another worker's step
+    with the same id. Synchronous steps end together (sync_queues orders the end);
+    workers that run ahead do not, so that combination is refused, not left to abort
+    at random."""
+    if cluster.task is None or len(cluster.compute_tasks) < 2:
+        return
+    on_ps = [v.name for v in plan.variables if v.placement == "ps"]
+    mirrored = [c.variable for c in plan.cuts if c.sync != "accumulate"]
+    if on_ps and mirrored and plan.accumulation_steps > 1:
+        # The runs that only accumulate skip the end-of-step barrier with the rest of
+        # the update, so the same abort would hit them.
+        raise GraphRewriteError(
+            f"accumulation_steps={plan.accumulation_steps} cannot be combined with all-reduced "
+            f"variables (e.g. '{mirrored[0]}') and ps variables (e.g. '{on_ps[0]}') in "
+            "between-graph workers: TensorFlow gives every worker's run the same id once "
+            "collectives span workers, and the runs that only accumulate end without the "
+            "barrier that keeps one worker's run from aborting another's on the ps",
+            hint="use strategy allreduce or ps (not both kinds of variables) with "
+                 "accumulation_steps, or one in-graph client (no task)")
+    if not (plan.staleness or not plan.sync):
+        return
+    if on_ps and mirrored:
+        mode = f"staleness={plan.staleness}" if plan.sync else "sync=False"
+        raise GraphRewriteError(
+            f"{mode} cannot be combined with all-reduced variables (e.g. '{mirrored[0]}') "
+            f"and ps variables (e.g. '{on_ps[0]}') in between-graph workers: TensorFlow gives "
+            "every worker's step the same id once collectives span workers, and a worker "
+            "running ahead would abort the chief's step on the ps",
+            hint="use strategy ps (every variable on the ps) with staleness, or synchronous "
+                 "hybrid, or one in-graph client (no task)")
+
+
+def _keep_coupled_together(plan, analysis, log):
+    """Gradients that meet in post-processing (a global norm) must be averaged alike:
+    a parameter server's average exists once, on the ps, while an all-reduced one
+    exists on every replica, so a norm over both could be computed in neither place
+    for every replica. And a parameter server sums a sparse gradient's duplicate rows
+    before averaging, so post-processing that reads the rows themselves (the norm of
+    IndexedSlices counts each row) would see other rows than on one device. Such
+    groups are mirrored (all-reduced and gathered), and the log says why."""
+    from graph_rewriter.analysis import rows_reduced
+    if not any(c.sync == "accumulate" for c in plan.cuts):
+        return
+    cuts = {c.variable: c for c in analysis.cuts}
+    groups = [list(g) for g in analysis.coupled]
+    grouped = {v for g in groups for v in g}
+    groups += [[c.variable] for c in analysis.cuts if c.variable not in grouped]
+    changed = False
+    for group in groups:
+        planned = [plan.cut(v) for v in group]
+        on_ps = [c for c in planned if c.sync == "accumulate"]
+        if not on_ps:
+            continue
+        rows = [v for v in group if cuts[v].kind == "sparse" and cuts[v].received
+                and not cuts[v].deduplicated and rows_reduced(cuts[v])]
+        if rows:
+            why = (f"the rows of the sparse gradient of '{rows[0]}' are post-processed "
+                   f"({', '.join(cuts[rows[0]].post_processing)}) before they are summed")
+        elif len(on_ps) < len(planned):
+            mirrored = next(c.variable for c in planned if c.sync != "accumulate")
+            why = (f"their gradients meet in post-processing with the all-reduced gradient "
+                   f"of '{mirrored}'")
+        else:
+            continue
+        for c in on_ps:
+            plan.set_placement(c.variable, "mirrored")
+        changed = True
+        names = ", ".join(f"'{c.variable}'" for c in on_ps[:3]) + (" ..." if len(on_ps) > 3 else "")
+        log(f"plan: {len(on_ps)} variables ({names}) stay mirrored, not on a parameter "
+            f"server: {why}, which a parameter server's average cannot reproduce")
+    if changed:
+        assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK)
+
+
+def _keep_unshardable_whole(plan, graph, log):
+    """A variable is split by rows only if every op using it can be rewritten for
+    parts; otherwise it stays whole on one ps task (and the log says why)."""
+    for vp in plan.variables:
+        if not vp.shards:
+            continue
+        group = plan.group(vp.name)
+        blockers = [u for m in group for u, _ in graph.node(m.name).consumers(0) if not shardable_user(u)]
+        if blockers:
+            for m in group:
+                m.ps_task, m.shards = m.shards[0]["ps_task"] if m.shards else 0, None
+            log(f"plan: '{vp.name}' stays whole: '{blockers[0].name}' ({blockers[0].op}) cannot use a sharded variable")
+
+
+def describe_input(ip, num_replicas):
+    """One line on how a batch input (an InputPlan) reaches the replicas: its mode, static
+    batch and global batch."""
+    if ip.mode == "split":
+        return (f"split, the {'drawn' if ip.kind == 'iterator' else 'fed'} batch divided across "
+                f"{num_replicas} replica(s) (static batch none, global batch as "
+                f"{'drawn' if ip.kind == 'iterator' else 'fed'})")
+    source = ("drawn once per replica, replica 0 first" if ip.kind == "iterator"
+              else "fed as the replicas' batches concatenated in replica order")
+    if ip.static_batch is None:
+        return f"per_replica, {source} (static batch none, global batch {num_replicas} x the batch)"
+    return (f"per_replica, {source} (static batch {ip.static_batch}, global batch "
+            f"{ip.global_batch} = {num_replicas} x {ip.static_batch})")
+
+
+def graph_fingerprint(graph):
+    """A digest of the single-device graph: two different graphs rewritten in one process
+    (or on one cluster) get different collective instance keys."""
+    from graph_rewriter.graph_io import graph_def_bytes
+    return hashlib.sha256(graph_def_bytes(graph)).hexdigest()[:16]

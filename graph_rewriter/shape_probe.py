@@ -1,0 +1,61 @@
+"""The shape probe: how many rows a sparse gradient holds per example of the batch.
+
+Kept apart from the analysis because it is the one place that builds a TensorFlow graph:
+the GraphDef has no shapes for the batch dimension (a batch input's first dimension is
+None), so the question is put to TensorFlow's own shape inference on a scratch tf.Graph
+holding the tensor's ancestors, with the batch dimension set to 1 and then 2. The planner
+records the answer in the plan (``CutPlan.rows_per_example``); passes never call this.
+"""
+
+from graph_rewriter.traversal import ancestors
+
+
+def rows_per_example(tensor, batch_inputs, max_nodes=2000):
+    """How many rows ``tensor`` (a sparse gradient's indices) holds per example of the
+    batch, or None when that is not a fixed number.
+
+    Batch inputs have a first dimension of None, so TensorFlow's shape inference is run
+    twice on the tensor's ancestors (a few ops even in a large model), imported into a
+    scratch tf.Graph with the batch dimension set to 1 and to 2: rows that grow by
+    exactly the count at 1 are that many per example (ids [batch, k] give k). Indices an
+    optimizer deduplicated (Unique) count as their input: an upper bound."""
+    while tensor.node.op in ("Unique", "Identity") and tensor.node.inputs:
+        tensor = tensor.node.inputs[0]
+    region = ancestors([tensor.node]) | {tensor.node}
+    if len(region) > max_nodes:
+        return None
+    batch_nodes = {t.node.name for t in batch_inputs}
+    one, two = (_static_rows(tensor, region, batch_nodes, b) for b in (1, 2))
+    if one is None or two is None or two != 2 * one:
+        return None
+    return one
+
+
+def _static_rows(tensor, region, batch_nodes, batch):
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    gd = graph_pb2.GraphDef()
+    if tensor.node.graph.library is not None:
+        gd.library.CopyFrom(tensor.node.graph.library)
+    for n in [n for n in tensor.node.graph if n in region]:   # import_graph_def takes any order
+        nd = gd.node.add(name=n.name, op=n.op)
+        nd.input.extend([t.name if t.index else t.node.name for t in n.inputs] +
+                        ["^" + c.name for c in n.control_inputs])
+        for k, v in n.attr.items():
+            nd.attr[k].CopyFrom(v)
+        if n.name in batch_nodes:
+            shapes = [nd.attr["shape"].shape] if "shape" in nd.attr else list(nd.attr["output_shapes"].list.shape)
+            for s in shapes:
+                if s.dim and s.dim[0].size < 0:
+                    s.dim[0].size = batch
+    scratch = tf.Graph()
+    try:
+        with scratch.as_default():
+            tf.compat.v1.import_graph_def(gd, name="")
+        shape = scratch.get_tensor_by_name(tensor.name).shape
+    except (ValueError, TypeError, KeyError, tf.errors.OpError):
+        return None
+    if shape.rank is None or shape.rank == 0 or shape[0] is None:
+        return None
+    return int(shape[0])

@@ -165,6 +165,9 @@ def run_passes(graph, ctx, *passes, verify_each=True):
     verified before and after each), starting from the products ``ctx`` already holds:
     how a test runs one pass alone, or a pass with only the passes it requires."""
     from graph_rewriter.verifier import check_collectives_run, verify, verify_changes
+    # (a product a pass of these provides is its to check and complete: the plan pass
+    # takes a given plan)
     initial = {name for name in PRODUCTS if getattr(ctx, name) is not None}
+    initial -= {name for p in passes for name in p.provides}
     return PassManager(passes, verifier=verify, verify_changes=verify_changes, verify_each=verify_each,
                        verify_final=check_collectives_run).run(graph, ctx, initial)

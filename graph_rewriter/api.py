@@ -129,6 +129,7 @@ def pipeline():
     given plan needs it (the pass manager skips it when not)."""
     return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
             passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
+            passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
             passes.MergeSummariesPass(), passes.PlacePass(), passes.MetadataPass()]
 

@@ -71,6 +71,19 @@ def barrier_instance_key(plan, kind, index):
     return instance_base(plan) + _INSTANCE_SLOTS - 1 - index - (_BARRIERS if kind == "init" else 0)
 
 
+def key_of(node, arg):
+    """The value of a V2 collective's key input ``arg`` ("group_size", "group_key",
+    "instance_key") when it is a constant; None when computed at run time (the sparse
+    buckets' instance keys)."""
+    from graph_rewriter import opdefs
+    producer = node.inputs[opdefs.input_arg_slices(node)[arg][0]].node
+    if producer.op != "Const":
+        return None
+    tensor = producer.attr["value"].tensor
+    values = list(tensor.int_val) or list(tensor.int64_val)
+    return values[0] if values else 0
+
+
 def _key_inputs(graph, scope, group_size, gkey, ikey, device):
     """Group size, group key and instance key inputs; ``ikey`` may be a Tensor computed at
     run time (the sparse buckets) or an int."""

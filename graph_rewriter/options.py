@@ -29,6 +29,7 @@ DEVICE_TYPES = ("GPU", "CPU")
 COMPRESSIONS = (None, "fp16", "bf16")
 MERGES = ("sum", "mean", "concat", "master")
 BATCH_SPLITS = ("global", "per_replica")
+COMMUNICATIONS = ("auto", "ring", "nccl")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_PS_SHARD_BYTES = 64 * 1024 * 1024
@@ -293,6 +294,14 @@ class Options:
                  help="cast dense gradients down for the all-reduce and back after (half the "
                       "bytes on the wire); default: none",
                  convert=lambda value: None if value == "none" else value))
+    communication: str = option(
+        "auto", "The implementation every gradient all-reduce and all-gather asks TensorFlow "
+        "for (the collectives' communication_hint): auto lets TensorFlow choose, ring is its "
+        "gRPC ring (CPU and GPU), nccl NVIDIA's NCCL (GPU replicas only). A plan can set it "
+        "per pack.",
+        check=one_of(COMMUNICATIONS, "unknown communication {value!r}",
+                     f"use one of {', '.join(COMMUNICATIONS)}"),
+        cli=Flag("--communication", choices=COMMUNICATIONS))
     sparse_as_dense: bool = option(
         False, "All-reduce sparse gradients as dense tensors instead of gathering their rows.",
         check=boolean("sparse_as_dense"),
@@ -395,6 +404,10 @@ class Options:
             raise GraphRewriteError(
                 f"staleness and sync=False apply to parameter servers, not strategy {self.strategy!r}",
                 hint="use strategy='ps' or 'hybrid'")
+        if self.communication == "nccl" and self.device_type != "GPU":
+            raise GraphRewriteError(
+                "communication 'nccl' runs on GPUs, but the replicas are CPU devices",
+                hint="use communication 'ring' or 'auto' for CPU replicas")
         if self.accumulation_steps > 1 and not self.sync:
             raise GraphRewriteError(
                 "accumulation_steps with sync=False: asynchronous workers apply their own gradients "

@@ -49,6 +49,9 @@ class PackPlan:
     dtype: str
     cuts: list                  # variable names, in issue order
     bytes: int
+    # the collective implementation the pack asks for ("auto", "ring", "nccl"); None:
+    # the rewrite's communication option (absent from the JSON then)
+    communication: str = None
 
 
 @dataclasses.dataclass
@@ -151,6 +154,9 @@ class Plan:
         d = {"format": PLAN_FORMAT, **_plain(self)}
         if d["inputs"] is None:
             del d["inputs"]
+        for p in d["packs"]:
+            if p["communication"] is None:
+                del p["communication"]
         return d
 
     def input_plans(self):

@@ -20,7 +20,7 @@ from graph_rewriter import cost_model
 from graph_rewriter.cost_model import Topology
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_vocabulary import shardable_user
-from graph_rewriter.options import DEFAULT_BYTES_PER_PACK
+from graph_rewriter.options import COMMUNICATIONS, DEFAULT_BYTES_PER_PACK
 from graph_rewriter.plan import DENSE_SYNCS, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan
 
 
@@ -44,6 +44,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _check_collective_dtypes(result, r)
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
+    _choose_communication(result, options)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -55,6 +56,23 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     for ip in result.input_plans().values():
         info(f"plan: input {ip.name}: {describe_input(ip, r)}")
     return result
+
+
+def _choose_communication(plan, options):
+    """Each pack's collective implementation: the one the (given) plan names, or the
+    rewrite's ``communication`` option when that is not "auto" (left unset otherwise, so
+    plans and graphs made without the option stay as they were)."""
+    for i, pack in enumerate(plan.packs):
+        if pack.communication is None and options.communication != "auto":
+            pack.communication = options.communication
+        if pack.communication is not None and pack.communication not in COMMUNICATIONS:
+            raise GraphRewriteError(
+                f"the plan's pack {i} asks for communication {pack.communication!r}",
+                hint=f"use one of {', '.join(COMMUNICATIONS)}")
+        if pack.communication == "nccl" and plan.device_type != "GPU":
+            raise GraphRewriteError(
+                f"the plan's pack {i} asks for communication 'nccl', which runs on GPUs, but "
+                "the replicas are CPU devices", hint="use 'ring' or 'auto' for CPU replicas")
 
 
 def _check_plannable(graph, analysis, options, cluster, num_replicas):
@@ -255,7 +273,9 @@ def balance_ps(plan, shard_bytes, shard_counts=None):
 def assign_packs(plan, bytes_per_pack):
     """Groups allreduced cuts into same-dtype packs of at most ``bytes_per_pack`` bytes
     (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
-    first are issued first, so communication overlaps the rest of backprop."""
+    first are issued first, so communication overlaps the rest of backprop. A pack made
+    again with the same gradients keeps the communication a (given) plan chose for it."""
+    chosen = {tuple(p.cuts): p.communication for p in plan.packs if p.communication is not None}
     plan.packs = []
     plan.bytes_per_pack = bytes_per_pack
     open_pack = {}
@@ -276,6 +296,8 @@ def assign_packs(plan, bytes_per_pack):
         p.cuts.append(c.variable)
         p.bytes += size or 0
         c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)
+    for p in plan.packs:
+        p.communication = chosen.get(tuple(p.cuts))
 
 
 def check_plan(plan, analysis, options, num_replicas):

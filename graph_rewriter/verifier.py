@@ -13,6 +13,7 @@
 import re
 
 from graph_rewriter import opdefs
+from graph_rewriter.collectives import key_of
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Node
 from graph_rewriter.traversal import any_topological_order, topological_order
@@ -146,15 +147,6 @@ def _check_colocation(graph, nodes):
                     f"node '{n.name}' is colocated with '{name}', which is not in the graph")
 
 
-def _const_int(t):
-    n = t.node
-    if n.op != "Const":
-        return None
-    tensor = n.attr["value"].tensor
-    vals = list(tensor.int_val) or list(tensor.int64_val)
-    return vals[0] if vals else 0
-
-
 def _check_collectives(graph):
     groups = {}     # group_key -> (group_size, set of devices)
     instances = {}  # (group_key, instance_key, device) -> node name
@@ -163,10 +155,7 @@ def _check_collectives(graph):
         if n.op not in COLLECTIVES:
             continue
         if n.op.endswith("V2"):
-            sl = opdefs.input_arg_slices(n)
-            size = _const_int(n.inputs[sl["group_size"][0]])
-            gkey = _const_int(n.inputs[sl["group_key"][0]])
-            ikey = _const_int(n.inputs[sl["instance_key"][0]])
+            size, gkey, ikey = (key_of(n, arg) for arg in ("group_size", "group_key", "instance_key"))
         else:
             size, gkey, ikey = n.attr["group_size"].i, n.attr["group_key"].i, n.attr["instance_key"].i
         if size is None or gkey is None or ikey is None:

@@ -9,6 +9,7 @@ from graph_rewriter.passes.mirror_variables import MirrorVariablesPass
 from graph_rewriter.passes.micro_batches import MicroBatchesPass
 from graph_rewriter.passes.allreduce import AllReducePass
 from graph_rewriter.passes.allgather import AllGatherPass
+from graph_rewriter.passes.communication import CommunicationPass
 from graph_rewriter.passes.accumulate import AccumulatePass
 from graph_rewriter.passes.sync_queues import SyncQueuesPass
 from graph_rewriter.passes.shard_variables import ShardVariablesPass
@@ -17,5 +18,5 @@ from graph_rewriter.passes.place import PlacePass
 from graph_rewriter.passes.metadata import MetadataPass
 
 __all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass", "MicroBatchesPass",
-           "AllReducePass", "AllGatherPass", "AccumulatePass", "SyncQueuesPass", "ShardVariablesPass", "MergeSummariesPass",
+           "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass", "ShardVariablesPass", "MergeSummariesPass",
            "PlacePass", "MetadataPass"]

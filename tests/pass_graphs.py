@@ -85,3 +85,29 @@ def reaches(a, b):
 def replica_of(ctx, graph, node):
     """The replica a node belongs to (None: global), from the rewrite's ReplicaMap."""
     return ctx.replicas.replica_of(graph, node.name)
+
+
+# the variable updates the tiny graphs' optimizers make (dense and sparse)
+UPDATE_OPS = ("ResourceApplyGradientDescent", "ResourceApplyMomentum", "ResourceApplyAdam",
+              "ResourceScatterAdd", "ResourceSparseApplyMomentum")
+
+
+def update_of(graph, ctx, variable, replica):
+    """Replica ``replica``'s update of ``variable`` (an original name): the first update
+    op reading its copy of the variable."""
+    handle = ctx.replicas.node(graph, replica, variable)
+    return next(c for c, _ in handle.consumers() if c.op in UPDATE_OPS)
+
+
+def gradient_of(update):
+    """What a dense update reads besides its variable and its learning rate."""
+    (g,) = [p for p in reads(update) if p.op not in ("VarHandleOp", "Const")]
+    return g
+
+
+def collective_keys(node):
+    """The scalar int32 Consts a collective reads, sorted: its group size, group key and
+    instance key (fewer when a key is computed at run time)."""
+    import numpy as np
+    values = [tf.make_ndarray(p.attr["value"].tensor) for p in reads(node) if p.op == "Const"]
+    return sorted(int(v) for v in values if np.shape(v) == () and v.dtype == np.int32)

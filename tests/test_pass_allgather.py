@@ -14,14 +14,11 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import PassManager, run_passes
 from graph_rewriter.passes import AllGatherPass, MicroBatchesPass, PlanPass, ReplicatePass
 from graph_rewriter.traversal import ancestors
-from pass_graphs import context, dense, ops, reads, replica_of, sparse
+from pass_graphs import (collective_keys, context, dense, ops, reads, replica_of, sparse,
+                         update_of)
 
-UPDATES = ("ResourceScatterAdd", "ResourceSparseApplyMomentum")
 
 
-def _update(graph, ctx, replica):
-    handle = ctx.replicas.node(graph, replica, "table")
-    return next(c for c, _ in handle.consumers() if c.op in UPDATES)
 
 
 def _gathered(optimizer="sgd", **options):
@@ -29,7 +26,7 @@ def _gathered(optimizer="sgd", **options):
     g = sparse(optimizer)
     ctx = context(**options)
     run_passes(g, ctx, PlanPass(), ReplicatePass())
-    grads = {i: set(ancestors([_update(g, ctx, i)], data_only=True)) for i in ctx.replicas.built}
+    grads = {i: set(ancestors([update_of(g, ctx, "table", i)], data_only=True)) for i in ctx.replicas.built}
     run_passes(g, ctx, AllGatherPass())
     return g, ctx, grads
 
@@ -38,9 +35,6 @@ def _gathers(graph, ctx, replica):
     return [n for n in ops(graph, "CollectiveGatherV2") if replica_of(ctx, graph, n) == replica]
 
 
-def _keys(node):
-    values = [tf.make_ndarray(p.attr["value"].tensor) for p in reads(node) if p.op == "Const"]
-    return sorted(int(v) for v in values if v.shape == () and v.dtype == "int32")
 
 
 def test_every_replica_applies_the_gathered_rows_divided_by_the_replica_count():
@@ -52,8 +46,8 @@ def test_every_replica_applies_the_gathered_rows_divided_by_the_replica_count():
     for i in (0, 1):
         gathers = _gathers(g, ctx, i)
         assert len(gathers) == 3 and {n.device for n in gathers} == {f"/device:CPU:{i}"}
-        assert all(2 in _keys(n) for n in gathers)   # group size 2
-        update = _update(g, ctx, i)
+        assert all(2 in collective_keys(n) for n in gathers)   # group size 2
+        update = update_of(g, ctx, "table", i)
         into = ancestors([update], data_only=True)
         assert set(gathers) <= into and not set(_gathers(g, ctx, 1 - i)) & into
         # the replica's own backprop feeds its gathers, not the other's
@@ -78,8 +72,8 @@ def test_rows_are_padded_and_gathered_under_a_bucket_key():
         assert len(padded) == 2   # values and indices
         assert all(any(p.op == "AddV2" for p in reads(n)) for n in padded)
         (counts,) = [n for n in _gathers(g, ctx, i) if n not in padded]
-        assert len(_keys(counts)) == 3
-        constant_keys.append(_keys(counts))
+        assert len(collective_keys(counts)) == 3
+        constant_keys.append(collective_keys(counts))
     assert constant_keys[0] == constant_keys[1]
 
 
@@ -91,7 +85,7 @@ def test_duplicate_ids_across_replicas_are_summed_after_the_gather(optimizer):
     """
     g, ctx, _ = _gathered(optimizer, devices_per_worker=2)
     for i in (0, 1):
-        update = _update(g, ctx, i)
+        update = update_of(g, ctx, "table", i)
         gathers = set(_gathers(g, ctx, i))
         after = [a for a in ancestors([update], data_only=True)
                  if a.op == "Unique" and gathers & ancestors([a], data_only=True)]

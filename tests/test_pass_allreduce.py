@@ -17,26 +17,15 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import PassManager, run_passes
 from graph_rewriter.passes import AllReducePass, MicroBatchesPass, PlanPass, ReplicatePass
 from graph_rewriter.traversal import ancestors
-from pass_graphs import context, dense, ops, reads, replica_of, sparse
-
-UPDATES = ("ResourceApplyGradientDescent", "ResourceScatterAdd")
-
-
-def _keys(node):
-    """The scalar int32 Consts a collective reads: group size, group key, instance key."""
-    values = [tf.make_ndarray(p.attr["value"].tensor) for p in reads(node) if p.op == "Const"]
-    return sorted(int(v) for v in values if v.shape == () and v.dtype == "int32")
+from pass_graphs import (collective_keys, context, dense, gradient_of, ops, reads, replica_of, sparse,
+                         update_of)
 
 
-def _update(graph, ctx, variable, replica):
-    handle = ctx.replicas.node(graph, replica, variable)
-    return next(c for c, _ in handle.consumers() if c.op in UPDATES)
 
 
-def _gradient(update):
-    """What an update reads besides its variable and its learning rate."""
-    (g,) = [p for p in reads(update) if p.op not in ("VarHandleOp", "Const")]
-    return g
+
+
+
 
 
 def _collectives(graph, ctx, replica):
@@ -50,7 +39,7 @@ def _reduced(graph=None, **options):
     ctx = context(**options)
     run_passes(g, ctx, PlanPass(), ReplicatePass())
     variables = [c.variable for c in ctx.plan.cuts if c.kind == "dense"]
-    grads = {(v, i): _gradient(_update(g, ctx, v, i)) for v in variables for i in ctx.replicas.built}
+    grads = {(v, i): gradient_of(update_of(g, ctx, v, i)) for v in variables for i in ctx.replicas.built}
     run_passes(g, ctx, AllReducePass())
     return g, ctx, grads
 
@@ -69,14 +58,14 @@ def test_every_replica_applies_the_mean_of_the_replicas_gradients():
         (reduce,) = reduces[i]
         assert reduce.device == f"/device:CPU:{i}"
         assert reduce.attr["merge_op"].s == b"Add" and reduce.attr["final_op"].s == b"Div"
-        assert 2 in _keys(reduce)   # group size: the replica count it divides by
+        assert 2 in collective_keys(reduce)   # group size: the replica count it divides by
         into = ancestors([reduce], data_only=True)
         for v in ("w", "b"):
             assert grads[(v, i)] in into and grads[(v, 1 - i)] not in into
-            update = _update(g, ctx, v, i)
-            assert _gradient(update) is not grads[(v, i)]
+            update = update_of(g, ctx, v, i)
+            assert gradient_of(update) is not grads[(v, i)]
             assert reduce in ancestors([update], data_only=True)
-    assert _keys(reduces[0][0]) == _keys(reduces[1][0])
+    assert collective_keys(reduces[0][0]) == collective_keys(reduces[1][0])
 
 
 def test_small_packs_give_one_collective_per_pack_issued_in_order():
@@ -90,12 +79,12 @@ def test_small_packs_give_one_collective_per_pack_issued_in_order():
     for i in (0, 1):
         reduces = _collectives(g, ctx, i)
         assert len(reduces) == 2
-        feeding = {v: [r for r in reduces if r in ancestors([_update(g, ctx, v, i)], data_only=True)]
+        feeding = {v: [r for r in reduces if r in ancestors([update_of(g, ctx, v, i)], data_only=True)]
                    for v in ("b", "w")}
         assert len(feeding["b"]) == 1 and len(feeding["w"]) == 1 and feeding["b"] != feeding["w"]
         first, second = feeding["b"][0], feeding["w"][0]
         assert first in ancestors(second.control_inputs) | set(second.control_inputs)
-        keys.append((_keys(first), _keys(second)))
+        keys.append((collective_keys(first), collective_keys(second)))
     assert keys[0] == keys[1] and keys[0][0] != keys[0][1]
 
 
@@ -121,7 +110,7 @@ def test_sparse_as_dense_scatters_the_rows_then_reduces():
     for i in (0, 1):
         (reduce,) = _collectives(g, ctx, i)
         assert any(a.op == "UnsortedSegmentSum" for a in ancestors([reduce], data_only=True))
-        update = _update(g, ctx, "table", i)
+        update = update_of(g, ctx, "table", i)
         parents = reads(update)
         assert any(p.op == "Range" for p in parents)
         assert reduce in ancestors([update], data_only=True)

@@ -16,29 +16,23 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import run_passes
 from graph_rewriter.passes import AllReducePass, MicroBatchesPass, PlanPass, ReplicatePass
 from graph_rewriter.traversal import ancestors
-from pass_graphs import context, dense, ops, reads, replica_of, sparse
+from pass_graphs import (context, dense, gradient_of, ops, reads, replica_of, sparse,
+                         update_of)
 
-UPDATES = ("ResourceApplyGradientDescent", "ResourceScatterAdd")
 
 
 def _value(node):
     return tf.make_ndarray(node.attr["value"].tensor)
 
 
-def _update(graph, ctx, variable, replica):
-    handle = ctx.replicas.node(graph, replica, variable)
-    return next(c for c, _ in handle.consumers() if c.op in UPDATES)
 
 
-def _gradient(update):
-    (g,) = [p for p in reads(update) if p.op not in ("VarHandleOp", "Const")]
-    return g
 
 
 def _accumulated(graph, *after, **options):
     ctx = context(**options)
     run_passes(graph, ctx, PlanPass(), ReplicatePass())
-    grads = {(c.variable, i): _gradient(_update(graph, ctx, c.variable, i))
+    grads = {(c.variable, i): gradient_of(update_of(graph, ctx, c.variable, i))
              for c in ctx.plan.cuts if c.kind == "dense" for i in ctx.replicas.built}
     run_passes(graph, ctx, MicroBatchesPass(), *after)
     return ctx, grads
@@ -60,7 +54,7 @@ def test_each_replica_applies_the_mean_of_its_summed_micro_batches():
     assert any(p.op == "Const" and _value(p) == 3 for p in reads(phase))
     for i in (0, 1):
         for v in ("w", "b"):
-            mean = _gradient(_update(g, ctx, v, i))
+            mean = gradient_of(update_of(g, ctx, v, i))
             assert _is_mean_of_steps(mean, 3) and replica_of(ctx, g, mean) == i
             before = ancestors([mean], data_only=True)
             assert grads[(v, i)] in before and grads[(v, 1 - i)] not in before
@@ -111,7 +105,7 @@ def test_sparse_rows_and_ids_are_kept_by_concatenation():
     g = sparse()
     ctx, _ = _accumulated(g, devices_per_worker=2, accumulation_steps=2)
     for i in (0, 1):
-        update = _update(g, ctx, "table", i)
+        update = update_of(g, ctx, "table", i)
         before = ancestors([update], data_only=True)
         assert any(_is_mean_of_steps(a, 2) for a in before)
         table = ctx.replicas.node(g, i, "table")

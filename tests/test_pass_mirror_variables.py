@@ -15,7 +15,7 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import run_passes
 from graph_rewriter.passes import MirrorVariablesPass, PlanPass, ReplicatePass
 from graph_rewriter.traversal import ancestors
-from pass_graphs import WORKERS2, context, dense, ops, reaches, reads, replica_of
+from pass_graphs import WORKERS2, collective_keys, context, dense, ops, reaches, reads, replica_of
 
 tf1 = tf.compat.v1
 
@@ -41,11 +41,6 @@ def _mirrored(graph, cluster=None, **options):
     return ctx
 
 
-def _keys(node):
-    """The scalar int32 Consts a collective reads: its group size, group key and
-    instance key."""
-    values = [tf.make_ndarray(p.attr["value"].tensor) for p in reads(node) if p.op == "Const"]
-    return sorted(int(v) for v in values if v.shape == () and v.dtype == "int32")
 
 
 def test_in_graph_every_copy_assigns_the_masters_initial_value():
@@ -92,7 +87,7 @@ def test_between_graph_the_chief_broadcasts_its_initial_values():
     (send,) = ops(g, "CollectiveBcastSendV2")   # one pack per dtype: float32
     assert ops(g, "CollectiveBcastRecvV2") == []
     assert send.device == "/job:worker/replica:0/task:0/device:CPU:0"
-    assert len(_keys(send)) == 3 and 2 in _keys(send)   # group size 2
+    assert len(collective_keys(send)) == 3 and 2 in collective_keys(send)   # group size 2
     assert send in g.node("init").control_inputs
     sent = ancestors([send])
     assert g.node("w/Assign") in sent and g.node("b/Assign") in sent
@@ -110,7 +105,7 @@ def test_between_graph_a_worker_receives_its_initial_values_from_the_chief():
     assert ops(worker, "CollectiveBcastSendV2") == []
     assert recv.device == "/job:worker/replica:0/task:1/device:CPU:0"
     (send,) = ops(chief, "CollectiveBcastSendV2")
-    assert _keys(recv) == _keys(send) and 2 in _keys(recv)   # one group, one instance
+    assert collective_keys(recv) == collective_keys(send) and 2 in collective_keys(recv)   # one group, one instance
     for v in ctx.plan.variables:
         assign = worker.node(v.initializer)
         assert reaches(recv, assign)

@@ -36,36 +36,38 @@ GLOBAL = -2            # Node.replica of a node that exists once (inputs, saver,
 
 
 class Node:
-    """One operation. Read ``inputs``/``control_inputs`` freely; change them only through
-    the methods below, which keep the producers' consumer tables consistent."""
+    """One operation. ``name``, ``inputs`` (Tensors), ``control_inputs`` (Nodes) and
+    ``colocate_with`` are plain attributes to read, never to assign: change them only
+    through the methods below (and GraphItem.rename_node), which keep the producers'
+    consumer tables and the graph's name table consistent. The edges are tuples,
+    replaced on every edit, so a reader can keep one and iterate it while the node
+    changes; reading them costs no call and no copy (the export, the verifier and every
+    walk read them per node)."""
 
-    __slots__ = ("graph", "_name", "op", "_device", "_def", "_shared_def",
-                 "_inputs", "_control_inputs", "_consumers", "_control_consumers",
-                 "_colocate", "replica", "arg_info", "_ord", "_by_output", "__weakref__")
+    __slots__ = ("graph", "name", "op", "_device", "_def", "_shared_def",
+                 "inputs", "control_inputs", "_consumers", "_control_consumers",
+                 "colocate_with", "replica", "arg_info", "_ord", "_by_output", "__weakref__")
 
     def __init__(self, graph, name, op, device, node_def, shared_def=False):
         self.graph = graph
-        self._name = name
+        self.name = name
         self.op = op
         self._device = device
         self._ord = 0.0               # position in the graph's maintained topological order
         self._def = node_def          # NodeDef holding attrs; its name/input fields are unused
         self._shared_def = shared_def  # True while a clone shares its original's proto
-        self._inputs = []
-        self._control_inputs = []
+        self.inputs = ()
+        self.control_inputs = ()
         self._consumers = {}          # (consumer Node, input position) -> None, ordered
         self._by_output = None        # {output index: {(consumer, position): None}}, see consumers()
         self._control_consumers = {}  # consumer Node -> None, ordered
-        self._colocate = []           # Node references (or unresolved names, flagged by the verifier)
+        self.colocate_with = ()       # Node references (or unresolved names, flagged by the verifier)
         self.replica = UNKNOWN_REPLICA  # set by replication: the replica index, or GLOBAL
         self.arg_info = None          # opdefs' cache: OpDef argument facts for this node's attrs
 
     def __repr__(self):
-        return f"<Node {self._name} ({self.op})>"
+        return f"<Node {self.name} ({self.op})>"
 
-    @property
-    def name(self):
-        return self._name
 
     @property
     def device(self):
@@ -115,7 +117,7 @@ class Node:
         elif isinstance(value, bytes):
             attr.s = value
         else:
-            raise TypeError(f"unsupported attr value for {self._name}.{key}: {value!r}")
+            raise TypeError(f"unsupported attr value for {self.name}.{key}: {value!r}")
         self.graph._touch(self)
 
     def del_attr(self, key):
@@ -127,17 +129,8 @@ class Node:
         return Tensor(self, index)
 
     # ----- edges ------------------------------------------------------------------
-    @property
-    def inputs(self):
-        return tuple(self._inputs)
 
-    @property
-    def control_inputs(self):
-        return tuple(self._control_inputs)
 
-    @property
-    def colocate_with(self):
-        return tuple(self._colocate)
 
     @property
     def has_consumers(self):
@@ -154,6 +147,13 @@ class Node:
         """Nothing reads this node, by data or control edge: it runs only if fetched."""
         return not self._consumers and not self._control_consumers
 
+    def readers(self):
+        """Every node reading this one: once per data input that reads it, then each
+        control consumer (a fresh list, for walks over the graph)."""
+        out = [c for c, _ in self._consumers]
+        out.extend(self._control_consumers)
+        return out
+
     def consumers(self, index=None):
         """[(consumer Node, input position)] reading this node's outputs (one output if index)."""
         if index is None:
@@ -161,12 +161,12 @@ class Node:
         by_output = self._by_output
         if by_output is None:
             if len(self._consumers) <= _INDEX_CONSUMERS_ABOVE:
-                return [(c, p) for (c, p) in self._consumers if c._inputs[p].index == index]
+                return [(c, p) for (c, p) in self._consumers if c.inputs[p].index == index]
             # A node with many outputs and readers (a gradient IdentityN feeding every
             # variable's update): asking per output would cost its whole fan-out each time.
             by_output = self._by_output = {}
             for key in self._consumers:
-                by_output.setdefault(key[0]._inputs[key[1]].index, {})[key] = None
+                by_output.setdefault(key[0].inputs[key[1]].index, {})[key] = None
         return list(by_output.get(index, ()))
 
     @property
@@ -178,52 +178,53 @@ class Node:
         return list(dict.fromkeys(c for c, _ in self._consumers))
 
     def set_input(self, position, tensor):
-        old = self._inputs[position]
+        old = self.inputs[position]
         _unlink(old, self, position)
-        self._inputs[position] = tensor
+        self.inputs = self.inputs[:position] + (tensor,) + self.inputs[position + 1:]
         _link(tensor, self, position)
         self.graph._edge(tensor.node, self)
 
     def add_input(self, tensor):
-        self._inputs.append(tensor)
-        _link(tensor, self, len(self._inputs) - 1)
+        self.inputs += (tensor,)
+        _link(tensor, self, len(self.inputs) - 1)
         self.graph._edge(tensor.node, self)
 
     def set_inputs(self, tensors):
-        for pos, t in enumerate(self._inputs):
+        for pos, t in enumerate(self.inputs):
             _unlink(t, self, pos)
-        self._inputs = list(tensors)
-        for pos, t in enumerate(self._inputs):
+        self.inputs = tuple(tensors)
+        for pos, t in enumerate(self.inputs):
             _link(t, self, pos)
         self.graph._touch(self, edges=True)
-        for t in self._inputs:
+        for t in self.inputs:
             self.graph._edge(t.node, self)
 
     def add_control_input(self, node):
         if self in node._control_consumers:
             return
-        self._control_inputs.append(node)
+        self.control_inputs += (node,)
         node._control_consumers[self] = None
         self.graph._edge(node, self)
 
     def remove_control_input(self, node):
-        self._control_inputs.remove(node)
+        i = self.control_inputs.index(node)
+        self.control_inputs = self.control_inputs[:i] + self.control_inputs[i + 1:]
         del node._control_consumers[self]
         self.graph._touch(self, edges=True)
 
     def set_control_inputs(self, nodes):
-        for n in self._control_inputs:
+        for n in self.control_inputs:
             del n._control_consumers[self]
-        self._control_inputs = list(dict.fromkeys(nodes))
-        for n in self._control_inputs:
+        self.control_inputs = tuple(dict.fromkeys(nodes))
+        for n in self.control_inputs:
             n._control_consumers[self] = None
         self.graph._touch(self, edges=True)
-        for n in self._control_inputs:
+        for n in self.control_inputs:
             self.graph._edge(n, self)
 
     def set_colocation(self, targets):
         """Colocate with these nodes (an empty list removes the constraint)."""
-        self._colocate = list(targets)
+        self.colocate_with = tuple(targets)
         self.graph._touch(self)
 
 
@@ -292,14 +293,14 @@ class GraphItem:
             nodes[name] = node
             pending.append((node, nd))
         for node, nd in pending:
-            inputs = node._inputs
-            controls = node._control_inputs
+            inputs = []
+            controls = []
             for s in nd.input:
                 if s.startswith("^"):
                     producer = nodes.get(s[1:])
                     if producer is None:
                         raise GraphRewriteError(
-                            f"{source}: node '{node._name}' has control input '{s}', but no node "
+                            f"{source}: node '{node.name}' has control input '{s}', but no node "
                             f"'{s[1:]}' exists", hint="the graph is truncated or was edited by hand")
                     if node not in producer._control_consumers:
                         controls.append(producer)
@@ -313,13 +314,15 @@ class GraphItem:
                 producer = nodes.get(op_name)
                 if producer is None:
                     raise GraphRewriteError(
-                        f"{source}: node '{node._name}' reads input '{s}', but no node "
+                        f"{source}: node '{node.name}' reads input '{s}', but no node "
                         f"'{op_name}' exists", hint="the graph is truncated or was edited by hand")
                 producer._consumers[(node, len(inputs))] = None
                 inputs.append(Tensor(producer, index))
+            node.inputs = tuple(inputs)
+            node.control_inputs = tuple(controls)
             del nd.input[:]
             if COLOCATION_ATTR in nd.attr:
-                node._colocate = [nodes.get(n, n) for n in colocation_names(nd.attr[COLOCATION_ATTR])]
+                node.colocate_with = tuple(nodes.get(n, n) for n in colocation_names(nd.attr[COLOCATION_ATTR]))
                 del nd.attr[COLOCATION_ATTR]
         item.renumber()
         item.clean()
@@ -336,8 +339,8 @@ class GraphItem:
         whether a bulk clone ran, and whether the maintained topological order still
         holds (False after an edge closed a cycle)."""
         live = self._nodes
-        return Changes([n for n in self._dirty_edges if live.get(n._name) is n],
-                       [n for n in self._dirty_attrs if live.get(n._name) is n],
+        return Changes([n for n in self._dirty_edges if live.get(n.name) is n],
+                       [n for n in self._dirty_attrs if live.get(n.name) is n],
                        self._dirty_bulk, self._order_ok)
 
     def _touch(self, node=None, edges=False):
@@ -452,7 +455,7 @@ class GraphItem:
             node.add_input(t)
         for c in control_inputs:
             node.add_control_input(c)
-        node._colocate = list(colocate_with)
+        node.colocate_with = tuple(colocate_with)
         if self.infer_replicas:
             node.replica = _replica_from_producers(node)
         self._touch()
@@ -487,7 +490,7 @@ class GraphItem:
         unknown become global: for passes that add ops existing once (a parameter
         server's accumulator take, token queues) that read replicas' values."""
         for n in self._nodes.values():
-            if n.replica == UNKNOWN_REPLICA and n._name not in names_before:
+            if n.replica == UNKNOWN_REPLICA and n.name not in names_before:
                 n.replica = GLOBAL
 
     def clone_node(self, node, name, device=None):
@@ -498,7 +501,7 @@ class GraphItem:
         node._shared_def = True
         clone = Node(self, name, node.op, node.device if device is None else device,
                      node._def, shared_def=True)
-        clone._colocate = list(node._colocate)
+        clone.colocate_with = node.colocate_with
         clone._ord = self._next_ord
         self._next_ord += 1.0
         self._nodes[name] = clone
@@ -514,15 +517,15 @@ class GraphItem:
         mapping = {}
         table = self._nodes
         for n in nodes:  # check every name first: a rejected clone leaves the graph as it was
-            if prefix + n._name in table:
-                raise GraphRewriteError(f"{self.source}: a node named '{prefix + n._name}' already exists")
+            if prefix + n.name in table:
+                raise GraphRewriteError(f"{self.source}: a node named '{prefix + n.name}' already exists")
         if not nodes:
             return mapping
         # clones keep their originals' topological order, shifted after every existing node
         lowest = min(n._ord for n in nodes)
         shift = self._next_ord - lowest
         for n in nodes:
-            name = prefix + n._name
+            name = prefix + n.name
             n._shared_def = True
             c = Node(self, name, n.op, n._device, n._def, shared_def=True)
             c.arg_info = n.arg_info
@@ -534,8 +537,8 @@ class GraphItem:
         get = mapping.get
         new_tensor = tuple.__new__
         for n, c in mapping.items():
-            ins = c._inputs
-            for pos, t in enumerate(n._inputs):
+            ins = []
+            for pos, t in enumerate(n.inputs):
                 p = get(t[0])
                 if p is None:   # a node not cloned: the same (immutable) Tensor
                     p = t[0]
@@ -545,25 +548,27 @@ class GraphItem:
                 p._consumers[(c, pos)] = None   # _link, inlined: this loop runs per edge of R x N
                 if p._by_output is not None:
                     p._by_output.setdefault(t[1], {})[(c, pos)] = None
-            if n._control_inputs:
-                cis = c._control_inputs
-                for q in n._control_inputs:
+            c.inputs = tuple(ins)
+            if n.control_inputs:
+                cis = []
+                for q in n.control_inputs:
                     q2 = get(q, q)
                     cis.append(q2)
                     q2._control_consumers[c] = None
-            if n._colocate:
-                c._colocate = [get(t, t) if isinstance(t, Node) else t for t in n._colocate]
+                c.control_inputs = tuple(cis)
+            if n.colocate_with:
+                c.colocate_with = tuple(get(t, t) if isinstance(t, Node) else t for t in n.colocate_with)
         self._touch()
         return mapping
 
     def rename_node(self, node, new_name):
-        if new_name == node._name:
+        if new_name == node.name:
             return
         if new_name in self._nodes:
             raise GraphRewriteError(f"{self.source}: a node named '{new_name}' already exists")
         # Keep export order: rebuild the dict with the new key in the same place.
-        self._nodes = {(new_name if k == node._name else k): v for k, v in self._nodes.items()}
-        node._name = new_name
+        self._nodes = {(new_name if k == node.name else k): v for k, v in self._nodes.items()}
+        node.name = new_name
         self._touch(node, edges=True)
 
     def remove_node(self, node):
@@ -582,17 +587,17 @@ class GraphItem:
                 if c not in doomed:
                     raise GraphRewriteError(f"cannot remove node '{n.name}': still a control input of '{c.name}'")
         for n in doomed:
-            for pos, t in enumerate(n._inputs):
+            for pos, t in enumerate(n.inputs):
                 t.node._consumers.pop((n, pos), None)
                 if t.node._by_output is not None:
                     t.node._by_output.get(t.index, {}).pop((n, pos), None)
-            for c in n._control_inputs:
+            for c in n.control_inputs:
                 c._control_consumers.pop(n, None)
-            n._inputs = []
-            n._control_inputs = []
+            n.inputs = ()
+            n.control_inputs = ()
         for n in self._nodes.values():
-            if n._colocate and any(isinstance(t, Node) and t in doomed for t in n._colocate):
-                n._colocate = [t for t in n._colocate if t not in doomed]
+            if n.colocate_with and any(isinstance(t, Node) and t in doomed for t in n.colocate_with):
+                n.colocate_with = tuple(t for t in n.colocate_with if t not in doomed)
         self._nodes = {k: v for k, v in self._nodes.items() if v not in doomed}
         self._touch()
 
@@ -634,7 +639,7 @@ def keep_order(graph, x, y):
         y._ord = graph._next_ord  # nothing follows y: it can go last
         graph._next_ord += 1.0
         return
-    if not x._inputs and not x._control_inputs:   # nothing precedes x: it can go first
+    if not x.inputs and not x.control_inputs:   # nothing precedes x: it can go first
         x._ord = min(s._ord for s in _successors(x)) - 1.0
         return
     lo, hi = y._ord, x._ord
@@ -696,8 +701,8 @@ def _successors(n):
 
 
 def _predecessors(n):
-    ins = [t.node for t in n._inputs]
-    ins.extend(n._control_inputs)
+    ins = [t.node for t in n.inputs]
+    ins.extend(n.control_inputs)
     if n.op in _MERGES:
         ins = [p for p in ins if p.op not in _NEXT_ITERATIONS]
     return ins
@@ -712,7 +717,7 @@ def _replica_from_producers(node):
     replica if any belongs to one, else it is global if any is; else unknown (a Const).
     Passes that add global ops reading replicas (an accumulator's take) say so themselves."""
     seen_global = False
-    for t in node._inputs:
+    for t in node.inputs:
         r = t.node.replica
         if r >= 0:
             return r

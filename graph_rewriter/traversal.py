@@ -7,7 +7,6 @@ allows; every walk here ignores them, and ``find_cycle`` reports any other.
 """
 
 import heapq
-import itertools
 
 from graph_rewriter.errors import GraphRewriteError
 
@@ -85,7 +84,7 @@ def any_topological_order(graph):
         n = pop()
         order.append(n)
         back = n.op in _BACK_EDGE_SOURCES
-        for c in itertools.chain([c for c, _ in n.consumers()], n.control_consumers):
+        for c in n.readers():
             if back and c.op in _MERGES:
                 continue
             d = indeg[c] - 1
@@ -177,10 +176,7 @@ def descendants(nodes, data_only=False):
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        outs = [c for c, _ in n.consumers()]
-        if not data_only:
-            outs += list(n.control_consumers)
-        for c in outs:
+        for c in ([c for c, _ in n.consumers()] if data_only else n.readers()):
             if c not in seen:
                 seen.add(c)
                 stack.append(c)
@@ -201,7 +197,7 @@ def absorb_exclusive_ancestors(region, keep_out):
         for p in dict.fromkeys(candidates):
             if p in region or keep_out(p):
                 continue
-            readers = [c for c, _ in p.consumers()] + list(p.control_consumers)
+            readers = p.readers()
             if readers and all(r in region for r in readers):
                 region.add(p)
                 frontier.append(p)

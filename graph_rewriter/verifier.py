@@ -206,9 +206,7 @@ def check_collectives_run(graph, ctx=None):
     reached = {}
     for n in reversed(any_topological_order(graph)):
         r = bit.get(n, 0)
-        for c, _ in n.consumers():
-            r |= reached.get(c, 0)
-        for c in n.control_consumers:
+        for c in n.readers():
             r |= reached.get(c, 0)
         reached[n] = r
     for name, copies in members.items():

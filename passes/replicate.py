@@ -101,7 +101,7 @@ def _read_only_by_global(cloned, global_nodes):
     """[(cloned node, its readers)] for cloned nodes all of whose readers are global."""
     out = []
     for n in cloned:
-        readers = list(dict.fromkeys([c for c, _ in n.consumers()] + list(n.control_consumers)))
+        readers = list(dict.fromkeys(n.readers()))
         if readers and all(r in global_nodes for r in readers):
             out.append((n, readers))
     return out

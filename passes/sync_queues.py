@@ -276,7 +276,7 @@ class SyncQueuesPass(Pass):
         stack = list(chief_only)
         while stack:
             n = stack.pop()
-            for c in [c for c, _ in n.consumers()] + list(n.control_consumers):
+            for c in n.readers():
                 if c not in chief_only and rm.replica_of(graph, c.name) is None:
                     chief_only.add(c)
                     stack.append(c)

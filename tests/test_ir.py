@@ -352,8 +352,8 @@ def assert_consistent(g):
             assert isinstance(t, Node) and g.get(t.name) is t, \
                 f"{n.name} is colocated with {t!r}, which is not a node of the graph"
         if n._by_output is not None:   # the per-output index of a large fan-out, if built
-            for index in {c._inputs[p].index for c, p in n._consumers} | set(n._by_output):
-                scanned = [(c, p) for c, p in n._consumers if c._inputs[p].index == index]
+            for index in {c.inputs[p].index for c, p in n._consumers} | set(n._by_output):
+                scanned = [(c, p) for c, p in n._consumers if c.inputs[p].index == index]
                 assert list(n._by_output.get(index, ())) == scanned, \
                     f"{n.name}'s reader index for output {index} is stale"
     reloaded = graph_io.load_graph(graph_io.to_graph_def(g))

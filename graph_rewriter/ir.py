@@ -18,6 +18,7 @@ TensorFlow quirks handled here:
 """
 
 import collections
+import types
 
 from tensorflow.core.framework import attr_value_pb2
 
@@ -401,6 +402,11 @@ class GraphItem:
     def nodes(self):
         """All nodes in export order (a snapshot list)."""
         return list(self._nodes.values())
+
+    def table(self):
+        """The name -> Node table, read-only (a live view until the next rename or removal,
+        which rebuild it): for checks that look up every node's name."""
+        return types.MappingProxyType(self._nodes)
 
     def names(self):
         """The node names in export order (a live view: copy it to keep a snapshot)."""

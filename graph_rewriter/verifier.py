@@ -76,12 +76,13 @@ def _concerns_collectives(n):
 
 def _check_edges(graph, nodes):
     counts = {}
+    live = graph.table()
     for n in nodes:
-        if graph.get(n.name) is not n:
+        if live.get(n.name) is not n:
             raise GraphRewriteError(f"node '{n.name}' is not registered under its own name")
         for pos, t in enumerate(n.inputs):
             p = t.node
-            if graph.get(p.name) is not p:
+            if live.get(p.name) is not p:
                 raise GraphRewriteError(
                     f"node '{n.name}' input {pos} reads '{p.name}', which is not in the graph")
             count = counts.get(p)
@@ -92,7 +93,7 @@ def _check_edges(graph, nodes):
                     f"node '{n.name}' reads '{p.name}:{t.index}', but '{p.name}' ({p.op}) has "
                     f"{count} output{'s' if count != 1 else ''}")
         for c in n.control_inputs:
-            if graph.get(c.name) is not c:
+            if live.get(c.name) is not c:
                 raise GraphRewriteError(
                     f"node '{n.name}' has a control input on '{c.name}', which is not in the graph")
         if n not in counts:
@@ -203,16 +204,20 @@ def check_collectives_run(graph, ctx=None):
         return
     roots = [n for n in graph.nodes if n.is_sink]
     bit = {n: 1 << i for i, n in enumerate(roots)}
-    reached = {}
+    # reached[n]: the roots whose run runs n. Consumers come first in reverse order, so
+    # each node's set is complete when it passes it on to what it reads.
+    reached = dict(bit)
     for n in reversed(any_topological_order(graph)):
-        r = bit.get(n, 0)
-        for c in n.readers():
-            r |= reached.get(c, 0)
-        reached[n] = r
+        r = reached.get(n, 0)
+        if r:
+            for t in n.inputs:
+                reached[t.node] = reached.get(t.node, 0) | r
+            for p in n.control_inputs:
+                reached[p] = reached.get(p, 0) | r
     for name, copies in members.items():
-        first = reached[copies[0]]
+        first = reached.get(copies[0], 0)
         for other in copies[1:]:
-            missing = first ^ reached[other]
+            missing = first ^ reached.get(other, 0)
             if missing:
                 root = next(n for n in roots if bit[n] & missing)
                 runs, idle = (copies[0], other) if bit[root] & first else (other, copies[0])

@@ -14,6 +14,12 @@ With --ignore-passes-run the metadata's list of the passes that ran is left out 
 the comparison (and the pass names out of error messages), for a change that only
 changes which passes a plan runs.
 
+    python tools/compare_outputs.py time REV GRAPH.pb [--replicas 4,16] [--rounds 3]
+
+times ``rewrite`` of one graph with REV's code and with this tree, alternating the two in
+fresh processes round after round (this machine's speed drifts over minutes), each
+figure the best of 3 rewrites after a warm-up one; prints both per replica count.
+
     python tools/compare_outputs.py inputs DIR      # only build the input graphs
     python tools/compare_outputs.py emit DIR OUT    # rewrite them with the importable code
 
@@ -214,6 +220,49 @@ def compare(rev, work):
     return 1 if diffs else 0
 
 
+_TIMER = r"""
+import sys, time
+import graph_rewriter as gr
+data = open(sys.argv[1], "rb").read()
+replicas = int(sys.argv[2])
+gr.rewrite(data, devices_per_worker=replicas)
+best = float("inf")
+for _ in range(3):
+    start = time.perf_counter()
+    gr.rewrite(data, devices_per_worker=replicas)
+    best = min(best, time.perf_counter() - start)
+print(best)
+"""
+
+
+def time_revisions(rev, graph, replicas, rounds, work):
+    """Best-of-3 rewrite seconds of ``graph`` with REV's code and the tree's, per replica
+    count, alternating the two trees in fresh processes for ``rounds`` rounds."""
+    work = work or tempfile.mkdtemp(prefix="compare_outputs_")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = os.path.join(work, "before")
+    if not os.path.isdir(tree):
+        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", tree, rev], check=True,
+                       stdout=subprocess.DEVNULL)
+    codes = {"before": _stage(tree, os.path.join(work, "code_before")),
+             "after": _stage(here, os.path.join(work, "code_after"))}
+    graph = os.path.abspath(graph)
+    for r in replicas:
+        seconds = {label: [] for label in codes}
+        for _ in range(rounds):
+            for label, code in codes.items():
+                out = subprocess.run([sys.executable, "-c", _TIMER, graph, str(r)], cwd=code,
+                                     env=dict(os.environ, PYTHONPATH=code), capture_output=True,
+                                     text=True, check=True)
+                seconds[label].append(float(out.stdout.split()[-1]))
+        print(f"{os.path.basename(graph)} x{r}: "
+              + "; ".join(f"{label} ({rev if label == 'before' else 'tree'}) "
+                          + " ".join(f"{x:.3f}" for x in v) + f" s, best {min(v):.3f}"
+                          for label, v in seconds.items())
+              + f"; after/before {min(seconds['after']) / min(seconds['before']):.3f}", flush=True)
+    subprocess.run(["git", "-C", here, "worktree", "remove", "--force", tree], check=False)
+
+
 def main():
     global ARGS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -225,6 +274,12 @@ def main():
     c.add_argument("--ignore-passes-run", action="store_true",
                    help="compare outputs with the metadata's list of passes run left out (and "
                         "errors without the passes they name), for a change of which passes run")
+    t = sub.add_parser("time")
+    t.add_argument("rev")
+    t.add_argument("graph")
+    t.add_argument("--replicas", default="4,16")
+    t.add_argument("--rounds", type=int, default=3)
+    t.add_argument("--work")
     i = sub.add_parser("inputs")
     i.add_argument("dir")
     i.add_argument("--keras", action="store_true")
@@ -238,6 +293,9 @@ def main():
         print("\n".join(build_inputs(ARGS.dir, keras=ARGS.keras)))
     elif ARGS.cmd == "emit":
         emit(ARGS.dir, ARGS.out, ARGS.keep, ARGS.ignore_passes_run)
+    elif ARGS.cmd == "time":
+        time_revisions(ARGS.rev, ARGS.graph, [int(r) for r in ARGS.replicas.split(",")], ARGS.rounds,
+                       ARGS.work)
     else:
         sys.exit(compare(ARGS.rev, ARGS.work))
 

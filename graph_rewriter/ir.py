@@ -18,6 +18,7 @@ TensorFlow quirks handled here:
 """
 
 import collections
+import contextlib
 import types
 
 from tensorflow.core.framework import attr_value_pb2
@@ -258,8 +259,10 @@ class GraphItem:
         self.library = None          # FunctionDefLibrary
         self.meta_graph = None       # MetaGraphDef without its graph_def, or None
         self.source = "<graph>"      # what it was loaded from, for error messages
-        # once the graph is replicated, a node added later takes its producers' replica
+        # once the graph is replicated, a node added later takes its producers' replica,
+        # or the one a pass names for what it adds (adding_to_replica)
         self.infer_replicas = False
+        self._adding_replica = None
         self.version = 0             # bumped by every mutation; keys cached analyses
         self._cache = {}
         self._suffixes = {}          # unique_name's last suffix per base name
@@ -462,7 +465,9 @@ class GraphItem:
         for c in control_inputs:
             node.add_control_input(c)
         node.colocate_with = tuple(colocate_with)
-        if self.infer_replicas:
+        if self._adding_replica is not None:
+            node.replica = self._adding_replica
+        elif self.infer_replicas:
             node.replica = _replica_from_producers(node)
         self._touch()
         return node
@@ -490,6 +495,17 @@ class GraphItem:
         if changed:
             self.version += 1
         return changed
+
+    @contextlib.contextmanager
+    def adding_to_replica(self, replica):
+        """Nodes added inside the block belong to ``replica``: for a pass that builds one
+        replica's ops from global inputs only (a sharded lookup reading the batch split
+        and the parameter servers' parts), which inference would make global."""
+        saved, self._adding_replica = self._adding_replica, replica
+        try:
+            yield
+        finally:
+            self._adding_replica = saved
 
     def mark_new_global(self, names_before):
         """Nodes added since ``names_before`` (a set of names) whose replica is still

@@ -47,7 +47,10 @@ class ShardVariablesPass(Pass):
             handles, rows = info[:-1], info[-1]
             starts = [sum(rows[:k]) for k in range(len(rows))]
             for user, pos in list(var.consumers(0)):
-                self._rewrite(graph, ctx, var, user, pos, handles, rows, starts, parts)
+                # what replaces a replica's reader belongs to that replica (its inputs are
+                # global: the batch split and the ps parts)
+                with graph.adding_to_replica(user.replica if user.replica >= 0 else None):
+                    self._rewrite(graph, ctx, var, user, pos, handles, rows, starts, parts)
         for var in parts:
             if not var.consumers() and not var.control_consumers:
                 graph.remove_node(var)

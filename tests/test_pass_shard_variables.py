@@ -94,15 +94,12 @@ def test_each_replicas_lookup_gathers_from_every_part_and_stitches_them():
     assert [len(f) for f in feeding] == [1, 1] and feeding[0] != feeding[1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shard_variables builds a replica's sharded lookup (partition, gathers, DynamicStitch, "
-    "Reshape) with make_op and no replica=: the IR infers the replica from the inputs, which "
-    "are global (the ids placeholder or the batch split, the ps parts), so replica 1's "
-    "lookup becomes a global node and place puts it on the global device (worker 0's host "
-    "CPU) instead of replica 1's"))
 def test_each_replicas_sharded_lookup_belongs_to_that_replica():
     """
         replica 1:  ids --> ... --> DynamicStitch (replica 1) --> Reshape (replica 1) --> replica_1/loss
+
+    (The lookup's inputs are all global, the batch split and the ps parts: it once became
+    a global node, placed on worker 0's host for every replica.)
     """
     g, ctx = sharded_sparse()
     for i in (0, 1):

@@ -1,16 +1,14 @@
 """The explicit configuration a rewrite carries through its passes (no globals).
 
 ``Options`` (graph_rewriter/options.py) holds what the user asked for, validated once;
-``RewriteContext`` adds what the pipeline derives on the way (the cluster, the plan,
-timings, a log function).
+``RewriteContext`` carries it with the cluster and a log function to every pass, with
+the products passes hand on (the plan, the replica map) and the timings.
 """
 
 import dataclasses
 import typing
 
-from graph_rewriter.options import (  # noqa: F401  (Options and its constants live there now)
-    BATCH_SPLITS, COMPRESSIONS, DEFAULT_BYTES_PER_PACK, DEFAULT_PS_SHARD_BYTES,
-    DEFAULT_TIMEOUT_SECONDS, DEVICE_TYPES, MERGES, STRATEGIES, Options)
+from graph_rewriter.options import Options
 
 
 @dataclasses.dataclass

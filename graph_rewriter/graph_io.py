@@ -15,7 +15,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.ir import COLOCATION_ATTR, GraphItem, Node, Tensor
+from graph_rewriter.ir import GraphItem, Node
 from graph_rewriter.replica_export import write_replicated_nodes
 from graph_rewriter.wire import SHORT, VARINTS, attrs_bytes, colocation_entry, encode_varint, string_field, varint
 

@@ -135,11 +135,6 @@ class Node:
 
 
     @property
-    def has_consumers(self):
-        """Whether any node reads an output of this one."""
-        return bool(self._consumers)
-
-    @property
     def num_consumers(self):
         """How many (consumer, input position) pairs read this node's outputs."""
         return len(self._consumers)

@@ -8,8 +8,6 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
@@ -37,7 +35,7 @@ def test_a_users_passes_module_beside_the_script_does_not_break_rewrite(tmp_path
 
 def test_the_wheel_installs_one_top_level_package(tmp_path):
     """Built without build isolation (the test machine may be offline): the setuptools
-    of the environment reads setup.cfg as pip would."""
+    of the environment (the test extra installs it) reads setup.cfg as pip would."""
     src = tmp_path / "src"   # a copy: pip builds in the source tree (build/, egg-info)
     src.mkdir()
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
@@ -47,8 +45,6 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     out = tmp_path / "dist"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                            "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "No module named" in proc.stderr:
-        pytest.skip(f"cannot build a wheel here: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = [p for p in os.listdir(out) if p.endswith(".whl")]
     names = zipfile.ZipFile(out / wheel).namelist()

@@ -147,7 +147,8 @@ def test_between_graph_each_worker_shards_the_dataset_before_batching():
 @pytest.mark.xfail(strict=True, reason=(
     "bug: a one-shot iterator builds its dataset inside its dataset_factory function; "
     "split_inputs shards only the graph's own BatchDataset nodes, dead copies nothing "
-    "reads, so every worker still reads the whole dataset"))
+    "reads, so every worker still reads the whole dataset (documented in docs/semantics.md "
+    "with the workaround: an initializable iterator, or each worker's own data)"))
 def test_between_graph_a_one_shot_iterator_reads_the_workers_shard():
     """
         task worker:1 of 2, one-shot iterator:

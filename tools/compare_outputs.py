@@ -168,6 +168,14 @@ def _first_differences(a_path, b_path, limit=5):
     return lines
 
 
+def _worktree(repo, rev, path):
+    """A git worktree of ``rev`` at ``path`` (reused if it is there already)."""
+    if not os.path.isdir(path):
+        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", path, rev], check=True,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
 def _stage(root, dest):
     """Copies a tree's importable code to ``dest`` so that it, and not an installed copy,
     is imported: the package, with the repository's passes/ folder both as the subpackage
@@ -190,10 +198,7 @@ def compare(rev, work):
     inputs = os.path.join(work, "inputs")
     names = build_inputs(inputs, keras=ARGS.keras)
     print(f"{len(names)} input graphs x {len(CONFIGS)} configurations", flush=True)
-    tree = os.path.join(work, "before")
-    if not os.path.isdir(tree):
-        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", tree, rev], check=True,
-                       stdout=subprocess.DEVNULL)
+    tree = _worktree(here, rev, os.path.join(work, "before"))
     runs = {}
     for label, root in (("before", tree), ("after", here)):
         keep = os.path.join(work, "keep_" + label)
@@ -240,10 +245,7 @@ def time_revisions(rev, graph, replicas, rounds, work):
     count, alternating the two trees in fresh processes for ``rounds`` rounds."""
     work = work or tempfile.mkdtemp(prefix="compare_outputs_")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tree = os.path.join(work, "before")
-    if not os.path.isdir(tree):
-        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", tree, rev], check=True,
-                       stdout=subprocess.DEVNULL)
+    tree = _worktree(here, rev, os.path.join(work, "before"))
     codes = {"before": _stage(tree, os.path.join(work, "code_before")),
              "after": _stage(here, os.path.join(work, "code_after"))}
     graph = os.path.abspath(graph)

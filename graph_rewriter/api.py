@@ -79,6 +79,25 @@ class RewriteResult:
         graph_io.write_atomic(path, data)
         return path
 
+    def saver(self, max_to_keep=5, keep_checkpoint_every_n_hours=10000.0):
+        """A tf.compat.v1.train.Saver of the rewritten graph's own save and restore ops:
+        checkpoints with the original variable names (a parameter-server variable split
+        in parts is saved whole), which restore into the single-device graph and the
+        other way round. Use it with a session running this graph (``gr.Session``, or
+        one that imported it with ``name=""``); ``save`` writes the ``checkpoint`` index
+        file, so ``tf.train.latest_checkpoint`` finds the result."""
+        import tensorflow as tf
+        from tensorflow.core.protobuf import saver_pb2
+        names = self.metadata.get("saver")
+        if names is None:
+            raise GraphRewriteError(
+                "this rewritten graph has no Saver (it was written by an older graph_rewriter)",
+                hint="rewrite the single-device graph again")
+        saver_def = saver_pb2.SaverDef(max_to_keep=max_to_keep,
+                                       keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
+                                       **names)
+        return tf.compat.v1.train.Saver(saver_def=saver_def)
+
     def summary(self):
         """A few readable lines: replicas, devices, gradients, packs, time."""
         plan = self.metadata["plan"]
@@ -127,11 +146,11 @@ def pipeline():
     """Every pass a rewrite may run, in order. Each declares what it requires, provides and
     must run after (the pass manager refuses an order that breaks one) and whether a
     given plan needs it (the pass manager skips it when not)."""
-    return [passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
+    return [passes.SaverPass(), passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
             passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
             passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.MergeSummariesPass(), passes.PlacePass(), passes.MetadataPass()]
+            passes.MergeSummariesPass(), passes.MetaGraphPass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def _check_client_task(cluster):

@@ -20,6 +20,10 @@ from graph_rewriter.op_builder import const, make_op
 
 _INSTANCE_SLOTS = 1 << 13
 
+# Between-graph: the op every worker runs to take the chief's current variables
+# (mirror_variables makes it; the emitted local init op runs it)
+BROADCAST_VARIABLES = "graph_rewriter/broadcast_variables"
+
 
 def _digest(text):
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")

@@ -62,3 +62,8 @@ POST_PROCESSING = ELEMENTWISE | frozenset((
     "IsInf", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
     "LogicalOr", "LogicalNot", "Floor", "Ceil", "Round", "Rint", "Reciprocal", "Inv",
     "ZerosLike", "OnesLike", "Xdivy", "Xlogy", "Softplus", "Erf"))
+
+# the collective ops the rewrite emits or meets (their keys pair replicas up at run time)
+COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2",
+                         "CollectiveBcastRecvV2", "CollectiveReduce", "CollectiveGather",
+                         "CollectiveAllToAllV2", "CollectiveReduceScatterV2"))

@@ -16,14 +16,12 @@ from graph_rewriter import opdefs
 from graph_rewriter.collectives import key_of
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Node
+from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.traversal import any_topological_order, topological_order
 
 _DEVICE = re.compile(
     r"^(?:/job:(?P<job>[A-Za-z0-9_]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?"
     r"(?:/device:(?P<type>[A-Za-z_]+):(?P<index>\d+|\*))?$")
-COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2",
-                         "CollectiveBcastRecvV2", "CollectiveReduce", "CollectiveGather",
-                         "CollectiveAllToAllV2", "CollectiveReduceScatterV2"))
 _ISOLATED = frozenset(("Enter", "RefEnter"))
 SHARED_RESOURCE_OPS = frozenset(("VarHandleOp", "VariableV2", "HashTableV2", "MutableHashTableV2",
                                  "FIFOQueueV2", "ConditionalAccumulator",

@@ -2,6 +2,7 @@
 (options, cluster, plan) and never another pass's module; the pipeline module of
 graph_rewriter puts them in order."""
 
+from graph_rewriter.passes.saver import SaverPass
 from graph_rewriter.passes.plan import PlanPass
 from graph_rewriter.passes.replicate import ReplicatePass
 from graph_rewriter.passes.split_inputs import SplitInputsPass
@@ -14,9 +15,10 @@ from graph_rewriter.passes.accumulate import AccumulatePass
 from graph_rewriter.passes.sync_queues import SyncQueuesPass
 from graph_rewriter.passes.shard_variables import ShardVariablesPass
 from graph_rewriter.passes.merge_summaries import MergeSummariesPass
+from graph_rewriter.passes.meta_graph import MetaGraphPass
 from graph_rewriter.passes.place import PlacePass
 from graph_rewriter.passes.metadata import MetadataPass
 
-__all__ = ["PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass", "MicroBatchesPass",
+__all__ = ["SaverPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass", "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass", "ShardVariablesPass", "MergeSummariesPass",
-           "PlacePass", "MetadataPass"]
+           "MetaGraphPass", "PlacePass", "MetadataPass"]

@@ -18,7 +18,7 @@ from graph_rewriter.pass_manager import Pass
 class MetadataPass(Pass):
     name = "metadata"
     requires = frozenset({"plan", "replicas"})
-    after = frozenset({"place"})   # it records the finished graph (its node count, its passes)
+    after = frozenset({"place", "meta_graph"})   # it records the finished graph (its node count, its passes, its Saver)
 
     def run(self, graph, ctx):
         rm = ctx.replicas
@@ -46,6 +46,13 @@ class MetadataPass(Pass):
             "source": graph.source,
             "num_nodes": rm.expanded_size(graph) + 1,
         }
+        meta = graph.meta_graph
+        if meta is not None and meta.HasField("saver_def"):
+            # the emitted graph's own Saver ops (RewriteResult.saver), from a .pb too
+            sd = meta.saver_def
+            doc["saver"] = {"filename_tensor_name": sd.filename_tensor_name,
+                            "save_tensor_name": sd.save_tensor_name,
+                            "restore_op_name": sd.restore_op_name, "version": int(sd.version)}
         if ctx.plan.inputs is not None:
             # how each batch input reaches the replicas; absent when every one is split
             # (the graphs of split-only inputs stay as they were before per-replica inputs)

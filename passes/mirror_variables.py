@@ -16,13 +16,21 @@ A checkpoint restore writes the graph's master copy (the Saver keeps the origina
 names); the restore op then also copies the restored values into the graph's other
 replicas, so restoring never leaves the replicas apart. Only variables the plan
 mirrors are touched (parameter-server variables exist once).
+
+Between-graph, a restore writes the chief's copies only (each worker's Saver writes its
+own graph's). Every worker's graph therefore also has ``graph_rewriter/broadcast_variables``:
+the chief's replica 0 sends the current value of every mirrored variable and every other
+replica assigns it. Run on every worker at once (after the chief restored, or in
+MonitoredTrainingSession's local init op, which the emitted collections name), it
+makes every replica equal to the chief's restored or initialized variables.
 """
 
 from tensorflow.python.framework import dtypes
 
 from graph_rewriter import opdefs
 from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, PASS_THROUGH
-from graph_rewriter.collectives import broadcast_recv, broadcast_send, group_key, init_instance_key
+from graph_rewriter.collectives import BROADCAST_VARIABLES, broadcast_recv, broadcast_send, group_key, init_instance_key
+from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
 
@@ -43,6 +51,8 @@ class MirrorVariablesPass(Pass):
         changed = False
         if between:
             changed = self._broadcast_initial_values(graph, ctx, mirrored)
+            self._broadcast_current_values(graph, ctx, mirrored)
+            changed = True
         for vp in mirrored:
             if not rm.is_cloned(graph, vp.name):
                 continue
@@ -117,6 +127,54 @@ class MirrorVariablesPass(Pass):
                                      device=device).output(0)
                     init.set_input(opdefs.input_position(init, "value"), shaped)
         return bool(packs)
+
+
+    def _broadcast_current_values(self, graph, ctx, mirrored):
+        """``graph_rewriter/broadcast_variables``: replica 0 of the group sends what its
+        mirrored variables hold now; every other replica assigns it (module doc)."""
+        rm = ctx.replicas
+        timeout = ctx.options.timeout_seconds
+        gkey = group_key(rm.group_devices)
+        packs = {}
+        for vp in mirrored:
+            packs.setdefault(vp.dtype, []).append(vp)
+        first_key = len({vp.dtype for vp in mirrored if vp.initializer is not None})
+        done = []
+        for k, (dtype, members) in enumerate(packs.items()):
+            ikey = init_instance_key(ctx.plan, first_key + k)
+            sizes = [_num_elements(vp) for vp in members]
+            for i in rm.built:
+                device = rm.devices[i]
+                scope = f"{rm.prefixes[i]}graph_rewriter/broadcast_variables/{dtype}"
+                with graph.adding_to_replica(i):
+                    if rm.first_replica + i == 0:
+                        flats = [make_op(graph, "Reshape", f"{scope}/flat",
+                                         [_read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value"),
+                                          const(graph, f"{scope}/minus_one", [-1], "int32", device)],
+                                         device=device).output(0) for vp in members]
+                        packed = flats[0] if len(flats) == 1 else make_op(
+                            graph, "ConcatV2", f"{scope}/concat",
+                            [flats, const(graph, f"{scope}/axis", 0, "int32", device)], device=device).output(0)
+                        done.append(broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey,
+                                                   device, timeout))
+                        continue
+                    received = broadcast_recv(graph, scope, [sum(sizes)], dtypes.as_dtype(dtype),
+                                              rm.group_size, gkey, ikey, device, timeout).output(0)
+                    parts = [received]
+                    if len(members) > 1:
+                        split = make_op(graph, "SplitV", f"{scope}/split",
+                                        [received, const(graph, f"{scope}/sizes", sizes, "int64", device),
+                                         const(graph, f"{scope}/split_axis", 0, "int32", device)],
+                                        attrs={"num_split": len(members)}, device=device)
+                        parts = [split.output(j) for j in range(len(members))]
+                    for vp, part in zip(members, parts):
+                        shaped = make_op(graph, "Reshape", f"{scope}/{vp.name}/shaped",
+                                         [part, const(graph, f"{scope}/{vp.name}/shape", vp.shape, "int64", device)],
+                                         device=device).output(0)
+                        done.append(_assign(graph, rm.node(graph, i, vp.name), shaped,
+                                            f"{scope}/{vp.name}/assign"))
+        with graph.adding_to_replica(GLOBAL):
+            graph.add_node(graph.unique_name(BROADCAST_VARIABLES), "NoOp", control_inputs=done)
 
 
 def _num_elements(vp):

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from graph_rewriter import graph_io
+from graph_rewriter.collectives import BROADCAST_VARIABLES
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.pass_manager import run_passes
 from graph_rewriter.passes import MirrorVariablesPass, PlanPass, ReplicatePass
@@ -84,7 +85,7 @@ def test_between_graph_the_chief_broadcasts_its_initial_values():
     """
     g = dense()
     ctx = _mirrored(g, WORKERS2, task="worker:0")
-    (send,) = ops(g, "CollectiveBcastSendV2")   # one pack per dtype: float32
+    (send,) = initial(ops(g, "CollectiveBcastSendV2"))   # one pack per dtype: float32
     assert ops(g, "CollectiveBcastRecvV2") == []
     assert send.device == "/job:worker/replica:0/task:0/device:CPU:0"
     assert len(collective_keys(send)) == 3 and 2 in collective_keys(send)   # group size 2
@@ -101,15 +102,45 @@ def test_between_graph_a_worker_receives_its_initial_values_from_the_chief():
     chief, worker = dense(), dense()
     _mirrored(chief, WORKERS2, task="worker:0")
     ctx = _mirrored(worker, WORKERS2, task="worker:1")
-    (recv,) = ops(worker, "CollectiveBcastRecvV2")
+    (recv,) = initial(ops(worker, "CollectiveBcastRecvV2"))
     assert ops(worker, "CollectiveBcastSendV2") == []
     assert recv.device == "/job:worker/replica:0/task:1/device:CPU:0"
-    (send,) = ops(chief, "CollectiveBcastSendV2")
+    (send,) = initial(ops(chief, "CollectiveBcastSendV2"))
     assert collective_keys(recv) == collective_keys(send) and 2 in collective_keys(recv)   # one group, one instance
     for v in ctx.plan.variables:
         assign = worker.node(v.initializer)
         assert reaches(recv, assign)
         assert not any(a.op == "RandomUniform" for a in ancestors([assign]))
+
+
+def initial(collectives):
+    """The broadcasts of initial values (not graph_rewriter/broadcast_variables')."""
+    return [c for c in collectives if not c.name.startswith(BROADCAST_VARIABLES)]
+
+
+def test_between_graph_every_worker_can_take_the_chiefs_current_variables():
+    """
+        chief:     read w, read b (no initializer before) ─> concat ─> BcastSend ─┐
+                                                                   broadcast_variables
+        worker:1:  BcastRecv ─> SplitV ─> Reshape ─> AssignVariableOp(w) ─────────┘
+                                    └──> Reshape ─> AssignVariableOp(b)
+    with its own instance key (it pairs with no initial-value broadcast), so a chief that
+    restored a checkpoint hands the restored values to every worker.
+    """
+    chief, worker = dense(), dense()
+    _mirrored(chief, WORKERS2, task="worker:0")
+    ctx = _mirrored(worker, WORKERS2, task="worker:1")
+    (send,) = [s for s in ops(chief, "CollectiveBcastSendV2") if s not in initial([s])]
+    (recv,) = [r for r in ops(worker, "CollectiveBcastRecvV2") if r not in initial([r])]
+    (init_send,) = initial(ops(chief, "CollectiveBcastSendV2"))
+    assert collective_keys(send) == collective_keys(recv) != collective_keys(init_send)
+    assert send in chief.node(BROADCAST_VARIABLES).control_inputs
+    sent = ancestors([send])
+    assert not any(v.initializer in sent for v in ctx.plan.variables)   # current values, not initial
+    assert {n.name for n in sent if n.op == "VarHandleOp"} == {v.name for v in ctx.plan.variables}
+    assigns = [a for a in worker.node(BROADCAST_VARIABLES).control_inputs]
+    assert sorted(reads(a)[0].name for a in assigns) == sorted(v.name for v in ctx.plan.variables)
+    assert all(reaches(recv, a) for a in assigns)
 
 
 def test_mirror_variables_applies_only_to_mirrored_variables_of_several_replicas():

@@ -79,6 +79,14 @@ class RewriteResult:
         graph_io.write_atomic(path, data)
         return path
 
+    def session_config(self, config=None):
+        """``config`` (a tf.compat.v1.ConfigProto or None) completed with what this graph
+        needs to run (CPU device count for CPU replicas, inter-op threads for in-process
+        collectives, the operation timeout): for sessions other than ``gr.Session``
+        (MonitoredTrainingSession's ``config``, a plain tf.compat.v1.Session)."""
+        from graph_rewriter.session import session_config
+        return session_config(self.metadata["session_config"], config)
+
     def saver(self, max_to_keep=5, keep_checkpoint_every_n_hours=10000.0):
         """A tf.compat.v1.train.Saver of the rewritten graph's own save and restore ops:
         checkpoints with the original variable names (a parameter-server variable split

@@ -38,6 +38,9 @@ from graph_rewriter.ir import GLOBAL, split_tensor_name
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.ps_state import INIT_BARRIER
+
+RELEASE = f"{INIT_BARRIER}/release"   # sync_queues: the chief's init tells the workers' it is done
 
 SCOPE = "graph_rewriter/collections"
 VARIABLE_COLLECTIONS = ("variables", "trainable_variables", "local_variables", "model_variables", "global_step")
@@ -84,10 +87,30 @@ class MetaGraphPass(Pass):
         _set_nodes(meta, "ready_op", [f"{ready.name}:0"])
         _set_nodes(meta, "ready_for_local_init_op", [f"{ready_local.name}:0"])
         if meta.HasField("saver_def"):
+            saver_def = _saver_for_one_client(graph, meta.saver_def)
             meta.collection_def["savers"].Clear()
-            meta.collection_def["savers"].bytes_list.value.append(meta.saver_def.SerializeToString())
+            meta.collection_def["savers"].bytes_list.value.append(saver_def.SerializeToString())
         _drop_stale(graph, meta)
         return True
+
+
+def _saver_for_one_client(graph, saver_def):
+    """The SaverDef MonitoredTrainingSession uses: the chief alone restores. A
+    between-graph restore op that ends with a workers' barrier (hybrid: it is a run's
+    start, like the init op) gets a twin without it; the workers take the restored
+    values in the local init op (broadcast_variables) or from the parameter servers."""
+    from tensorflow.core.protobuf import saver_pb2
+    restore = graph.get(saver_def.restore_op_name)
+    work = _without_collectives(restore) if restore is not None else None
+    if work is None:
+        return saver_def
+    with graph.adding_to_replica(GLOBAL):
+        alone = graph.add_node(graph.unique_name(f"{SCOPE}/restore"), "NoOp",
+                               control_inputs=[w for w in work if w.name != RELEASE])
+    out = saver_pb2.SaverDef()
+    out.CopyFrom(saver_def)
+    out.restore_op_name = alone.name
+    return out
 
 
 def _set_nodes(meta, key, names):
@@ -230,8 +253,12 @@ def _init_op(graph, rm, plan):
                 best, covered = node, n
     if best is not None:
         members = _without_collectives(best)
-        if members is None:
+        if members is None and graph.get(RELEASE) not in _flatten(best):
             return best
+        # (the release of the workers' plain init ops: no MonitoredTrainingSession
+        # client waits for it, and a token left in its queue would let a later worker's
+        # plain init run before the chief's)
+        members = [m for m in (members or _flatten(best)) if m.name != RELEASE and m.op != "NoOp"]
     else:
         members = [rm.node(graph, i, vp.initializer) for vp in plan.variables if vp.initializer
                    for i in rm.built]
@@ -240,14 +267,14 @@ def _init_op(graph, rm, plan):
 
 
 def _flatten(noop):
-    """The ops a NoOp runs, through NoOps it waits for."""
+    """The ops a NoOp runs, through the NoOps and barriers (collectives) it waits for."""
     seen, out, stack = set(), [], list(noop.control_inputs)
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "NoOp":
+        if n.op == "NoOp" or n.op in COLLECTIVES:
             stack.extend(n.control_inputs)
         out.append(n)
     return out

@@ -124,6 +124,7 @@ class RewriteResult:
             _inputs_line(plan),
             f"nodes: {self.num_nodes}",
         ]
+        lines[1:1] = [f"note: {note}" for note in plan.get("notes") or []]
         if plan.get("accumulation_steps", 1) > 1:
             lines.append(f"accumulation: gradients summed over {plan['accumulation_steps']} runs, "
                          "applied on every last one")

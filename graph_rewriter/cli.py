@@ -131,7 +131,8 @@ def _serve_parser():
                 "graphs and block until interrupted.",
                 epilog="example:\n  graph-rewrite serve --cluster cluster.json --task worker:0\n"
                        "  graph-rewrite serve --cluster '{\"worker\": [\"localhost:2222\"]}' --task worker:0 "
-                       "--device-type CPU --devices-per-worker 2",
+                       "--device-type CPU --devices-per-worker 2\n"
+                       "  graph-rewrite serve --cluster cluster.json --task worker:1 --communication nccl",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", metavar="SPEC", help="JSON text or a JSON file (default: TF_CONFIG's cluster)")
     p.add_argument("--task", metavar="JOB:INDEX", help="this server's task, e.g. worker:0 (default: TF_CONFIG's task)")
@@ -139,6 +140,11 @@ def _serve_parser():
                    help="the replicas' device type the graphs will use (CPU: the server gets N CPU devices)")
     p.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
                    help="replicas per worker, as given to the rewrite (default 1)")
+    p.add_argument("--communication", choices=("auto", "ring", "nccl"), default="auto", metavar="auto|ring|nccl",
+                   help="nccl: every GPU collective uses NCCL, whatever the graph's hint "
+                        "(ConfigProto.experimental.collective_nccl); auto and ring: TensorFlow's "
+                        "default, NCCL only where the graph asks for it. Give every server the "
+                        "same value (default: auto)")
     return p
 
 
@@ -237,7 +243,7 @@ def cmd_serve(argv):
     if (args.cluster is None or args.task is None) and not os.environ.get("TF_CONFIG"):
         raise GraphRewriteError("serve needs --cluster and --task (or a TF_CONFIG environment variable)")
     server = start_server(args.cluster, args.task, device_type=args.device_type,
-                          devices_per_worker=args.devices_per_worker)
+                          devices_per_worker=args.devices_per_worker, communication=args.communication)
     _log(f"serving {args.task or 'the TF_CONFIG task'} at {server.target} (Ctrl-C to stop)")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))

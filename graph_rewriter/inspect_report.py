@@ -5,6 +5,7 @@ its nodes (devices of variables, the collectives and their keys).
 """
 
 import os
+import re
 
 from graph_rewriter.verifier import COLLECTIVES
 
@@ -71,13 +72,15 @@ def report(result, batch_size=None):
         shards = v.get("shards") or []
         if shards:
             parts = [f"{v['name']}/part_{k}" for k in range(len(shards))]
-            device = ", ".join(nodes[p].device for p in parts if p in nodes) or "?"
+            devices = [nodes[p].device for p in parts if p in nodes]
+            device = ", ".join(devices) or "?"
         else:
+            devices = [nodes[c].device for c in copies]
             device = nodes[v["name"]].device if v["name"] in nodes else ""
         variables.append({
             "name": v["name"], "role": v["role"], "dtype": v["dtype"], "shape": v["shape"],
             "bytes": v["bytes"], "placement": v.get("placement", "mirrored"), "sync": sync,
-            "device": device, "copies": len(copies),
+            "device": device, "devices": devices, "copies": len(copies),
             "shards": [{"ps_task": s["ps_task"], "rows": s["rows"]} for s in shards],
             "costs": (cut or {}).get("costs")})
     gradients = [{"variable": c["variable"], "averaged_at": c["values"], "indices": c.get("indices"),
@@ -105,7 +108,7 @@ def report(result, batch_size=None):
     ps_cuts = [c for c in plan["cuts"] if c["sync"] == "accumulate"]
     ps_dense = sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense")
     return {
-        "strategy": plan["strategy"], "num_replicas": r,
+        "strategy": plan["strategy"], "notes": list(plan.get("notes") or []), "num_replicas": r,
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
         "inputs": _inputs(md, nodes),
@@ -158,6 +161,59 @@ def _size(n):
     return f"{n}"
 
 
+_DEVICE = re.compile(r"^(?P<job>/job:[^/]+)?(?P<replica>/replica:\d+)?(?:/task:(?P<task>\d+))?"
+                     r"/device:(?P<type>[^:/]+):(?P<index>\d+)$")
+
+
+def _ranges(numbers):
+    """[0, 1, 2, 3, 6] -> '0-3,6' (sorted, duplicates dropped)."""
+    out, run = [], []
+    for n in sorted(set(numbers)):
+        if run and n != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(n)
+    if run:
+        out.append(run)
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
+
+
+def compact_devices(devices):
+    """Devices written compactly, as docs/cli.md describes: the device indices of one
+    task as ranges ('/job:worker/replica:0/task:0/device:CPU:0-3'), and tasks with the
+    same indices as a range of tasks ('.../task:0-1/device:GPU:0-7': GPUs 0-7 on each
+    of tasks 0 and 1). Devices that do not parse are listed as they are."""
+    parsed = [_DEVICE.match(d or "") for d in devices]
+    if not devices or not all(parsed):
+        return ", ".join(dict.fromkeys(d or "?" for d in devices))
+    by_task = {}   # (job, replica, type) -> {task: [indices]}, in order of appearance
+    for m in parsed:
+        key = (m["job"] or "", m["replica"] or "", m["type"])
+        task = int(m["task"]) if m["task"] is not None else None
+        by_task.setdefault(key, {}).setdefault(task, []).append(int(m["index"]))
+    groups = []
+    for (job, replica, dtype), tasks in by_task.items():
+        by_indices = {}   # the same device indices on several tasks: one range of tasks
+        for task, indices in tasks.items():
+            by_indices.setdefault(_ranges(indices), []).append(task)
+        for indices, task_list in by_indices.items():
+            task_part = "" if task_list == [None] else f"/task:{_ranges(task_list)}"
+            groups.append(f"{job}{replica}{task_part}/device:{dtype}:{indices}")
+    return ", ".join(groups)
+
+
+def _where(v):
+    """Where a variable of the report lives: its copies' (or shards') devices, compact."""
+    if not v.get("devices"):
+        return v.get("device") or "?"
+    text = compact_devices(v["devices"])
+    if v.get("shards"):
+        return f"{text} ({len(v['shards'])} shards)"
+    if v["copies"] > 1:
+        return f"{text} ({v['copies']} copies)"
+    return text
+
+
 _COST_NAMES = {"allreduce": "allreduce", "allgather": "allgather", "accumulate": "ps", "ps": "ps"}
 
 
@@ -167,8 +223,9 @@ def _ms(seconds):
 
 def format_report(rep):
     """The report as readable text."""
-    lines = [f"strategy:   {rep['strategy']}",
-             f"replicas:   {rep['num_replicas']}"]
+    lines = [f"strategy:   {rep['strategy']}"]
+    lines += [f"note:       {note}" for note in rep.get("notes") or []]
+    lines.append(f"replicas:   {rep['num_replicas']}")
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))
     inputs = rep.get("inputs") or []
@@ -193,7 +250,7 @@ def format_report(rep):
     for v in rep["variables"]:
         shape = "x".join(str(d) for d in v["shape"]) if v["shape"] is not None else "?"
         lines.append(f"  {v['name']:<{width}}  {v['role']:<9} {v['dtype']:<8} {shape:<12} "
-                     f"{_size(v['bytes']):>10}  {v['sync']}  on {v['device'] or '?'} x{v['copies']}")
+                     f"{_size(v['bytes']):>10}  {v['sync']}  on {_where(v)}")
     grads = rep.get("gradients") or []
     if grads:
         lines.append("gradients: where each is averaged, and what runs on the average before the update:")

@@ -121,6 +121,9 @@ class Plan:
     # InputPlan per batch input, when any is taken per replica; None when every batch
     # input is split (the plan then says nothing more than batch_inputs does)
     inputs: list = None
+    # short remarks on the plan a user should see (inspect and the summary print them),
+    # e.g. that hybrid found no sparse gradient; None or empty: absent from the JSON
+    notes: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -154,6 +157,8 @@ class Plan:
         d = {"format": PLAN_FORMAT, **_plain(self)}
         if d["inputs"] is None:
             del d["inputs"]
+        if not d["notes"]:
+            del d["notes"]
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]
@@ -185,7 +190,8 @@ class Plan:
                 staleness=d.get("staleness", 0), num_ps=d.get("num_ps", 0),
                 accumulation_steps=d.get("accumulation_steps", 1), cost=d.get("cost"),
                 bytes_per_pack=d.get("bytes_per_pack"),
-                inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None)
+                inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
+                notes=list(d["notes"]) if d.get("notes") else None)
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}") from None
 

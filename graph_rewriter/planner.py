@@ -45,6 +45,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
     _choose_communication(result, options)
+    _note_hybrid_without_sparse(result, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -73,6 +74,25 @@ def _choose_communication(plan, options):
             raise GraphRewriteError(
                 f"the plan's pack {i} asks for communication 'nccl', which runs on GPUs, but "
                 "the replicas are CPU devices", hint="use 'ring' or 'auto' for CPU replicas")
+
+
+HYBRID_WITHOUT_SPARSE = "hybrid: no sparse gradients, every variable is all-reduced"
+
+
+def _note_hybrid_without_sparse(plan, log):
+    """Strategy hybrid puts only variables with sparse gradients on the parameter
+    servers; a graph without any trains exactly as strategy allreduce, which the plan's
+    notes (inspect, the summary) and the log say rather than leave the user to guess.
+    A given plan keeps the note only while it holds (no variable moved to a ps)."""
+    holds = (plan.strategy == "hybrid" and not any(c.kind == "sparse" for c in plan.cuts)
+             and not any(v.placement == "ps" for v in plan.variables))
+    if not holds:
+        if plan.notes and HYBRID_WITHOUT_SPARSE in plan.notes:
+            plan.notes = [n for n in plan.notes if n != HYBRID_WITHOUT_SPARSE] or None
+        return
+    if HYBRID_WITHOUT_SPARSE not in (plan.notes or []):
+        plan.notes = (plan.notes or []) + [HYBRID_WITHOUT_SPARSE]
+    log(f"plan: {HYBRID_WITHOUT_SPARSE} (as with strategy allreduce)")
 
 
 def _check_plannable(graph, analysis, options, cluster, num_replicas):

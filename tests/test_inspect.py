@@ -102,3 +102,78 @@ def test_dot_to_an_unwritable_place_is_a_clean_error(hybrid, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("graph-rewrite: error: ") and "x.dot" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ----- the devices of each variable's copies -------------------------------------------
+
+def _expand(notation):
+    """Every device a printed device notation names (docs/cli.md: "a-b" and "a,b" in the
+    task and the device index; both ranged means every device on every task). Written
+    apart from inspect_report's compaction, so the two check each other."""
+    def numbers(text):
+        out = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    devices = []
+    for group in notation.split(", "):
+        head, _, device = group.rpartition("/device:")
+        dtype, _, indices = device.partition(":")
+        if "/task:" in head:
+            job, _, tasks = head.partition("/task:")
+            heads = [f"{job}/task:{t}" for t in numbers(tasks)]
+        else:
+            heads = [head]
+        devices += [f"{h}/device:{dtype}:{i}" for h in heads for i in numbers(indices)]
+    return devices
+
+
+def _emitted_devices(graph_def, variable):
+    """The devices of ``variable``'s copies in the emitted graph: its node and every
+    replica's clone of it ("replica_<i>/<name>"), read straight off the NodeDefs."""
+    return sorted(n.device for n in graph_def.node
+                  if n.op in ("VarHandleOp", "VariableV2")
+                  and (n.name == variable or (n.name.startswith("replica_")
+                                              and n.name.split("/", 1)[1] == variable)))
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(devices_per_worker=4, device_type="CPU"), "/device:CPU:0-3 (4 copies)"),
+    (dict(devices_per_worker=4, device_type="GPU"), "/device:GPU:0-3 (4 copies)"),
+    (dict(cluster_spec={"worker": ["localhost:1", "localhost:2"]}, devices_per_worker=2, device_type="GPU"),
+     "/job:worker/replica:0/task:0-1/device:GPU:0-1 (4 copies)"),
+    (dict(cluster_spec={"worker": ["localhost:1", "localhost:2", "localhost:3"]}, devices_per_worker=2,
+          device_type="CPU", task="worker:2"), "/job:worker/replica:0/task:2/device:CPU:0-1 (2 copies)"),
+], ids=["cpu4", "gpu4", "2workers_gpu2", "between_graph_worker2"])
+def test_inspect_prints_the_devices_of_every_mirrored_copy(kwargs, expected, tmp_path):
+    ex = models.build("mlp", "adam", seed=0)
+    result = gr.rewrite(ex.graph_def, **kwargs)
+    path = str(tmp_path / "out.pb")
+    result.save(path)
+    text = _inspect(path).stdout
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and " on " in line}
+    for variable in ("hidden/kernel", "output/bias", "global_step", "hidden/kernel/Adam"):
+        emitted = _emitted_devices(result.graph_def, variable)
+        assert len(emitted) == result.metadata.get("local_replicas", result.num_replicas)
+        printed = lines[variable].rsplit(" on ", 1)[1]
+        assert printed == expected, lines[variable]
+        assert sorted(_expand(printed.split(" (")[0])) == emitted, (printed, emitted)
+
+
+def test_compact_devices_writes_ranges_lists_and_groups():
+    from graph_rewriter.inspect_report import compact_devices
+    w = "/job:worker/replica:0/task:"
+    assert compact_devices([f"/device:CPU:{i}" for i in (0, 1, 2, 3)]) == "/device:CPU:0-3"
+    assert compact_devices(["/device:GPU:0", "/device:GPU:2", "/device:GPU:3"]) == "/device:GPU:0,2-3"
+    assert compact_devices([f"{w}{t}/device:GPU:{i}" for t in (0, 1) for i in range(8)]) == f"{w}0-1/device:GPU:0-7"
+    # tasks with different devices are separate groups, and so are device types
+    assert (compact_devices([f"{w}0/device:GPU:0", f"{w}0/device:GPU:1", f"{w}1/device:GPU:0"])
+            == f"{w}0/device:GPU:0-1, {w}1/device:GPU:0")
+    assert compact_devices([f"{w}0/device:GPU:0", f"{w}0/device:CPU:0"]) == f"{w}0/device:GPU:0, {w}0/device:CPU:0"
+    # what does not parse is listed as it is, once each
+    assert compact_devices(["/cpu:0", "/cpu:0", ""]) == "/cpu:0, ?"
+    for devices in ([f"{w}{t}/device:GPU:{i}" for t in (0, 2, 3) for i in (1, 2, 5)],
+                    [f"/device:CPU:{i}" for i in (7, 0, 3, 1)]):
+        assert sorted(_expand(compact_devices(devices))) == sorted(devices)

@@ -365,3 +365,57 @@ def test_ref_variables_are_not_split():
     plan = gr.rewrite(ex.graph_def, TWO_PS, strategy="ps", device_type="CPU", ps_shard_bytes=100).plan
     assert all(v.kind == "ref" for v in plan.variables if v.name.startswith("embedding"))
     assert all(v.shards is None and v.ps_task in (0, 1) for v in plan.variables)
+
+
+# ----- notes: hybrid without sparse gradients says so ---------------------------------
+
+HYBRID_NOTE = "hybrid: no sparse gradients, every variable is all-reduced"
+
+
+def test_hybrid_without_sparse_gradients_notes_it_in_the_plan_log_summary_and_inspect():
+    from graph_rewriter.inspect_report import format_report, report
+    ex = models.build("mlp", "adam", seed=0)       # dense only
+    logged = []
+    result = gr.rewrite(ex.graph_def, strategy="hybrid", devices_per_worker=2, device_type="CPU",
+                        log=logged.append)
+    assert result.plan.notes == [HYBRID_NOTE]
+    assert all(v.placement == "mirrored" for v in result.plan.variables)
+    assert [m for m in logged if HYBRID_NOTE in m], logged
+    assert f"note: {HYBRID_NOTE}" in result.summary().splitlines()
+    text = format_report(report(result))
+    assert f"note:       {HYBRID_NOTE}" in text.splitlines()
+    # the note travels in the plan's JSON (and so in the saved graph's metadata)
+    d = json.loads(result.plan.to_json())
+    assert d["notes"] == [HYBRID_NOTE]
+    again = Plan.from_json(result.plan.to_json())
+    assert again.notes == [HYBRID_NOTE] and again.to_json() == result.plan.to_json()
+    assert result.metadata["plan"]["notes"] == [HYBRID_NOTE]
+    # a saved plan applied again keeps one note, not two
+    reapplied = gr.rewrite(ex.graph_def, strategy=again, devices_per_worker=2, device_type="CPU")
+    assert reapplied.plan.notes == [HYBRID_NOTE]
+    # otherwise hybrid trains exactly as allreduce: the same graph apart from the plan's words
+    allreduce = gr.rewrite(ex.graph_def, strategy="allreduce", devices_per_worker=2, device_type="CPU")
+    strip = lambda r: {n.name: (n.op, n.device, tuple(n.input)) for n in r.graph_def.node}
+    assert strip(result) == strip(allreduce)
+
+
+@pytest.mark.parametrize("model, strategy", [("mlp", "allreduce"), ("mlp", "ps"), ("mlp", "auto"),
+                                             ("embedding", "hybrid"), ("embedding", "allreduce")])
+def test_other_plans_carry_no_notes(model, strategy):
+    ex = models.build(model, "adagrad", seed=0)
+    result = gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=2, device_type="CPU")
+    assert result.plan.notes is None
+    assert '"notes"' not in result.plan.to_json()
+    assert "note:" not in result.summary()
+    assert "notes" not in result.metadata["plan"]
+
+
+def test_a_given_hybrid_plan_that_moves_a_variable_to_the_ps_drops_the_note():
+    ex = models.build("mlp", "adagrad", seed=0)
+    plan = gr.rewrite(ex.graph_def, strategy="hybrid", devices_per_worker=2, device_type="CPU").plan
+    assert plan.notes == [HYBRID_NOTE]
+    plan.set_placement("hidden/kernel", "ps")
+    result = gr.rewrite(ex.graph_def, strategy=plan, devices_per_worker=2, device_type="CPU")
+    assert result.plan.variable("hidden/kernel").placement == "ps"
+    assert not result.plan.notes
+    assert "notes" not in result.plan.to_dict()

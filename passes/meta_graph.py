@@ -68,13 +68,14 @@ class MetaGraphPass(Pass):
             local_init = _local_init_op(graph, rm, meta, local_vars)
             global_nodes = [graph.node(split_tensor_name(vd.variable_name)[0])
                             for vd in collections["variables"]]
-            ready = _report_uninitialized(graph, f"{SCOPE}/ready_op", global_nodes + local_vars)
+            flags = {}   # variable -> its is-initialized flag, shared by the two reports
+            ready = _report_uninitialized(graph, f"{SCOPE}/ready_op", global_nodes + local_vars, flags)
             if between and not rm.chief:
                 mirrored = {vp.name for vp in plan.variables if vp.placement == "mirrored"}
                 waited = [n for n in global_nodes if n.name not in mirrored]
             else:
                 waited = global_nodes
-            ready_local = _report_uninitialized(graph, f"{SCOPE}/ready_for_local_init_op", waited)
+            ready_local = _report_uninitialized(graph, f"{SCOPE}/ready_for_local_init_op", waited, flags)
         for key in VARIABLE_COLLECTIONS:
             if key in collections:
                 col = meta.collection_def[key]
@@ -337,19 +338,22 @@ def _local_init_op(graph, rm, meta, local_vars):
     return graph.add_node(graph.unique_name(f"{SCOPE}/local_init_op"), "NoOp", control_inputs=members)
 
 
-def _report_uninitialized(graph, name, variables):
+def _report_uninitialized(graph, name, variables, made):
     """A 1-D string tensor of the names of ``variables`` not yet initialized (what
-    tf.compat.v1.report_uninitialized_variables builds)."""
+    tf.compat.v1.report_uninitialized_variables builds); ``made``: the flags built so
+    far, by variable."""
     if not variables:
         return const(graph, name, [], "string").node
     flags = []
     for v in variables:
-        if v.op == "VarHandleOp":
-            flags.append(make_op(graph, "VarIsInitializedOp", f"{name}/is_initialized", [v.output(0)],
-                                 colocate_with=[v]).output(0))
-        else:
-            flags.append(make_op(graph, "IsVariableInitialized", f"{name}/is_initialized", [v.output(0)],
-                                 attrs={"dtype": _base(v.attr["dtype"].type)}, colocate_with=[v]).output(0))
+        if v not in made:
+            scope = f"{SCOPE}/is_initialized/{v.name}"
+            if v.op == "VarHandleOp":
+                made[v] = make_op(graph, "VarIsInitializedOp", scope, [v.output(0)], colocate_with=[v]).output(0)
+            else:
+                made[v] = make_op(graph, "IsVariableInitialized", scope, [v.output(0)],
+                                  attrs={"dtype": _base(v.attr["dtype"].type)}, colocate_with=[v]).output(0)
+        flags.append(made[v])
     names = const(graph, f"{name}/names", [v.name for v in variables], "string")
     stacked = make_op(graph, "Pack", f"{name}/stack", [flags], attrs={"axis": 0})
     missing = make_op(graph, "LogicalNot", f"{name}/not", [stacked.output(0)])

@@ -12,8 +12,9 @@ hand-edited plan.json naming it for that pack):
 TensorFlow reads ``communication_hint`` when it first runs a collective instance: "ring"
 is its gRPC ring (CPU and GPU tensors), "nccl" NVIDIA's NCCL (GPU tensors only: on a CPU
 device the collective fails at run time, which is why the options and the planner refuse
-it for CPU replicas), "auto" lets TensorFlow choose (NCCL for GPU tensors when it was
-built with it, the ring otherwise). A pack's collectives are found by their instance key,
+it for CPU replicas), "auto" lets TensorFlow choose (NCCL for GPU tensors when the
+server's ConfigProto turns on ``experimental.collective_nccl``, its ring otherwise; see
+docs/deployment.md, "Server configuration"). A pack's collectives are found by their instance key,
 which the plan defines (collectives.dense_instance_key), not by name. The sparse
 gradients' all-gathers follow the rewrite's option. Every replica of a group must ask for
 the same implementation; they do, as every worker rewrites with the same plan.

@@ -54,6 +54,10 @@ class MetaGraphPass(Pass):
     after = frozenset({"replicate", "mirror_variables", "accumulate", "sync_queues", "shard_variables",
                        "merge_summaries", "saver"})
 
+    def applies(self, ctx):
+        # one replica: the graph is the input's, and so are its collections
+        return ctx.num_replicas > 1
+
     def run(self, graph, ctx):
         rm, plan = ctx.replicas, ctx.plan
         meta = graph.meta_graph
@@ -259,7 +263,8 @@ def _init_op(graph, rm, plan):
         # (the release of the workers' plain init ops: no MonitoredTrainingSession
         # client waits for it, and a token left in its queue would let a later worker's
         # plain init run before the chief's)
-        members = [m for m in (members or _flatten(best)) if m.name != RELEASE and m.op != "NoOp"]
+        members = [m for m in (members if members is not None else _flatten(best))
+                   if m.name != RELEASE and m.op != "NoOp"]
     else:
         members = [rm.node(graph, i, vp.initializer) for vp in plan.variables if vp.initializer
                    for i in rm.built]

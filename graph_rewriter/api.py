@@ -8,6 +8,7 @@ import time
 
 from graph_rewriter import passes
 from graph_rewriter import graph_io
+from graph_rewriter import saved_model
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter import options as option_schema
 from graph_rewriter.context import RewriteContext
@@ -22,12 +23,14 @@ from graph_rewriter.verifier import check_collectives_run, verify, verify_change
 class RewriteResult:
     """What ``rewrite`` returns and ``load`` reads back."""
 
-    def __init__(self, graph_def=None, metadata=None, meta_graph=None, timings=None, serialized=None):
+    def __init__(self, graph_def=None, metadata=None, meta_graph=None, timings=None, serialized=None,
+                 saved_model_dir=None):
         self._graph_def = graph_def
         self._serialized = serialized     # the exported bytes, while graph_def is untouched
         self.metadata = metadata
         self.meta_graph = meta_graph      # MetaGraphDef parts of the input, if it was one
         self.timings = timings or []      # (step, seconds, modified)
+        self.saved_model_dir = saved_model_dir   # the input SavedModel's directory, if it was one
 
     @property
     def graph_def(self):
@@ -63,15 +66,15 @@ class RewriteResult:
         return list(self.metadata["replica_devices"])
 
     def save(self, path):
-        """Writes ONE file (binary GraphDef; text for .pbtxt; MetaGraphDef for .meta)."""
+        """Writes ONE file (binary GraphDef; text for .pbtxt; MetaGraphDef for .meta), or,
+        when the input was a SavedModel and ``path`` has none of those suffixes, a
+        SavedModel directory with the input's variables/ and assets/ (saved_model.py)."""
         path = os.fspath(path)
+        if self.saved_model_dir is not None and saved_model.is_saved_model_output(path):
+            return saved_model.write_saved_model(
+                path, saved_model.meta_graph_with(self.meta_graph, self.graph_def), self.saved_model_dir)
         if path.endswith(".meta"):
-            from tensorflow.core.protobuf import meta_graph_pb2
-            mg = meta_graph_pb2.MetaGraphDef()
-            if self.meta_graph is not None:
-                mg.CopyFrom(self.meta_graph)
-            mg.graph_def.CopyFrom(self.graph_def)
-            data = graph_io.serialize(mg, path)
+            data = graph_io.serialize(saved_model.meta_graph_with(self.meta_graph, self.graph_def), path)
         elif os.path.splitext(path)[1].lower() in graph_io.TEXT_SUFFIXES:
             data = graph_io.serialize(self.graph_def, path)
         else:
@@ -188,10 +191,12 @@ def rewrite(graph_def, cluster_spec=None, **options):
 rewrite.__doc__ = option_schema.docstring(
     """Rewrites a single-device training graph for data-parallel training.
 
-``graph_def``: a tf.compat.v1.GraphDef, MetaGraphDef, its bytes, or the path of a .pb,
-.pbtxt or .meta file. ``cluster_spec``: None (this machine only, or TF_CONFIG's cluster
-and task when set), a dict {"chief": [...], "worker": [...], "ps": [...]}, a
-tf.train.ClusterSpec, JSON text or the path of a JSON file. Returns a ``RewriteResult``.
+``graph_def``: a tf.compat.v1.GraphDef, MetaGraphDef, tf.Graph, its bytes, the path of a
+.pb, .pbtxt or .meta file, or a TF1 SavedModel directory (``tag`` picks its
+MetaGraphDef; ``result.save(dir)`` then writes a SavedModel). ``cluster_spec``: None
+(this machine only, or TF_CONFIG's cluster and task when set), a dict {"chief": [...],
+"worker": [...], "ps": [...]}, a tf.train.ClusterSpec, JSON text or the path of a JSON
+file. Returns a ``RewriteResult``.
 The contract is API.md; docs/api.md describes the options below, which every
 ``graph-rewrite`` flag mirrors (graph_rewriter/options.py is their one description).""")
 rewrite.__signature__ = inspect.Signature(
@@ -223,7 +228,7 @@ def _rewrite(graph_def, cluster_spec, options, plan=None):
     ctx = RewriteContext(options=options, cluster=cluster, plan=plan, log=options.log)
     _check_client_task(cluster)
     t0 = time.perf_counter()
-    graph = graph_io.load_graph(graph_def)
+    graph = graph_io.load_graph(graph_def, tag=options.tag)
     if METADATA_NODE in graph:
         raise GraphRewriteError(
             f"{graph.source} is already the output of graph-rewrite",
@@ -239,11 +244,20 @@ def _rewrite(graph_def, cluster_spec, options, plan=None):
     ctx.timings.append(("export", time.perf_counter() - t0, False))
     metadata = read_metadata_of(graph)
     ctx.info(f"rewrite done: {len(graph)} nodes in {(time.perf_counter() - started) * 1000:.1f} ms")
-    return RewriteResult(None, metadata, meta_graph=graph.meta_graph, timings=ctx.timings, serialized=data)
+    return RewriteResult(None, metadata, meta_graph=graph.meta_graph, timings=ctx.timings, serialized=data,
+                         saved_model_dir=_saved_model_dir(graph_def))
+
+
+def _saved_model_dir(source):
+    """The SavedModel directory ``source`` names, or None (any other input)."""
+    if isinstance(source, (str, os.PathLike)):
+        return saved_model.saved_model_dir(source)
+    return None
 
 
 def load(path):
-    """Reads a rewritten graph written by ``RewriteResult.save`` or the CLI."""
+    """Reads a rewritten graph written by ``RewriteResult.save`` or the CLI (a graph file
+    or a SavedModel directory)."""
     from tensorflow.core.protobuf import meta_graph_pb2
     item = graph_io.load_graph(path)
     gd = graph_io.to_graph_def(item)
@@ -252,4 +266,4 @@ def load(path):
     if item.meta_graph is not None:
         meta = meta_graph_pb2.MetaGraphDef()
         meta.CopyFrom(item.meta_graph)
-    return RewriteResult(gd, metadata, meta_graph=meta)
+    return RewriteResult(gd, metadata, meta_graph=meta, saved_model_dir=_saved_model_dir(path))

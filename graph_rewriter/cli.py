@@ -28,6 +28,7 @@ REWRITE_EXAMPLES = """examples:
   graph-rewrite train.pb train_4gpu.pb --devices-per-worker 4
   graph-rewrite train.pbtxt out.pb --device-type CPU --devices-per-worker 2 -v
   graph-rewrite train.meta out.meta --devices-per-worker 8 --compression fp16
+  graph-rewrite saved_model_dir/ out_dir/ --tag train --devices-per-worker 4
   graph-rewrite train.pb out.pb --plan plan.json
   graph-rewrite train.pb worker1.pb --cluster cluster.json --strategy ps --task worker:1
   graph-rewrite train.pb out.pb --dump-after replicate --dump-dir /tmp/dumps
@@ -40,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit status 2."""
 
     def error(self, message):
-        sys.stderr.write(f"{PROG}: error: {message}\n")
+        sys.stderr.write(f"{PROG}: error: {message}. To fix this, see `{self.prog} --help`\n")
         sys.exit(2)
 
 
@@ -90,8 +91,10 @@ def _rewrite_parser():
     p = _Parser(prog=PROG, description="Rewrite a single-device TensorFlow 1 training graph into a "
                 "data-parallel one.", epilog=REWRITE_EXAMPLES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef) or .meta (MetaGraphDef)")
-    p.add_argument("output", metavar="OUT", help="where to write the rewritten graph (.pb, .pbtxt or .meta)")
+    p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef), .meta (MetaGraphDef) "
+                   "or a TF1 SavedModel directory (see --tag)")
+    p.add_argument("output", metavar="OUT", help="where to write the rewritten graph (.pb, .pbtxt or .meta); "
+                   "with a SavedModel IN, any other path is a new SavedModel directory")
     _add_rewrite_options(p, "rewrite")
     p.add_argument("--plan", metavar="FILE", help="apply a plan written by `graph-rewrite plan` (and perhaps edited)")
     return p
@@ -102,7 +105,8 @@ def _plan_parser():
                 epilog="example:\n  graph-rewrite plan train.pb --devices-per-worker 4 > plan.json\n"
                        "  (edit plan.json, then) graph-rewrite train.pb out.pb --devices-per-worker 4 --plan plan.json",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef) or .meta (MetaGraphDef)")
+    p.add_argument("input", metavar="IN", help="the training graph: .pb, .pbtxt (GraphDef), .meta (MetaGraphDef) "
+                   "or a TF1 SavedModel directory (see --tag)")
     _add_rewrite_options(p, "plan")
     return p
 
@@ -114,7 +118,8 @@ def _inspect_parser():
                        "  graph-rewrite inspect out.pb --batch-size 4096   # sparse bytes per step\n"
                        "  graph-rewrite inspect out.pb --dot out.dot --tensorboard logs/",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", metavar="FILE", help="a graph written by graph-rewrite or result.save()")
+    p.add_argument("file", metavar="FILE", help="a graph (or SavedModel directory) written by graph-rewrite "
+                   "or result.save()")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--batch-size", type=int, metavar="N",
                    help="the global batch size: sparse gradients' bytes per step instead of per example")
@@ -174,12 +179,18 @@ def _log(message):
 def cmd_rewrite(argv):
     args = _rewrite_parser().parse_args(argv)
     if not os.path.exists(args.input):
-        raise GraphRewriteError(f"{args.input}: no such file")
+        raise GraphRewriteError(f"{args.input}: no such file",
+                                hint="check the path (and the working directory)")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
-        raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' does not exist")
+        raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' does not exist",
+                                hint="create the folder first, or write somewhere else")
     if not os.access(out_dir, os.W_OK):
-        raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' is not writable")
+        raise GraphRewriteError(f"{args.output}: cannot write: folder '{out_dir}' is not writable",
+                                hint="write somewhere this process may create files")
+    from graph_rewriter import saved_model
+    if saved_model.saved_model_dir(args.input) is not None and saved_model.is_saved_model_output(args.output):
+        saved_model.check_output_dir(args.output)   # before the rewrite's work, not after
     from graph_rewriter.api import rewrite
     kwargs = _rewrite_kwargs(args, "rewrite")
     if args.plan:
@@ -215,7 +226,8 @@ def cmd_inspect(argv):
     from graph_rewriter.api import load
     from graph_rewriter.inspect_report import format_report, report
     if args.batch_size is not None and args.batch_size < 1:
-        raise GraphRewriteError(f"--batch-size must be a positive number of examples, got {args.batch_size}")
+        raise GraphRewriteError(f"--batch-size must be a positive number of examples, got {args.batch_size}",
+                                hint="give the global batch size, e.g. --batch-size 256")
     result = load(args.file)
     rep = report(result, batch_size=args.batch_size)
     if args.dot:
@@ -227,7 +239,8 @@ def cmd_inspect(argv):
         try:
             os.makedirs(args.tensorboard, exist_ok=True)
         except OSError as e:
-            raise GraphRewriteError(f"--tensorboard {args.tensorboard}: cannot create the directory ({e.strerror})")
+            raise GraphRewriteError(f"--tensorboard {args.tensorboard}: cannot create the directory ({e.strerror})",
+                                    hint="give a folder this process may create") from None
         write_tensorboard(result.graph_def, args.tensorboard)
     if args.json:
         import json
@@ -241,7 +254,8 @@ def cmd_serve(argv):
     args = _serve_parser().parse_args(argv)
     from graph_rewriter.server import start_server
     if (args.cluster is None or args.task is None) and not os.environ.get("TF_CONFIG"):
-        raise GraphRewriteError("serve needs --cluster and --task (or a TF_CONFIG environment variable)")
+        raise GraphRewriteError("serve needs --cluster and --task (or a TF_CONFIG environment variable)",
+                                hint="pass e.g. --cluster cluster.json --task worker:0")
     server = start_server(args.cluster, args.task, device_type=args.device_type,
                           devices_per_worker=args.devices_per_worker, communication=args.communication)
     _log(f"serving {args.task or 'the TF_CONFIG task'} at {server.target} (Ctrl-C to stop)")
@@ -260,7 +274,8 @@ def cmd_serve(argv):
 def cmd_demo(argv):
     args = _demo_parser().parse_args(argv)
     if args.steps < 1:
-        raise GraphRewriteError(f"--steps must be at least 1, got {args.steps}")
+        raise GraphRewriteError(f"--steps must be at least 1, got {args.steps}",
+                                hint="give --steps 1 or more")
     from graph_rewriter.demo import run_demo
     return run_demo(log=lambda line: print(line, flush=True), steps=args.steps, strategy=args.strategy)
 

@@ -98,17 +98,20 @@ def _jobs_from(spec):
         else:
             if not os.path.isfile(text):
                 raise GraphRewriteError(
-                    f"cluster spec '{text}' is neither JSON text nor a readable JSON file")
+                    f"cluster spec '{text}' is neither JSON text nor a readable JSON file",
+                    hint='pass JSON text such as \'{"worker": ["host:2222"]}\' or the path of a JSON file')
             try:
                 with open(text) as f:
                     spec = _load_json(f.read(), text)
             except OSError as e:
-                raise GraphRewriteError(f"{text}: cannot read cluster spec: {e.strerror}") from None
+                raise GraphRewriteError(f"{text}: cannot read cluster spec: {e.strerror}",
+                                        hint="check the file's path and permissions") from None
     if isinstance(spec, dict) and "cluster" in spec and isinstance(spec["cluster"], dict):
         spec = spec["cluster"]  # a TF_CONFIG-shaped document
     if not isinstance(spec, dict):
         raise GraphRewriteError(
-            f"cluster spec must be a mapping of job names to address lists, got {type(spec).__name__}")
+            f"cluster spec must be a mapping of job names to address lists, got {type(spec).__name__}",
+            hint='write it like {"worker": ["host:2222", ...], "ps": ["host:2223"]}')
     jobs = {}
     seen = {}
     for job, addrs in spec.items():
@@ -118,7 +121,8 @@ def _jobs_from(spec):
         if isinstance(addrs, dict):  # tf.train.ClusterSpec allows {index: address}
             addrs = [addrs[k] for k in sorted(addrs, key=int)]
         if isinstance(addrs, str) or not isinstance(addrs, (list, tuple)):
-            raise GraphRewriteError(f"cluster spec: job '{job}' must list addresses, got {addrs!r}")
+            raise GraphRewriteError(f"cluster spec: job '{job}' must list addresses, got {addrs!r}",
+                                    hint=f'write a list, e.g. "{job}": ["host:2222"]')
         if job == "evaluator":
             continue
         for a in addrs:
@@ -128,12 +132,14 @@ def _jobs_from(spec):
                     hint="write addresses as host:port, e.g. 10.0.0.2:2222")
             if a in seen:
                 raise GraphRewriteError(
-                    f"cluster spec: address {a} is used by both '{seen[a]}' and '{job}'")
+                    f"cluster spec: address {a} is used by both '{seen[a]}' and '{job}'",
+                    hint="give every task its own host:port")
             seen[a] = job
         if addrs:
             jobs[job] = list(addrs)
     if len(jobs.get("chief", [])) > 1:
-        raise GraphRewriteError("cluster spec: job 'chief' may have only one task")
+        raise GraphRewriteError("cluster spec: job 'chief' may have only one task",
+                                hint="list the other addresses under 'worker'")
     if not any(jobs.get(j) for j in COMPUTE_JOBS):
         raise GraphRewriteError("cluster spec has no 'worker' or 'chief' tasks: nothing would train",
                                 hint="list at least one worker address")
@@ -144,7 +150,8 @@ def _load_json(text, what):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise GraphRewriteError(f"{what}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise GraphRewriteError(f"{what}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                                hint="fix the JSON (double-quoted strings, no trailing commas)") from None
 
 
 def _parse_tf_config(text):
@@ -155,7 +162,8 @@ def _parse_tf_config(text):
     task = doc.get("task")
     if task is not None:
         if not isinstance(task, dict) or "type" not in task:
-            raise GraphRewriteError("TF_CONFIG 'task' must be {\"type\": job, \"index\": i}")
+            raise GraphRewriteError("TF_CONFIG 'task' must be {\"type\": job, \"index\": i}",
+                                    hint='set it like "task": {"type": "worker", "index": 0}')
         task = (task["type"], task.get("index", 0))
     return doc["cluster"], task
 
@@ -168,16 +176,19 @@ def parse_task(task, cluster):
             raise GraphRewriteError(f"task '{task}' is not JOB:INDEX", hint="write e.g. worker:1")
         task = (job, int(idx))
     if not (isinstance(task, (tuple, list)) and len(task) == 2):
-        raise GraphRewriteError(f"task {task!r} is not JOB:INDEX or a (job, index) pair")
+        raise GraphRewriteError(f"task {task!r} is not JOB:INDEX or a (job, index) pair",
+                                hint='write e.g. "worker:1" or ("worker", 1)')
     job, idx = task[0], task[1]
     if isinstance(idx, str) and idx.isdigit():
         idx = int(idx)
 
     if not isinstance(idx, int) or idx < 0:
-        raise GraphRewriteError(f"task {job}:{idx}: the index must be a non-negative integer")
+        raise GraphRewriteError(f"task {job}:{idx}: the index must be a non-negative integer",
+                                hint="count the job's tasks from 0, e.g. worker:0")
     if job not in cluster.jobs or idx >= len(cluster.jobs[job]):
         have = ", ".join(f"{j}:0..{len(a) - 1}" for j, a in cluster.jobs.items()) or "none"
-        raise GraphRewriteError(f"task {job}:{idx} is not in the cluster (it has {have})")
+        raise GraphRewriteError(f"task {job}:{idx} is not in the cluster (it has {have})",
+                                hint="name a task the cluster spec lists, or add its address there")
     return (job, idx)
 
 

@@ -61,7 +61,8 @@ class CostModel:
                     f"cost_model has unknown field '{sorted(unknown)[0]}'",
                     hint=f"use {', '.join(f.name for f in dataclasses.fields(cls))}")
             return cls(**value).validate()
-        raise GraphRewriteError(f"cost_model must be a CostModel or a dict, got {type(value).__name__}")
+        raise GraphRewriteError(f"cost_model must be a CostModel or a dict, got {type(value).__name__}",
+                                hint="pass e.g. {\"inter_bandwidth\": 1.25e9}, or None for the defaults")
 
     def validate(self):
         for f in dataclasses.fields(self):
@@ -71,9 +72,11 @@ class CostModel:
                     or (isinstance(v, float) and not math.isfinite(v)):
                 raise GraphRewriteError(
                     f"cost_model.{f.name} must be a {'positive' if positive else 'non-negative'} "
-                    f"number, got {v!r}")
+                    f"number, got {v!r}",
+                    hint="give bandwidths in bytes/s, latencies in seconds (0 allowed), the batch in examples")
         if not isinstance(self.batch_size, int):
-            raise GraphRewriteError(f"cost_model.batch_size must be an integer, got {self.batch_size!r}")
+            raise GraphRewriteError(f"cost_model.batch_size must be an integer, got {self.batch_size!r}",
+                                    hint="give the global batch size, e.g. 256")
         return self
 
     def to_dict(self):

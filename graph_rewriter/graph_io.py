@@ -14,6 +14,7 @@ from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
+from graph_rewriter import saved_model
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GraphItem, Node
 from graph_rewriter.replica_export import write_replicated_nodes
@@ -26,13 +27,24 @@ META_SUFFIXES = (".meta",)
 
 # ----- reading ------------------------------------------------------------------------
 
-def load_graph(source, name=None):
-    """A GraphItem from a GraphDef, MetaGraphDef, tf.Graph, bytes, or a path to a file.
+def load_graph(source, name=None, tag=None):
+    """A GraphItem from a GraphDef, MetaGraphDef, tf.Graph, bytes, or a path to a graph
+    file or a TF1 SavedModel (its directory or its saved_model.pb).
 
     ``name`` labels the source in error messages (defaults to the path or the type).
+    ``tag`` ("train", "serve,gpu") picks a SavedModel's MetaGraphDef by its tag set.
     """
     if isinstance(source, GraphItem):
         return source
+    if isinstance(source, (str, os.PathLike)) and saved_model.saved_model_dir(source) is not None:
+        path = os.fspath(source)
+        return _item_from_meta(saved_model.read_meta_graph(path, tag), name or path)
+    label = name or (os.fspath(source) if isinstance(source, (str, os.PathLike)) else None)
+    if tag is not None:
+        raise GraphRewriteError(
+            f"tag {tag!r} picks a MetaGraphDef of a SavedModel, but the input "
+            f"{label or type(source).__name__} is not a SavedModel",
+            hint="drop the tag, or pass a SavedModel directory (one holding saved_model.pb)")
     if isinstance(source, graph_pb2.GraphDef):
         gd = graph_pb2.GraphDef()
         gd.CopyFrom(source)
@@ -41,8 +53,10 @@ def load_graph(source, name=None):
         mg = meta_graph_pb2.MetaGraphDef()
         mg.CopyFrom(source)
         return _item_from_meta(mg, name or "<MetaGraphDef>")
+    if _is_tf_graph(source):
+        return _item_from_meta(_meta_graph_of(source), name or "<tf.Graph>")
     if hasattr(source, "as_graph_def") and callable(source.as_graph_def):
-        return graph_item_from_graph_def(source.as_graph_def(), name or "<tf.Graph>")
+        return graph_item_from_graph_def(source.as_graph_def(), name or f"<{type(source).__name__}>")
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _load_bytes(bytes(source), name or "<bytes>", None)
     if isinstance(source, (str, os.PathLike)):
@@ -51,24 +65,74 @@ def load_graph(source, name=None):
         return _load_bytes(data, name or path, path)
     raise GraphRewriteError(
         f"cannot load a graph from a {type(source).__name__}: expected a GraphDef, "
-        "MetaGraphDef, tf.Graph, bytes, or a path to a .pb, .pbtxt or .meta file")
+        "MetaGraphDef, tf.Graph, bytes, or a path to a .pb, .pbtxt or .meta file or a "
+        "SavedModel directory", hint="pass one of those, e.g. graph.as_graph_def()")
+
+
+def _is_tf_graph(source):
+    from tensorflow.python.framework import ops
+    return isinstance(source, ops.Graph)
+
+
+def _meta_graph_of(graph):
+    """A live tf.Graph as a MetaGraphDef: its GraphDef (as_graph_def()), its collections
+    and, when the graph has a Saver, that Saver's SaverDef, so that a .meta or SavedModel
+    output keeps them as an exported .meta input would."""
+    import tensorflow as tf
+    with graph.as_default():   # export_meta_graph refuses to run eagerly
+        return tf.compat.v1.train.export_meta_graph(
+            graph=graph, graph_def=graph.as_graph_def(), saver_def=_saver_def_of(graph))
+
+
+def _saver_def_of(graph):
+    """The SaverDef of ``graph``'s Saver: the first in its "savers" collection, else the
+    first Saver found by the nodes tf.compat.v1.train.Saver builds (<scope>/restore_all,
+    the filename <scope>/Const, the save tensor <scope>/control_dependency, or
+    <scope>/Identity when sharded); None when it has none."""
+    from tensorflow.core.protobuf import saver_pb2
+    for saver in graph.get_collection("savers"):
+        if hasattr(saver, "as_saver_def"):
+            return saver.as_saver_def()
+    ops = {op.name: op for op in graph.get_operations()}
+    for name in ops:
+        if name != "restore_all" and not name.endswith("/restore_all"):
+            continue
+        scope = name[:-len("restore_all")]
+        if scope + "Const" not in ops:
+            continue
+        types = {op.type for op_name, op in ops.items() if op_name.startswith(scope)}
+        sharded = "ShardedFilename" in types
+        for save in (("Identity", "control_dependency") if sharded else ("control_dependency",)):
+            if scope + save in ops:
+                return saver_pb2.SaverDef(
+                    filename_tensor_name=scope + "Const:0", save_tensor_name=scope + save + ":0",
+                    restore_op_name=name, sharded=sharded, max_to_keep=5,
+                    keep_checkpoint_every_n_hours=10000,
+                    version=saver_pb2.SaverDef.V2 if "SaveV2" in types else saver_pb2.SaverDef.V1)
+    return None
 
 
 def read_file(path):
     if not os.path.exists(path):
-        raise GraphRewriteError(f"{path}: no such file")
+        raise GraphRewriteError(f"{path}: no such file", hint="check the path (and the working directory)")
     if os.path.isdir(path):
-        raise GraphRewriteError(f"{path}: is a directory, expected a graph file (.pb, .pbtxt, .meta)")
+        raise GraphRewriteError(
+            f"{path}: is a directory, expected a graph file (.pb, .pbtxt, .meta) or a SavedModel "
+            "directory (one holding saved_model.pb)",
+            hint="pass the graph file inside it, or a directory tf.compat.v1.saved_model.Builder wrote")
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
-        raise GraphRewriteError(f"{path}: cannot read: {e.strerror}") from None
+        raise GraphRewriteError(f"{path}: cannot read: {e.strerror}",
+                                hint="check the file's permissions") from None
 
 
 def _load_bytes(data, label, path):
     if not data:
-        raise GraphRewriteError(f"{label}: is empty, expected a serialized GraphDef or MetaGraphDef")
+        raise GraphRewriteError(f"{label}: is empty, expected a serialized GraphDef or MetaGraphDef",
+                                hint="pass a file written by tf.io.write_graph or "
+                                     "tf.compat.v1.train.export_meta_graph")
     suffix = os.path.splitext(path)[1].lower() if path else ""
     looks_text = suffix in TEXT_SUFFIXES or (suffix not in (".pb", ".meta") and _looks_like_text(data))
     meta_first = suffix in META_SUFFIXES
@@ -121,10 +185,12 @@ def _not_a_graph(gd):
 
 
 def _item_from_meta(mg, label):
+    saved_model.check_tf1_meta_graph(mg, label)
     gd = graph_pb2.GraphDef()
     gd.CopyFrom(mg.graph_def)
     if not gd.node:
-        raise GraphRewriteError(f"{label}: the MetaGraphDef holds an empty graph")
+        raise GraphRewriteError(f"{label}: the graph is empty (no nodes)",
+                                hint="pass the graph after building the model and its optimizer")
     item = graph_item_from_graph_def(gd, label)
     meta = meta_graph_pb2.MetaGraphDef()
     meta.CopyFrom(mg)
@@ -261,13 +327,16 @@ def write_atomic(path, data):
     so an interrupted run never leaves a partial file and a failed one leaves none."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise GraphRewriteError(f"{path}: cannot write: folder '{folder}' does not exist")
+        raise GraphRewriteError(f"{path}: cannot write: folder '{folder}' does not exist",
+                                hint="create the folder first, or write somewhere else")
     if os.path.isdir(path):
-        raise GraphRewriteError(f"{path}: is a directory, expected a file name to write")
+        raise GraphRewriteError(f"{path}: is a directory, expected a file name to write",
+                                hint="give a file name (.pb, .pbtxt or .meta) for the output")
     try:
         fd, tmp = tempfile.mkstemp(prefix=".graph-rewrite-", suffix=".tmp", dir=folder)
     except OSError as e:
-        raise GraphRewriteError(f"{path}: cannot write: {e.strerror}") from None
+        raise GraphRewriteError(f"{path}: cannot write: {e.strerror}",
+                                hint="write somewhere this process may create files") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -279,5 +348,6 @@ def write_atomic(path, data):
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise GraphRewriteError(f"{path}: cannot write: {e.strerror}") from None
+            raise GraphRewriteError(f"{path}: cannot write: {e.strerror}",
+                                    hint="check the disk space and the folder's permissions") from None
         raise

@@ -22,11 +22,13 @@ def read_metadata(graph_def, source="graph"):
             try:
                 doc = json.loads(node.attr["value"].tensor.string_val[0].decode("utf-8"))
             except (IndexError, ValueError) as e:
-                raise GraphRewriteError(f"{source}: its graph_rewriter metadata is damaged ({e})") from None
+                raise GraphRewriteError(f"{source}: its graph_rewriter metadata is damaged ({e})",
+                                        hint="rewrite the original graph again") from None
             if doc.get("format") != METADATA_FORMAT:
                 raise GraphRewriteError(
                     f"{source}: written by an incompatible graph_rewriter (metadata format "
-                    f"{doc.get('format')!r}, expected {METADATA_FORMAT!r})")
+                    f"{doc.get('format')!r}, expected {METADATA_FORMAT!r})",
+                    hint="rewrite the original graph with this version of graph_rewriter")
             return doc
     raise GraphRewriteError(
         f"{source} was not written by graph-rewrite (it has no '{METADATA_NODE}' node)",

@@ -110,13 +110,15 @@ def one_of(choices, message, hint):
 def boolean(name):
     def check(value):
         if not isinstance(value, bool):
-            raise GraphRewriteError(f"{name} must be True or False, got {value!r}")
+            raise GraphRewriteError(f"{name} must be True or False, got {value!r}",
+                                    hint=f"pass {name}=True or {name}=False")
     return check
 
 
 def _check_devices_per_worker(value):
     if not _is_int(value):
-        raise GraphRewriteError(f"devices_per_worker must be an integer >= 1, got {value!r}")
+        raise GraphRewriteError(f"devices_per_worker must be an integer >= 1, got {value!r}",
+                                hint="give the number of GPUs (or CPU replicas) per machine, e.g. 2")
     if value < 1:
         raise GraphRewriteError(f"devices_per_worker must be >= 1, got {value}",
                                 hint="give the number of GPUs (or CPU replicas) per machine")
@@ -125,30 +127,35 @@ def _check_devices_per_worker(value):
 def _check_bytes_per_pack(value):
     if value is not None and (not _is_int(value) or value < 0):
         raise GraphRewriteError(
-            f"bytes_per_pack must be a non-negative integer (0: one pack per dtype), got {value!r}")
+            f"bytes_per_pack must be a non-negative integer (0: one pack per dtype), got {value!r}",
+            hint="give a byte count, e.g. 33554432 (32 MiB), or 0")
 
 
 def _check_timeout(value):
     if not (isinstance(value, (int, float)) and value >= 0):
         raise GraphRewriteError(
-            f"timeout_seconds must be a number >= 0 (0 waits forever), got {value!r}")
+            f"timeout_seconds must be a number >= 0 (0 waits forever), got {value!r}",
+            hint="give seconds, e.g. 600, or 0")
 
 
 def _check_staleness(value):
     if not _is_int(value) or value < 0:
-        raise GraphRewriteError(f"staleness must be an integer >= 0, got {value!r}")
+        raise GraphRewriteError(f"staleness must be an integer >= 0, got {value!r}",
+                                hint="give a number of steps, e.g. 1, or 0 for none")
 
 
 def _check_ps_shard_bytes(value):
     if not _is_int(value) or value < 0:
         raise GraphRewriteError(
-            f"ps_shard_bytes must be a non-negative integer (0: never shard), got {value!r}")
+            f"ps_shard_bytes must be a non-negative integer (0: never shard), got {value!r}",
+            hint="give a byte count, e.g. 67108864 (64 MiB), or 0")
 
 
 def _check_accumulation_steps(value):
     if not _is_int(value) or value < 1:
         raise GraphRewriteError(
-            f"accumulation_steps must be an integer >= 1 (1: apply every step), got {value!r}")
+            f"accumulation_steps must be an integer >= 1 (1: apply every step), got {value!r}",
+            hint="give the number of runs per applied step, e.g. 4, or 1")
 
 
 def _check_merge(value):
@@ -160,7 +167,21 @@ def _check_merge(value):
 def _check_task(value):
     # the cluster checks the job and index (cluster.parse_task); here only the form
     if not (value is None or isinstance(value, (str, tuple, list))):
-        raise GraphRewriteError(f"task {value!r} is not JOB:INDEX or a (job, index) pair")
+        raise GraphRewriteError(f"task {value!r} is not JOB:INDEX or a (job, index) pair",
+                                hint='write e.g. "worker:1" or ("worker", 1)')
+
+
+def _check_tag(value):
+    if value is not None and not (isinstance(value, str) and any(t.strip() for t in value.split(","))):
+        raise GraphRewriteError(f"tag must be a SavedModel tag or comma-separated tags, got {value!r}",
+                                hint="give e.g. 'train' or 'serve,gpu', or None for the only MetaGraphDef")
+
+
+def _tags(value):
+    """A list or tuple of tags as the comma-separated string the option holds."""
+    if isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value):
+        return ",".join(value)
+    return value
 
 
 def _check_dump_after(value):
@@ -171,12 +192,14 @@ def _check_dump_after(value):
 
 def _check_dump_dir(value):
     if not isinstance(value, str):
-        raise GraphRewriteError(f"dump_dir must be a folder's path, got {value!r}")
+        raise GraphRewriteError(f"dump_dir must be a folder's path, got {value!r}",
+                                hint="give the folder as a string")
 
 
 def _check_log(value):
     if value is not None and not callable(value):
-        raise GraphRewriteError(f"log must be a callable taking one line, or None, got {value!r}")
+        raise GraphRewriteError(f"log must be a callable taking one line, or None, got {value!r}",
+                                hint="pass e.g. log=print, or None")
 
 
 def _dict_of(name, what):
@@ -184,7 +207,8 @@ def _dict_of(name, what):
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise GraphRewriteError(f"{name} must be a dict {what}, got {value!r}")
+            raise GraphRewriteError(f"{name} must be a dict {what}, got {value!r}",
+                                    hint=f"give {name} as a dict, or None")
         return dict(value)
     return convert
 
@@ -206,7 +230,8 @@ def _pairs(items, flag):
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise GraphRewriteError(f"{flag} {item!r} is not NAME=VALUE")
+            raise GraphRewriteError(f"{flag} {item!r} is not NAME=VALUE",
+                                    hint="join the name and the value with '=', e.g. loss:0=sum")
         out[key] = value
     return out
 
@@ -219,13 +244,15 @@ def _gradient_pairs(items):
 def _flag_at_least_1(flag):
     def check(value):
         if value < 1:
-            raise GraphRewriteError(f"{flag} must be at least 1, got {value}")
+            raise GraphRewriteError(f"{flag} must be at least 1, got {value}",
+                                    hint=f"give {flag} a whole number, 1 or more")
     return check
 
 
 def _check_device_type_flag(value):
     if value not in DEVICE_TYPES:
-        raise GraphRewriteError(f"--device-type must be GPU or CPU, got {value!r}")
+        raise GraphRewriteError(f"--device-type must be GPU or CPU, got {value!r}",
+                                hint="use --device-type GPU or --device-type CPU")
 
 
 def _link_flag(flag, scale):
@@ -234,7 +261,9 @@ def _link_flag(flag, scale):
 
     def check(value):
         if not value > 0 and not (value == 0 and latency):
-            raise GraphRewriteError(f"{flag} must be a positive number, got {value}")
+            raise GraphRewriteError(f"{flag} must be a positive number, got {value}",
+                                    hint=f"give {flag} in microseconds, e.g. 50, or 0" if latency
+                                    else f"give {flag} in GB/s, e.g. 1.25")
     return dict(check=check, convert=lambda value: value * scale)
 
 
@@ -270,6 +299,11 @@ class Options:
         cli=Flag("--task", metavar="JOB:INDEX",
                  help="build the graph this task's own client runs (between-graph replication); "
                       "default: one client drives every worker (in-graph)"))
+    tag: typing.Optional[str] = option(
+        None, "A SavedModel input: the tag set of the MetaGraphDef to rewrite, its tags "
+        "comma-separated (\"train\", \"serve,gpu\"); None: the SavedModel's only MetaGraphDef.",
+        default_text="None", accepts='None | "tag" | "tag,tag"', convert=_tags, check=_check_tag,
+        cli=Flag("--tag", metavar="TAGS"))
     batch_split: str = option(
         "global", "Inputs with an unknown batch dimension: global splits each fed or drawn batch "
         "across the replicas; per_replica gives each replica its own batch (a feed holds the "

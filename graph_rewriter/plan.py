@@ -129,7 +129,8 @@ class Plan:
         for v in self.variables:
             if v.name == name:
                 return v
-        raise GraphRewriteError(f"the plan has no variable '{name}'")
+        raise GraphRewriteError(f"the plan has no variable '{name}'",
+                                hint="use a variable name the plan lists (its \"variables\")")
 
     def group(self, name):
         """A variable with the optimizer slots that must live with it."""
@@ -176,7 +177,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d, source="plan"):
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
-            raise GraphRewriteError(f"{source}: not a graph_rewriter plan (expected \"format\": \"{PLAN_FORMAT}\")")
+            raise GraphRewriteError(f"{source}: not a graph_rewriter plan (expected \"format\": \"{PLAN_FORMAT}\")",
+                                    hint="pass a file written by `graph-rewrite plan` or Plan.to_json()")
         try:
             return cls(
                 strategy=d["strategy"], num_replicas=d["num_replicas"],
@@ -193,14 +195,15 @@ class Plan:
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
                 notes=list(d["notes"]) if d.get("notes") else None)
         except (KeyError, TypeError) as e:
-            raise GraphRewriteError(f"{source}: malformed plan: {e}") from None
+            raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 
     @classmethod
     def from_json(cls, text, source="plan"):
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise GraphRewriteError(f"{source}: not valid JSON: {e.msg} at line {e.lineno}") from None
+            raise GraphRewriteError(f"{source}: not valid JSON: {e.msg} at line {e.lineno}",
+                                    hint="fix the JSON, or write the plan again with `graph-rewrite plan`") from None
         return cls.from_dict(d, source)
 
     def cut(self, variable):

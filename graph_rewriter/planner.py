@@ -100,7 +100,7 @@ def _check_plannable(graph, analysis, options, cluster, num_replicas):
     batch), a batch-less graph for several replicas, merge names that are not tensors,
     and options the cluster cannot serve."""
     if not analysis.variables:
-        raise GraphRewriteError(
+        raise _tf2_function_graph(graph) or GraphRewriteError(
             f"{graph.source} has no variables: it looks like an inference graph, and there "
             "is nothing to train", hint="pass the training graph (with its optimizer)")
     r = num_replicas
@@ -110,7 +110,7 @@ def _check_plannable(graph, analysis, options, cluster, num_replicas):
             "of rank >= 1 (the batch first) or a tf.data iterator output",
             hint="feed the training data through a placeholder or an iterator, not constants")
     if not analysis.cuts:
-        raise GraphRewriteError(
+        raise _tf2_function_graph(graph) or GraphRewriteError(
             f"{graph.source} has variables but no optimizer update that depends on the batch "
             "(no gradient found)",
             hint="export the graph after calling optimizer.minimize() or apply_gradients()")
@@ -130,6 +130,28 @@ def _check_plannable(graph, analysis, options, cluster, num_replicas):
             "staleness bounds how far between-graph workers run ahead of each other; with "
             "one client driving every replica (no task) no worker can run ahead",
             hint="pass task='worker:I' (--task) for each worker's graph, or drop staleness")
+
+
+def _tf2_function_graph(graph):
+    """The error for a TF2 tf.function's graph, or None for any other graph. Such a graph
+    trains without any TF1 variable: its variables are resource placeholders captured
+    from outside, or its computation is in functions it calls (StatefulPartitionedCall),
+    so "no variables" or "no optimizer" would be the wrong diagnosis."""
+    from graph_rewriter.saved_model import TF1_INSTEAD
+    resource = 20   # DT_RESOURCE
+    captured = [n.name for n in graph if n.op == "Placeholder" and n.attr["dtype"].type == resource]
+    if captured:
+        return GraphRewriteError(
+            f"{graph.source} is a TF2 function graph (a tf.function's concrete function): its "
+            f"variables are captured resources (resource placeholders such as '{captured[0]}'), "
+            "not variables of the graph, so it cannot be rewritten", hint=TF1_INSTEAD)
+    calls = [n.name for n in graph if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
+    if calls:
+        return GraphRewriteError(
+            f"{graph.source} has no optimizer update in the graph itself: its computation lives "
+            f"in tf.functions it calls (such as '{calls[0]}'), as in a TF2 graph, where the "
+            "rewrite cannot reach it", hint=TF1_INSTEAD)
+    return None
 
 
 def plan_inputs(analysis, batch_split, num_replicas):
@@ -331,7 +353,8 @@ def check_plan(plan, analysis, options, num_replicas):
         found = known.get(c.variable)
         if found is None:
             raise GraphRewriteError(
-                f"the plan names variable '{c.variable}', which has no gradient in this graph")
+                f"the plan names variable '{c.variable}', which has no gradient in this graph",
+                hint="make the plan again for this graph (graph-rewrite plan)")
         allowed = DENSE_SYNCS if c.kind == "dense" else SPARSE_SYNCS
         if c.sync not in allowed:
             raise GraphRewriteError(

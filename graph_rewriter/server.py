@@ -45,7 +45,9 @@ def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1,
     cluster = parse_cluster(cluster_spec, task)
     if cluster.is_local or cluster.task is None:
         raise GraphRewriteError("start_server needs a cluster spec and a task in it, e.g. worker:0 "
-                                "(or a TF_CONFIG environment variable naming both)")
+                                "(or a TF_CONFIG environment variable naming both)",
+                                hint="pass the cluster spec and task='worker:0' (--cluster, --task), "
+                                     "or set TF_CONFIG")
     job, index = cluster.task
     config = server_config(cluster, device_type, devices_per_worker, communication)
     try:

@@ -33,7 +33,8 @@ def _load_result(result):
         return load(result)
     raise GraphRewriteError(
         f"Session needs the result of graph_rewriter.rewrite() or a path to a rewritten graph, "
-        f"got {type(result).__name__}")
+        f"got {type(result).__name__}",
+        hint="pass what rewrite() returned, or the path result.save() or graph-rewrite wrote")
 
 
 def session_config(required, config=None):
@@ -115,7 +116,8 @@ class Session(tf.compat.v1.Session):
         for key, value in feed_dict.items():
             name = key if isinstance(key, str) else getattr(key, "name", None)
             if name is None:
-                raise GraphRewriteError(f"feed key {key!r} is not a tensor name or a tf.Tensor")
+                raise GraphRewriteError(f"feed key {key!r} is not a tensor name or a tf.Tensor",
+                                        hint="feed by the original graph's names, e.g. \"x:0\"")
             tname = _tensor_key(name)
             static = self._inputs.get(tname, {}).get("static_batch")
             if tname in self._inputs and self._inputs[tname]["mode"] == "per_replica" and static is not None:
@@ -159,7 +161,8 @@ class Session(tf.compat.v1.Session):
             return ("dict", type(fetch), {k: self._plan(v, flat) for k, v in fetch.items()})
         name = fetch if isinstance(fetch, str) else getattr(fetch, "name", None)
         if name is None:
-            raise GraphRewriteError(f"fetch {fetch!r} is not a name, tf.Tensor or tf.Operation")
+            raise GraphRewriteError(f"fetch {fetch!r} is not a name, tf.Tensor or tf.Operation",
+                                    hint="fetch by the original graph's names, e.g. \"loss:0\" or \"train_op\"")
         if ":" not in name:  # an op: run every replica's copy
             names = self._replica_names(name)
             start = len(flat)
@@ -181,7 +184,8 @@ class Session(tf.compat.v1.Session):
 
     def _replica_names(self, op):
         if op not in self._node_names:
-            raise GraphRewriteError(f"fetch '{op}' names no node of the rewritten graph")
+            raise GraphRewriteError(f"fetch '{op}' names no node of the rewritten graph",
+                                    hint="fetch by a name of the original graph")
         names = [op]
         for prefix in self._prefixes[1:]:
             if prefix + op in self._node_names:

@@ -89,7 +89,8 @@ def _check_edges(graph, nodes):
             if t.index >= count:
                 raise GraphRewriteError(
                     f"node '{n.name}' reads '{p.name}:{t.index}', but '{p.name}' ({p.op}) has "
-                    f"{count} output{'s' if count != 1 else ''}")
+                    f"{count} output{'s' if count != 1 else ''}",
+                    hint=f"read one of its outputs, '{p.name}:0' to '{p.name}:{count - 1}'")
         for c in n.control_inputs:
             if live.get(c.name) is not c:
                 raise GraphRewriteError(

@@ -9,6 +9,7 @@ Nothing reads the node, so it never runs; it travels with the GraphDef wherever 
 
 import dataclasses
 import json
+import os
 
 from graph_rewriter.metadata import METADATA_FORMAT, METADATA_NODE
 from graph_rewriter.op_builder import const
@@ -43,7 +44,7 @@ class MetadataPass(Pass):
             "session_config": session_config(ctx),
             "plan": ctx.plan.to_dict(),
             "passes": ctx.passes_run + [self.name],
-            "source": graph.source,
+            "source": source_name(graph.source),
             "num_nodes": rm.expanded_size(graph) + 1,
         }
         meta = graph.meta_graph
@@ -63,6 +64,15 @@ class MetadataPass(Pass):
         node = const(graph, METADATA_NODE, text.encode(), "string", rm.global_device).node
         assert node.name == METADATA_NODE
         return True
+
+
+def source_name(source):
+    """What the metadata records of the input: a file's or directory's base name, not
+    the path as typed, so the output does not depend on the working directory (the same
+    file rewritten from anywhere gives the same bytes); a label such as "<GraphDef>" as is."""
+    if source.startswith("<"):
+        return source
+    return os.path.basename(os.path.normpath(source))
 
 
 def session_config(ctx):

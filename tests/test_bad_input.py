@@ -4,7 +4,9 @@ the option or the variable). A representative subset goes through the installed
 `graph-rewrite` command too: exit 2, one `graph-rewrite: error: ...` line, no traceback,
 OUT neither created nor modified.
 
-The bad graphs are made by editing a valid training GraphDef's protobuf.
+The bad graphs are made by editing a valid training GraphDef's protobuf; the SavedModels
+and TF2 artefacts by the writers of test_saved_model.py. Every rejection also says what to
+do: its message ends with "To fix this, ...".
 """
 
 import glob
@@ -25,11 +27,13 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 import graph_rewriter as gr
 from graph_rewriter import GraphRewriteError
+from test_saved_model import concrete_function_graph_def, write_tf2_saved_model, write_train_saved_model
 
 GRAPH_REWRITE = os.path.join(os.path.dirname(sys.executable), "graph-rewrite")
 TIMEOUT = 180
 CPU2 = dict(devices_per_worker=2, device_type="CPU")
 ERROR_PREFIX = "graph-rewrite: error: "
+HINT = "To fix this, "
 
 
 # ----- graphs --------------------------------------------------------------------------
@@ -114,6 +118,13 @@ class Base:
         self.result = gr.rewrite(self.graph_def, **CPU2)
         self.out = folder / "rewritten.pb"
         self.result.save(str(self.out))
+        self._tf2 = None
+
+    def tf2_saved_model(self):
+        """A TF2 SavedModel (tf.saved_model.save), written once: it takes a child process."""
+        if self._tf2 is None:
+            self._tf2 = write_tf2_saved_model(self.folder / "tf2_model")
+        return self._tf2
 
     def copy(self):
         gd = graph_pb2.GraphDef()
@@ -528,6 +539,65 @@ def _(base, tmp, mp):
     return base.copy(), dict(strategy=str(p))
 
 
+# SavedModels and TF2 artefacts
+def _two_tag_sets(tmp, name="multi_tag"):
+    return write_train_saved_model(tmp / name, tag_sets=(("train",), ("serve",)))
+
+
+@case("saved-model-several-tags-no-tag", "multi_tag", "{serve}", "{train}", "--tag")
+def _(base, tmp, mp):
+    return _two_tag_sets(tmp), {}
+
+
+@case("saved-model-unknown-tag", "multi_tag", "{eval}", "{serve}", "{train}")
+def _(base, tmp, mp):
+    return _two_tag_sets(tmp), dict(tag="eval")
+
+
+@case("saved-model-pb-path-several-tags", "saved_model.pb", "{serve}", "{train}", "--tag")
+def _(base, tmp, mp):
+    return os.path.join(_two_tag_sets(tmp), "saved_model.pb"), {}
+
+
+@case("saved-model-empty-tag", "tag", "''")
+def _(base, tmp, mp):
+    return _two_tag_sets(tmp), dict(tag="")
+
+
+@case("tag-for-a-graph-file", "tag 'train'", "train.pb", "not a SavedModel")
+def _(base, tmp, mp):
+    return str(base.pb), dict(tag="train")
+
+
+@case("tf2-saved-model", "tf2_model", "TF2 SavedModel", "tf.functions", "export_meta_graph", "Builder")
+def _(base, tmp, mp):
+    return base.tf2_saved_model(), {}
+
+
+@case("tf2-saved-model-pb-path", "saved_model.pb", "TF2 SavedModel", "tf.functions")
+def _(base, tmp, mp):
+    return os.path.join(base.tf2_saved_model(), "saved_model.pb"), {}
+
+
+@case("tf2-saved-model-meta-graph", "TF2 SavedModel")
+def _(base, tmp, mp):
+    from tensorflow.core.protobuf import saved_model_pb2
+    with open(os.path.join(base.tf2_saved_model(), "saved_model.pb"), "rb") as f:
+        return saved_model_pb2.SavedModel.FromString(f.read()).meta_graphs[0], {}
+
+
+@case("tf2-concrete-function-graph", "TF2 function graph", "captured", "export_meta_graph")
+def _(base, tmp, mp):
+    return concrete_function_graph_def(), {}
+
+
+@case("tf2-concrete-function-graph-file", "step.pb", "TF2 function graph", "captured")
+def _(base, tmp, mp):
+    p = tmp / "step.pb"
+    p.write_bytes(concrete_function_graph_def().SerializeToString())
+    return str(p), {}
+
+
 @pytest.mark.parametrize("make, expect", CASES)
 def test_api_rejects(base, tmp_path, monkeypatch, make, expect):
     monkeypatch.delenv("TF_CONFIG", raising=False)
@@ -539,6 +609,7 @@ def test_api_rejects(base, tmp_path, monkeypatch, make, expect):
     for word in expect:
         assert word in message, f"{word!r} not in: {message}"
     assert "internal error" not in message, message  # a diagnosis, not a caught crash
+    assert HINT in message, f"no hint (what to do) in: {message}"
 
 
 def test_corpus_is_large_and_base_graph_is_accepted(base):
@@ -580,6 +651,7 @@ def test_save_into_unwritable_folder(base, tmp_path):
     with pytest.raises(GraphRewriteError) as info:
         base.result.save(out)
     assert out in str(info.value) and "cannot write" in str(info.value)
+    assert HINT in str(info.value)
     assert not os.path.exists(out)
 
 
@@ -587,7 +659,7 @@ def test_save_into_missing_folder(base, tmp_path):
     out = tmp_path / "no_such_folder" / "out.pb"
     with pytest.raises(GraphRewriteError) as info:
         base.result.save(str(out))
-    assert "no_such_folder" in str(info.value)
+    assert "no_such_folder" in str(info.value) and HINT in str(info.value)
     assert not out.parent.exists()
 
 
@@ -596,8 +668,28 @@ def test_save_onto_a_directory(base, tmp_path):
     out.mkdir()
     with pytest.raises(GraphRewriteError) as info:
         base.result.save(str(out))
-    assert "out.pb" in str(info.value) and "directory" in str(info.value)
+    assert "out.pb" in str(info.value) and "directory" in str(info.value) and HINT in str(info.value)
     assert out.is_dir() and not os.listdir(out)
+
+
+@pytest.mark.parametrize("existing", ["non-empty-directory", "file"])
+def test_save_of_a_saved_model_onto_an_existing_output(tmp_path, existing):
+    """A SavedModel output is a new (or empty) directory: anything else at OUT is refused
+    and left as it was."""
+    result = gr.rewrite(write_train_saved_model(tmp_path / "model"), **CPU2)
+    out = tmp_path / "out_model"
+    if existing == "file":
+        out.write_text("mine")
+    else:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    with pytest.raises(GraphRewriteError) as info:
+        result.save(str(out))
+    message = str(info.value)
+    assert str(out) in message and ("not empty" if existing != "file" else "is a file") in message
+    assert HINT in message
+    assert (out.read_text() if existing == "file" else (out / "keep.txt").read_text()) == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["model", "out_model"]    # no temporary directory
 
 
 # ----- the Session wrapper: batches that do not split ------------------------------------------
@@ -656,6 +748,10 @@ def _folder(tmp):
     return tmp / "a_folder"
 
 
+def _step_graph(tmp):
+    return _write(tmp / "step.pb", concrete_function_graph_def().SerializeToString())
+
+
 # (id, make IN, extra flags, OUT in tmp (None: OUT given by make_out), existing OUT?, expect)
 CLI_CASES = [
     pytest.param(lambda b, t: _write(t / "empty.pb", b""), [], False, ["empty.pb", "empty"],
@@ -689,6 +785,18 @@ CLI_CASES = [
                                      "--cluster", '{"worker": ["localhost:2222", "localhost:2224"], '
                                                   '"ps": ["localhost:2223"]}'], True,
                  ["accumulation_steps=2", "'w'", "'emb'"], id="accumulation-steps-hybrid-between-graph-existing-out"),
+    pytest.param(lambda b, t: _two_tag_sets(t), [], False, ["multi_tag", "{serve}", "{train}", "--tag"],
+                 id="saved-model-several-tags-no-tag"),
+    pytest.param(lambda b, t: _two_tag_sets(t), ["--tag", "eval"], True, ["{eval}", "{serve}", "{train}"],
+                 id="saved-model-unknown-tag-existing-out"),
+    pytest.param(lambda b, t: os.path.join(_two_tag_sets(t), "saved_model.pb"), [], False,
+                 ["saved_model.pb", "--tag"], id="saved-model-pb-path-several-tags"),
+    pytest.param(lambda b, t: b.pb, ["--tag", "train"], False, ["tag 'train'", "train.pb"],
+                 id="tag-for-a-graph-file"),
+    pytest.param(lambda b, t: b.tf2_saved_model(), [], False, ["tf2_model", "TF2 SavedModel", "export_meta_graph"],
+                 id="tf2-saved-model"),
+    pytest.param(lambda b, t: _step_graph(t), [], False, ["step.pb", "TF2 function graph", "captured"],
+                 id="tf2-concrete-function-graph"),
 ]
 
 
@@ -700,6 +808,7 @@ def assert_cli_rejected(proc, expect, out, before):
     assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX), detail
     for word in expect:
         assert word in lines[0], f"{word!r} not in: {lines[0]}"
+    assert HINT in lines[0], f"no hint (what to do) in: {lines[0]}"
     assert "wrote" not in proc.stdout, detail
     if before is None:
         assert not os.path.exists(out), f"{out} created by a rejected run"
@@ -720,6 +829,25 @@ def test_cli_rejects(base, tmp_path, make_in, flags, existing, expect):
         out.write_bytes(before)
     proc = run_cli(source, out, "--device-type", "CPU", "--devices-per-worker", "2", *flags)
     assert_cli_rejected(proc, expect, str(out), before)
+
+
+@pytest.mark.parametrize("existing", ["non-empty-directory", "file"])
+def test_cli_rejects_an_existing_saved_model_out_before_rewriting(tmp_path, existing):
+    source = write_train_saved_model(tmp_path / "model")
+    out = tmp_path / "out_model"
+    if existing == "file":
+        out.write_bytes(b"mine")
+        before = b"mine"
+    else:
+        out.mkdir()
+        (out / "keep.txt").write_bytes(b"mine")
+    proc = run_cli(source, out, "--device-type", "CPU", "--devices-per-worker", "2")
+    if existing == "file":
+        assert_cli_rejected(proc, ["out_model", "is a file"], str(out), before)
+    else:
+        assert_cli_rejected(proc, ["out_model", "not empty"], str(out / "keep.txt"), b"mine")
+        assert os.listdir(out) == ["keep.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["model", "out_model"]
 
 
 def test_cli_rejects_out_in_missing_folder(base, tmp_path):

@@ -162,6 +162,22 @@ def test_same_input_and_flags_give_byte_identical_output(graphs, rewritten, tmp_
     assert read_bytes(again) == read_bytes(out)
 
 
+def test_output_does_not_depend_on_the_working_directory(graphs, tmp_path):
+    """The same file given relative to two working directories and as an absolute path:
+    the same bytes (the metadata records the input's base name, not the path as typed)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    runs = [("train.pb", graphs["folder"]), (os.path.relpath(graphs["pb"], elsewhere), elsewhere),
+            (graphs["pb"], elsewhere)]
+    outputs = []
+    for i, (source, cwd) in enumerate(runs):
+        out = tmp_path / f"out{i}.pb"
+        assert_ok(run_cli(source, out, *CPU2, cwd=cwd))
+        outputs.append(read_bytes(out))
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert gr.load(str(tmp_path / "out0.pb")).metadata["source"] == "train.pb"
+
+
 def test_pbtxt_in_pbtxt_out(graphs, tmp_path):
     out = tmp_path / "out.pbtxt"
     proc = run_cli(graphs["pbtxt"], out, *CPU2)

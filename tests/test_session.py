@@ -145,6 +145,48 @@ def test_meta_graph_keeps_saver_def_and_collections(tmp_path):
     assert any(n.name == "replica_1/loss" for n in mg.graph_def.node)
 
 
+def _live_training_graph(saver=True, sharded=False):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w = tf1.get_variable("w", [4, 1], use_resource=True)
+        loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w) - y)), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step(), name="train_op")
+        tf1.global_variables_initializer()
+        made = tf1.train.Saver(sharded=sharded) if saver else None
+    return graph, made
+
+
+def test_a_live_graph_keeps_its_collections_and_its_saver(tmp_path):
+    from graph_rewriter import graph_io
+    graph, saver = _live_training_graph()
+    item = graph_io.load_graph(graph)
+    assert {"variables", "trainable_variables", "train_op"} <= set(item.meta_graph.collection_def)
+    assert item.meta_graph.saver_def == saver.as_saver_def()   # found by its nodes
+    with graph.as_default():   # the default graph, as a script passes it
+        result = gr.rewrite(tf1.get_default_graph(), devices_per_worker=2, device_type="CPU")
+    path = str(tmp_path / "out.meta")
+    result.save(path)
+    mg = graph_io.load_graph(path).meta_graph
+    assert mg.saver_def == saver.as_saver_def()
+    assert set(mg.collection_def) == set(item.meta_graph.collection_def)
+
+
+def test_a_live_graph_s_saver_comes_from_its_savers_collection_first():
+    from graph_rewriter import graph_io
+    graph, saver = _live_training_graph(sharded=True)
+    with graph.as_default():
+        other = tf1.train.Saver(name="kept")
+        tf1.add_to_collection(tf1.GraphKeys.SAVERS, other)
+    assert graph_io.load_graph(graph).meta_graph.saver_def == other.as_saver_def()
+    graph, saver = _live_training_graph(sharded=True)
+    assert graph_io.load_graph(graph).meta_graph.saver_def == saver.as_saver_def()
+    graph, _ = _live_training_graph(saver=False)
+    assert not graph_io.load_graph(graph).meta_graph.HasField("saver_def")
+
+
 def _saver_names(graph_def):
     for n in graph_def.node:
         if n.op == "SaveV2":

@@ -179,12 +179,12 @@ def rewrite(graph_def, cluster_spec=None, **options):
 rewrite.__doc__ = option_schema.docstring(
     """Rewrites a single-device training graph for data-parallel training.
 
-``graph_def``: a tf.compat.v1.GraphDef, MetaGraphDef, its bytes, or the path of a .pb,
-.pbtxt or .meta file. ``cluster_spec``: None (this machine only, or TF_CONFIG's cluster
-and task when set), a dict {"chief": [...], "worker": [...], "ps": [...]}, a
-tf.train.ClusterSpec, JSON text or the path of a JSON file. Returns a ``RewriteResult``.
-The contract is API.md; docs/api.md describes the options below, which every
-``graph-rewrite`` flag mirrors (graph_rewriter/options.py is their one description).""")
+``graph_def``: a tf.compat.v1.GraphDef, MetaGraphDef, its bytes, the path of a .pb,
+.pbtxt or .meta file, or a tf.Graph. ``cluster_spec``: None (this machine only, or
+TF_CONFIG's cluster and task when set), a dict {"chief": [...], "worker": [...],
+"ps": [...]}, a tf.train.ClusterSpec, JSON text or the path of a JSON file. Returns a ``RewriteResult``.
+The contract is docs/api.md, which also describes the options below; every
+``graph-rewrite`` flag mirrors one (graph_rewriter/options.py is their one description).""")
 rewrite.__signature__ = inspect.Signature(
     [inspect.Parameter("graph_def", inspect.Parameter.POSITIONAL_OR_KEYWORD),
      inspect.Parameter("cluster_spec", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]

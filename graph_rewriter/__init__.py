@@ -7,7 +7,8 @@ distributed data-parallel GraphDef that trains it on many devices and machines.
         sess.run("init")
         sess.run(["loss:0", "train_op"], feed_dict={"x:0": x, "y:0": y})
 
-The public names (API.md): rewrite, load, Session, start_server, GraphRewriteError.
+The public names (the contract: docs/api.md): rewrite, load, Session, start_server,
+GraphRewriteError.
 TensorFlow is imported lazily, so `import graph_rewriter` and the CLI's argument
 checks stay fast.
 """

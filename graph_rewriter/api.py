@@ -197,8 +197,8 @@ MetaGraphDef; ``result.save(dir)`` then writes a SavedModel). ``cluster_spec``: 
 (this machine only, or TF_CONFIG's cluster and task when set), a dict {"chief": [...],
 "worker": [...], "ps": [...]}, a tf.train.ClusterSpec, JSON text or the path of a JSON
 file. Returns a ``RewriteResult``.
-The contract is API.md; docs/api.md describes the options below, which every
-``graph-rewrite`` flag mirrors (graph_rewriter/options.py is their one description).""")
+The contract is docs/api.md, which also describes the options below; every
+``graph-rewrite`` flag mirrors one (graph_rewriter/options.py is their one description).""")
 rewrite.__signature__ = inspect.Signature(
     [inspect.Parameter("graph_def", inspect.Parameter.POSITIONAL_OR_KEYWORD),
      inspect.Parameter("cluster_spec", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]

@@ -1,5 +1,8 @@
 """Session: a tf.compat.v1.Session that runs a rewritten graph with the original names.
 
+``Session(result, target="", config=None)``. The contract is docs/api.md; docs/semantics.md
+gives these rules in full.
+
 - Feeds: the original placeholders; the graph itself splits a batch across replicas.
   A batch smaller than the replica count, or one that does not divide evenly, is
   rejected here with a GraphRewriteError naming the input, before TensorFlow runs. A
@@ -55,7 +58,39 @@ def session_config(required, config=None):
 
 
 class Session(tf.compat.v1.Session):
-    """Runs a RewriteResult (or a path to a saved one) with the original graph's names."""
+    """Session(result, target="", config=None): runs a rewritten graph by the original names.
+
+    A tf.compat.v1.Session of the rewritten graph: it imports ``result``'s GraphDef into a
+    tf.Graph of its own (``sess.graph``, with ``name=""``) and runs it there.
+
+    Args:
+      result: what ``graph_rewriter.rewrite`` returned (a RewriteResult), or the path of
+        a file ``RewriteResult.save`` or ``graph-rewrite`` wrote (read with
+        ``graph_rewriter.load``).
+      target: the TensorFlow server to connect to, as for tf.compat.v1.Session: "" runs in
+        this process; between-graph, this worker's server ("grpc://host:port").
+      config: a tf.compat.v1.ConfigProto or None, completed with what the graph needs
+        (the CPU devices of CPU replicas, inter-op threads for the collectives).
+
+    ``run(fetches, feed_dict=None, options=None, run_metadata=None)`` takes the original
+    graph's names: strings "op" or "op:0", tf.Tensor or tf.Operation of ``sess.graph``,
+    and nested lists, tuples and dicts of them.
+
+    - Feeds: a batch input's rows are split across this session's replicas in order; a
+      batch that does not divide evenly (or a per-replica input fed another row count)
+      raises GraphRewriteError naming the input, before TensorFlow runs. Other feeds (a
+      learning rate) are read by every replica.
+    - Fetches: an op runs on every replica. A tensor computed from the batch is merged: a
+      scalar is averaged over the replicas, a tensor with the batch as its first
+      dimension is concatenated in replica order, the rewrite's ``merge`` option decides
+      per tensor; anything else comes from replica 0.
+
+    ``num_replicas`` is the number of replicas this session drives (between-graph: this
+    worker's); ``result`` is the RewriteResult it runs (``result.saver()`` saves and
+    restores its variables under the original names).
+
+    The contract, and the rules in full: docs/api.md and docs/semantics.md.
+    """
 
     def __init__(self, result, target="", config=None):
         self.result = _load_result(result)

@@ -6,7 +6,7 @@ graph_rewriter.worker_client``, or the small client loop of this file); every wa
 bounded (server start, every session call, every process) and every process a test
 starts is ended by its id in a fixture's teardown, whatever happens.
 
-What is held (API.md, "Semantics"; DESIGN.md, "Multi-worker"):
+What is held (docs/api.md, "Semantics"; DESIGN.md, "Multi-worker"):
 
 - Equivalence on a real cluster: 2 workers x 1-2 CPU replicas, 0-2 ps tasks, strategies
   allreduce, ps and hybrid, dense ("mlp") and sparse ("embedding") models, sgd, adam and

@@ -62,7 +62,7 @@ def test_the_parsers_have_no_option_flag_the_schema_does_not_know():
 
 
 def test_public_keywords_are_kept():
-    # API.md and docs/api.md name these; renaming one breaks users
+    # docs/api.md (the contract) names these; renaming one breaks users
     assert set(KEYWORDS) >= {
         "strategy", "devices_per_worker", "device_type", "task", "bytes_per_pack", "compression",
         "sparse_as_dense", "merge", "gradients", "timeout_seconds", "sync", "staleness",

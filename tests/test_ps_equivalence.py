@@ -219,7 +219,7 @@ def test_batchnorm_trains_with_one_step_counter():
     ("mlp", "adam", "ps"), ("embedding", "adagrad", "ps"), ("embedding", "adam", "hybrid")],
     ids=_case_id)
 def test_rewrite_is_deterministic(model, optimizer, strategy):
-    """API.md: same input, same options, byte-identical output (three rewrites in one
+    """docs/api.md (CLI): same input, same options, byte-identical output (three rewrites in one
     process, so that anything ordered by object identity shows)."""
     ex = models.build(model, optimizer)
     outputs = {gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=2, device_type="CPU")

@@ -93,6 +93,9 @@ class Session(tf.compat.v1.Session):
     """
 
     def __init__(self, result, target="", config=None):
+        """``result``: a RewriteResult or the path of a saved one; ``target``: a server
+        (grpc://host:port) or "" for this process; ``config``: a ConfigProto, completed
+        with what the graph needs. The session makes its own graph (see the class doc)."""
         self.result = _load_result(result)
         md = self.result.metadata
         graph = tf.Graph()

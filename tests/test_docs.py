@@ -139,8 +139,7 @@ def test_help_of_session_leads_with_its_own_arguments():
     assert not re.search(r"^\W*graph\s*:", own, re.M)
 
 
-@pytest.mark.xfail(strict=False, reason="Session.__init__ has no docstring of its own yet, so help() shows "
-                                        "tf.compat.v1.Session.__init__'s, with its `graph` argument "
-                                        "(Session's methods are edited elsewhere)")
 def test_help_of_session_shows_no_graph_argument():
+    """Session.__init__ has its own docstring: help() would otherwise show
+    tf.compat.v1.Session.__init__'s, with a `graph` argument that does not exist."""
     assert not re.search(r"^\W*graph\s*:", _help(gr.Session), re.M)

@@ -40,6 +40,7 @@ from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import INIT_BARRIER
 
+RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
 RELEASE = f"{INIT_BARRIER}/release"   # sync_queues: the chief's init tells the workers' it is done
 
 SCOPE = "graph_rewriter/collections"
@@ -206,9 +207,14 @@ def _initializer_of(graph, var):
 
 
 def _in_saver(node):
-    return any(d.op == "RestoreV2" for t in node.inputs for d in (t.node,)) or \
-        any(t.node.op == "Identity" and t.node.inputs and t.node.inputs[0].node.op == "RestoreV2"
-            for t in node.inputs)
+    """Whether an assign writes a restored value (the Saver's, not an initializer)."""
+    for t in node.inputs:
+        n = t.node
+        if n.op == "Identity" and n.inputs:
+            n = n.inputs[0].node
+        if n.op in RESTORES:
+            return True
+    return False
 
 
 def _snapshot(graph, var):
@@ -325,10 +331,9 @@ def _local_init_op(graph, rm, meta, local_vars):
     """Every replica's local-variable and table initializers, and between-graph the
     broadcast of the chief's variables."""
     members = []
-    for key in ("local_init_op",):
-        if key in meta.collection_def:
-            members += [graph.get(split_tensor_name(v.lstrip("^"))[0])
-                        for v in meta.collection_def[key].node_list.value]
+    if "local_init_op" in meta.collection_def:   # the script's own
+        members += [graph.get(split_tensor_name(v.lstrip("^"))[0])
+                    for v in meta.collection_def["local_init_op"].node_list.value]
     for var in local_vars:
         init = _initializer_of(graph, var)
         if init:

@@ -24,8 +24,9 @@ restore writing every replica, the parameter-server shards and their readers.
 
 from tensorflow.core.framework import variable_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saver_pb2
+from tensorflow.python.framework import dtypes
 
-from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_builder import const, make_op, shape_attr
 from graph_rewriter.op_vocabulary import SAVER_OPS, VARIABLE_OPS
 from graph_rewriter.pass_manager import Pass
 
@@ -102,18 +103,18 @@ def build_saver(graph, variables):
     returns their SaverDef."""
     scope = graph.unique_name("save")
     names = [v.name for v in variables]
-    dtypes = [v.attr["dtype"].type for v in variables]
-    base = [d if d < 100 else d - 100 for d in dtypes]   # a ref variable's dtype is DT_*_REF
+    # a ref variable's dtype attr is DT_*_REF (the base type + 100)
+    base = [v.attr["dtype"].type % 100 for v in variables]
     filename = make_op(graph, "PlaceholderWithDefault", f"{scope}/Const",
                        [const(graph, f"{scope}/filename", "model", "string")],
-                       attrs={"shape": _scalar_shape()})
+                       attrs={"shape": shape_attr([])})
     tensor_names = const(graph, f"{scope}/SaveV2/tensor_names", names, "string")
     slices = const(graph, f"{scope}/SaveV2/shape_and_slices", [""] * len(names), "string")
     values = []
     for v, dt in zip(variables, base):
         if v.op == "VarHandleOp":
             values.append(make_op(graph, "ReadVariableOp", f"{scope}/Read_{len(values)}",
-                                  [v.output(0)], attrs={"dtype": _dtype(dt)}).output(0))
+                                  [v.output(0)], attrs={"dtype": dtypes.as_dtype(dt)}).output(0))
         else:
             values.append(v.output(0))
     save = make_op(graph, "SaveV2", f"{scope}/SaveV2", [filename.output(0), tensor_names, slices, values])
@@ -123,13 +124,13 @@ def build_saver(graph, variables):
                       [filename.output(0),
                        const(graph, f"{scope}/RestoreV2/tensor_names", names, "string"),
                        const(graph, f"{scope}/RestoreV2/shape_and_slices", [""] * len(names), "string")],
-                      attrs={"dtypes": [_dtype(dt) for dt in base]})
+                      attrs={"dtypes": [dtypes.as_dtype(dt) for dt in base]})
     assigns = []
     for k, (v, dt) in enumerate(zip(variables, base)):
         value = make_op(graph, "Identity", f"{scope}/Identity_{k}", [restore.output(k)])
         if v.op == "VarHandleOp":
             assigns.append(make_op(graph, "AssignVariableOp", f"{scope}/AssignVariableOp_{k}",
-                                   [v.output(0), value.output(0)], attrs={"dtype": _dtype(dt)}))
+                                   [v.output(0), value.output(0)], attrs={"dtype": dtypes.as_dtype(dt)}))
         else:
             assigns.append(make_op(graph, "Assign", f"{scope}/Assign_{k}", [v.output(0), value.output(0)],
                                    attrs={"use_locking": True}, type_attrs={"T": dt},
@@ -141,11 +142,3 @@ def build_saver(graph, variables):
         version=saver_pb2.SaverDef.V2)
 
 
-def _dtype(enum):
-    from tensorflow.python.framework import dtypes
-    return dtypes.as_dtype(enum)
-
-
-def _scalar_shape():
-    from graph_rewriter.op_builder import shape_attr
-    return shape_attr([])

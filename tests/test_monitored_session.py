@@ -85,7 +85,7 @@ def one_device(meta, steps, feeds=batch):
             return {v.op.name: sess.run(v) for v in tf1.global_variables()}, losses
 
 
-def monitored_run(meta_path, checkpoint_dir, last_step, config):
+def monitored_run(meta_path, checkpoint_dir, last_step, config, master="", feeds=batch):
     """Trains to ``last_step`` with MonitoredTrainingSession and every standard hook;
     returns (the global steps it ran, the variables at the end)."""
     graph = tf.Graph()
@@ -97,11 +97,12 @@ def monitored_run(meta_path, checkpoint_dir, last_step, config):
                  tf1.train.LoggingTensorHook({"loss": loss}, every_n_iter=1),
                  tf1.train.StepCounterHook(every_n_steps=1, output_dir=checkpoint_dir)]
         ran = []
-        with tf1.train.MonitoredTrainingSession(checkpoint_dir=checkpoint_dir, hooks=hooks, config=config,
+        with tf1.train.MonitoredTrainingSession(master=master, checkpoint_dir=checkpoint_dir, hooks=hooks,
+                                                config=config,
                                                 save_checkpoint_steps=1, save_summaries_steps=1) as sess:
             while not sess.should_stop():
                 at = int(sess.run_step_fn(lambda step_context: step_context.session.run(step)))
-                sess.run("train_op", {k: v for k, v in batch(at).items() if k != "ids:0"})
+                sess.run("train_op", feeds(at))
                 ran.append(at)
             values = sess.run_step_fn(
                 lambda step_context: step_context.session.run({v.op.name: v for v in tf1.global_variables()}))
@@ -115,10 +116,11 @@ def test_in_graph_monitored_training_session_with_hooks_restarts_from_its_checkp
     path = result.save(str(tmp_path / "rewritten.meta"))
     config = result.session_config()
     ckpt = str(tmp_path / "ckpt")
-    first, _ = monitored_run(path, ckpt, 2, config)
+    feeds = feeds_of(meta)
+    first, _ = monitored_run(path, ckpt, 2, config, feeds=feeds)
     assert first == [0, 1]
     assert tf.train.latest_checkpoint(ckpt).endswith("model.ckpt-2")
-    second, values = monitored_run(path, ckpt, 4, config)
+    second, values = monitored_run(path, ckpt, 4, config, feeds=feeds)
     assert second == [2, 3], "the second client did not resume from the checkpoint"
     want, losses = one_device(meta, 4, feeds_of(meta))
     assert sorted(values) == sorted(want)   # the original variables, by their original names
@@ -132,6 +134,27 @@ def test_in_graph_monitored_training_session_with_hooks_restarts_from_its_checkp
                  for e in tf1.train.summary_iterator(f) for v in e.summary.value if v.tag == "loss_1"}
     assert sorted(summaries) == [1, 2, 3, 4], summaries
     np.testing.assert_allclose([summaries[s + 1] for s in range(4)], losses, rtol=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["allreduce", "hybrid"])
+def test_in_graph_monitored_training_on_loopback_servers_restarts_from_its_checkpoint(strategy, tmp_path):
+    """One client drives two worker servers (and a ps) on loopback; the servers outlive
+    the first client, the second resumes from the checkpoint."""
+    meta = script_graph(embedding=strategy == "hybrid")
+    feeds = feeds_of(meta)
+    ckpt = str(tmp_path / "ckpt")
+    with LocalCluster(workers=2, ps=1, device_type="CPU", devices_per_worker=1) as cluster:
+        result = gr.rewrite(meta, cluster.spec, strategy=strategy, device_type="CPU")
+        path = result.save(str(tmp_path / "rewritten.meta"))
+        config = result.session_config()
+        first, _ = monitored_run(path, ckpt, 2, config, cluster.target("worker", 0), feeds)
+        second, values = monitored_run(path, ckpt, 4, config, cluster.target("worker", 0), feeds)
+    assert (first, second) == ([0, 1], [2, 3])
+    want, _ = one_device(meta, 4, feeds)
+    for name in want:
+        np.testing.assert_allclose(values[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 def test_graph_def_input_yields_a_meta_graph_with_its_collections(tmp_path):

@@ -26,10 +26,10 @@ GRAPH_REWRITE = os.path.join(os.path.dirname(sys.executable), "graph-rewrite")
 TIMEOUT = 180
 PASSES = ["plan", "replicate", "split_inputs", "mirror_variables", "micro_batches", "allreduce", "allgather",
           "communication",
-          "accumulate", "sync_queues", "shard_variables", "merge_summaries", "place", "metadata"]
+          "accumulate", "sync_queues", "shard_variables", "merge_outputs", "place", "metadata"]
 # the passes an allreduce rewrite of the test graph (dense and sparse gradients) needs;
 # the others are skipped
-RAN = ["plan", "replicate", "split_inputs", "mirror_variables", "allreduce", "allgather", "merge_summaries",
+RAN = ["plan", "replicate", "split_inputs", "mirror_variables", "allreduce", "allgather", "merge_outputs",
        "place", "metadata"]
 CPU2 = ["--device-type", "CPU", "--devices-per-worker", "2"]
 ERROR_PREFIX = "graph-rewrite: error: "

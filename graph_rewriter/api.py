@@ -162,7 +162,7 @@ def pipeline():
             passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
             passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.MergeSummariesPass(), passes.MetaGraphPass(), passes.PlacePass(), passes.MetadataPass()]
+            passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def _check_client_task(cluster):

@@ -164,6 +164,12 @@ def _check_merge(value):
             raise GraphRewriteError(f"merge for '{name}' is {how!r}", hint=f"use one of {', '.join(MERGES)}")
 
 
+def _check_outputs(value):
+    if not all(isinstance(name, str) and name and not name.startswith("^") for name in value):
+        raise GraphRewriteError(f"outputs must be tensor names, got {list(value)!r}",
+                                hint="give e.g. ['loss:0', 'predictions:0']")
+
+
 def _check_task(value):
     # the cluster checks the job and index (cluster.parse_task); here only the form
     if not (value is None or isinstance(value, (str, tuple, list))):
@@ -221,6 +227,18 @@ def _names(value):
     except TypeError:
         raise GraphRewriteError(f"dump_after must be pass names, got {value!r}",
                                 hint="give e.g. ('replicate',) or ('all',)") from None
+
+
+def _tensor_names(value):
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise GraphRewriteError(f"outputs must be tensor names, got {value!r}",
+                                hint="give e.g. ['loss:0', 'predictions:0']") from None
 
 
 # ----- command-line conversions -------------------------------------------------------------
@@ -342,14 +360,24 @@ class Options:
         cli=Flag("--sparse-as-dense", action="const", const=True))
     merge: dict = option(
         default_factory=dict,
-        help="How Session merges a fetched tensor across the replicas, per tensor: sum, mean, "
+        help="How a fetched tensor is merged across the replicas, per tensor: sum, mean, "
              "concat or master (default: a scalar is averaged, a batch concatenated, anything "
-             "else comes from replica 0).",
+             "else comes from replica 0). The graph merges these tensors itself, so any "
+             "session fetches them merged (see outputs).",
         accepts='{"name:0": "sum" | "mean" | "concat" | "master"}',
         convert=_dict_of("merge", '{"tensor:0": "sum" | "mean" | "concat" | "master"}'),
         check=_check_merge,
         cli=Flag("--merge", metavar="TENSOR=HOW", action="append",
                  convert=lambda items: _pairs(items, "--merge")))
+    outputs: tuple = option(
+        (), "Tensors (\"name:0\") that any session, not only Session, fetches merged over this "
+        "graph's replicas by their original names: the graph merges them (a float scalar "
+        "averaged, a batch concatenated) and renames replica 0's op. The merge option's "
+        "tensors, the losses collection and scalar summaries' values are merged too.",
+        accepts="tensor names", convert=_tensor_names, check=_check_outputs,
+        cli=Flag("--merge-output", metavar="TENSOR", action="append",
+                 help="a tensor any session fetches merged over the replicas by its name "
+                      "(repeatable; see docs/semantics.md)"))
     gradients: dict = option(
         default_factory=dict,
         help="A custom optimizer's gradient per variable, where the rewrite cannot find it: "

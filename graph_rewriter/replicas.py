@@ -17,6 +17,11 @@ replica-relative output index (see replica_export), and expands every reference 
 node makes to a replica-1 node into references to all of them. Passes loop over
 ``built``; everything that depends on the replica count (group sizes, split counts,
 means) reads ``num_local``/``group_size``, which always count every replica.
+
+Merged outputs: the merge_outputs pass gives an output's original name to a node that
+merges every replica's value, and renames replica 0's node (``merged``: original name
+-> replica 0's new name), so ``node``, ``tensor`` and ``name`` of replica 0 still find
+replica 0's own node after it.
 """
 
 import dataclasses
@@ -41,6 +46,9 @@ class ReplicaMap:
     # names of single nodes whose output i is read by replica i (the batch split): a
     # template reader of output 1 reads output k in replica k
     per_replica_outputs: list = dataclasses.field(default_factory=list)
+    # original op name -> the name replica 0's node took when merge_outputs gave the
+    # original name to the merge of every replica's value
+    merged: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.group_devices is None:
@@ -60,6 +68,8 @@ class ReplicaMap:
         return len(self.group_devices)
 
     def name(self, replica, original):
+        if replica == 0:
+            return self.merged.get(original, original)
         return self.prefixes[replica] + original
 
     def node(self, graph, replica, original):
@@ -72,6 +82,8 @@ class ReplicaMap:
                 f"internal: replica {replica}'s copy of '{original}' was asked for, but only "
                 "replicas 0 and 1 are built (ReplicaMap.template)",
                 hint="loop over ReplicaMap.built, or rewrite with materialize_replicas=True")
+        if replica == 0 and original in self.merged:
+            return graph.get(self.merged[original])
         n = graph.get(self.prefixes[replica] + original)
         return n if n is not None else graph.get(original)
 

@@ -14,7 +14,9 @@ gives these rules in full.
   merged across replicas (a scalar averaged, a tensor with the batch as its first
   dimension concatenated, anything else taken from replica 0; with static per-replica
   batches, a first dimension equal to a static batch counts as the batch); the rewrite's ``merge``
-  option overrides per tensor. Everything else comes from replica 0.
+  option overrides per tensor. Everything else comes from replica 0. An output the graph
+  merges itself (the metadata's ``merged``, see passes/merge_outputs.py) holds the merged
+  value under its original name: it is fetched as one tensor, never merged twice.
 - Config: the ConfigProto is completed with what the graph needs (CPU device count for
   CPU replicas, enough inter-op threads for in-process collectives).
 """
@@ -105,6 +107,7 @@ class Session(tf.compat.v1.Session):
         super().__init__(target=target, graph=graph, config=self._config)
         self._prefixes = md["replica_prefixes"]
         self._variant = set(md["variant"])
+        self._merged_in_graph = set(md.get("merged", {}))   # op names holding the merged value
         self._merge = {_tensor_key(k): v for k, v in md.get("merge", {}).items()}
         self._batch_inputs = {_tensor_key(n) for n in md["batch_inputs"]}
         self._inputs = {_tensor_key(i["name"]): i for i in md.get("inputs") or []}
@@ -207,7 +210,7 @@ class Session(tf.compat.v1.Session):
             flat.extend(names)
             return ("op", start, len(names))
         op, index = split_tensor_name(name)
-        if op not in self._variant or len(self._replica_names(op)) == 1:
+        if op not in self._variant or op in self._merged_in_graph or len(self._replica_names(op)) == 1:
             flat.append(name)
             return ("one", len(flat) - 1)
         start = len(flat)

@@ -53,7 +53,7 @@ class MetaGraphPass(Pass):
     requires = frozenset({"plan", "replicas"})
     # it names the finished graph's nodes: the passes that add, split or rename them first
     after = frozenset({"replicate", "mirror_variables", "accumulate", "sync_queues", "shard_variables",
-                       "merge_summaries", "saver"})
+                       "merge_outputs", "saver"})
 
     def applies(self, ctx):
         # one replica: the graph is the input's, and so are its collections

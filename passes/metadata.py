@@ -3,7 +3,8 @@
 One Const node, ``graph_rewriter/metadata``, holds JSON: the replicas and their
 devices, the plan, how batch inputs reach the replicas (when any is taken per replica),
 which original nodes differ per replica (for merging fetches), the merge overrides, the
-session configuration the graph needs, and the passes that ran.
+outputs the graph merges itself (``merged``: original op name -> replica 0's renamed op,
+present when any), the session configuration the graph needs, and the passes that ran.
 Nothing reads the node, so it never runs; it travels with the GraphDef wherever it goes.
 """
 
@@ -54,6 +55,10 @@ class MetadataPass(Pass):
             doc["saver"] = {"filename_tensor_name": sd.filename_tensor_name,
                             "save_tensor_name": sd.save_tensor_name,
                             "restore_op_name": sd.restore_op_name, "version": int(sd.version)}
+        if rm.merged:
+            # ops whose original name now holds the merge of every replica's value
+            # (merge_outputs); absent when none, so other graphs stay as they were
+            doc["merged"] = dict(rm.merged)
         if ctx.plan.inputs is not None:
             # how each batch input reaches the replicas; absent when every one is split
             # (the graphs of split-only inputs stay as they were before per-replica inputs)

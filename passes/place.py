@@ -30,7 +30,8 @@ class PlacePass(Pass):
     requires = frozenset({"plan", "replicas"})
     # it places every node, so every pass that adds nodes comes first
     after = frozenset({"replicate", "split_inputs", "mirror_variables", "micro_batches", "allreduce",
-                       "allgather", "accumulate", "sync_queues", "shard_variables", "merge_summaries", "meta_graph"})
+                       "allgather", "accumulate", "sync_queues", "shard_variables", "merge_outputs",
+                       "meta_graph"})
 
     def run(self, graph, ctx):
         rm = ctx.replicas

@@ -64,7 +64,9 @@ def test_replicas_get_their_gpu_and_cpu_only_ops_their_host(gpu4):
     nodes = _nodes(gpu4)
     prefixes = gpu4.metadata["replica_prefixes"]
     assert prefixes == ["", "replica_1/", "replica_2/", "replica_3/"]
-    assert nodes["loss"].device == "/device:GPU:0"
+    # the summarised loss is merged under its name on the host; replica 0's is renamed
+    assert nodes["replica_0/loss"].device == "/device:GPU:0"
+    assert nodes["loss"].device == "/device:CPU:0" and gpu4.metadata["merged"] == {"loss": "replica_0/loss"}
     for i in (1, 2, 3):
         assert nodes[f"replica_{i}/loss"].device == f"/device:GPU:{i}"
         assert nodes[f"replica_{i}/w0"].device == f"/device:GPU:{i}"

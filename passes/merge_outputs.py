@@ -1,0 +1,221 @@
+"""merge_outputs: an output fetched by its original name gives the merged value in any
+session, not replica 0's.
+
+    loss ─> (gradients, summaries...)         replica_0/loss ─> (gradients...)   (replica 0, renamed)
+    replica_1/loss ─> ...               =>    replica_1/loss ─> ...
+                                              replica_0/loss, replica_1/loss ─> AddN ─> / R = "loss"
+
+A plain tf.compat.v1.Session, a hook (LoggingTensorHook) or a MonitoredTrainingSession
+fetching ``loss:0`` then reads the mean over this graph's replicas, as ``Session`` does.
+
+Which outputs: the tensors the user names (the keys of the ``merge`` option and the
+``outputs`` option), the ones the graph marks (the MetaGraphDef's ``losses`` collection)
+and the values of the master's scalar summaries. Each is merged only if it depends on
+the batch (``ReplicaMap.variant``) and belongs to replica 0 (a global node, a
+placeholder, exists once already). How, by Session's rules: the ``merge`` option's
+sum, mean or concat when it names the tensor (master: nothing to build); otherwise a
+floating-point scalar is averaged and a tensor whose first dimension is the batch
+(unknown, or a static per-replica batch) is concatenated along axis 0, in replica
+order; anything else stays replica 0's. Shapes come from TensorFlow's shape inference
+(shape_probe). Left to Session's merging in Python, because the graph cannot compute
+it the same way: a non-float sum or mean (numpy widens integers, averages them as
+floats), a tensor of unknown rank (Session decides at run time).
+
+The merge node takes the original name and replica 0's op is renamed
+``replica_0/<name>`` (the first free name; ``ReplicaMap.merged``). Only names move:
+every reader of replica 0's value (its gradients, its own ops) keeps reading it, and
+variables are never renamed (no variable depends on the batch), so checkpoints keep
+their names. Only a whole op can take a name, so an op with several outputs keeps its
+name and replica 0's values (an IdentityN of the merged outputs would do, but no loss or
+summary value has several outputs and Session still merges such a fetch in Python).
+
+Summaries: the master's scalar summary of a variant value reads the mean over the
+replicas, so a loss summary shows the global batch's loss. When the value's op was
+merged by a mean it reads that merge node (one mean per tensor); otherwise it reads a
+mean of its own, unnamed (a value merged otherwise, an op with several outputs, a
+non-float value as before). The replicas' own summaries keep their own values.
+
+Between-graph, a graph holds its own worker's replicas: the merge is over those (the
+mean of every worker's would need a collective in the fetch). The merge runs on the
+graph's global device (the host CPU), like the batch split.
+"""
+
+from tensorflow.python.framework import dtypes
+
+from graph_rewriter import opdefs, shape_probe
+from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.ir import GLOBAL, Tensor, split_tensor_name
+from graph_rewriter.op_builder import const, dtype_of, make_op
+from graph_rewriter.op_vocabulary import VARIABLE_OPS
+from graph_rewriter.pass_manager import Pass
+
+SCALAR_SUMMARIES = frozenset(("ScalarSummary",))
+LOSSES_COLLECTION = "losses"   # tf.compat.v1.GraphKeys.LOSSES
+
+
+class MergeOutputsPass(Pass):
+    name = "merge_outputs"
+    requires = frozenset({"plan", "replicas"})
+    # It renames replica 0's copy of an output, so every pass that finds replica 0's
+    # nodes by their original names (through the ReplicaMap or the graph) runs first.
+    after = frozenset({"replicate", "split_inputs", "mirror_variables", "micro_batches", "allreduce",
+                       "allgather", "communication", "accumulate", "sync_queues", "shard_variables"})
+
+    def applies(self, ctx):
+        return ctx.num_local_replicas > 1
+
+    def run(self, graph, ctx):
+        rm = ctx.replicas
+        if rm.num_local == 1:
+            return False
+        variant = set(rm.variant)
+        # the master's scalar summaries of a variant value, with the value's original
+        # name (the merges below rename replica 0's ops)
+        summaries = [(n, n.inputs[1].name) for n in graph.nodes
+                     if n.op in SCALAR_SUMMARIES and rm.replica_of(graph, n.name) == 0
+                     and n.inputs[1].node.name in variant]
+        wanted = _wanted(graph, ctx, variant, [value for _, value in summaries])
+        hows = _decide(graph, ctx, wanted)
+        merged = {}   # original tensor name -> the merge node's output
+        for name, how in hows.items():
+            merged[name] = _merge(graph, rm, name, how)
+            ctx.info(f"merge_outputs: {name} is the {how} over {rm.num_local} replicas; "
+                     f"replica 0's value is {rm.name(0, split_tensor_name(name)[0])}:0")
+        for node, value in summaries:
+            if hows.get(value) == "mean":
+                node.set_input(1, merged[value])
+            else:
+                node.set_input(1, _mean(graph, rm, value, f"{node.name}/mean_over_replicas"))
+        return bool(hows or summaries)
+
+
+def _wanted(graph, ctx, variant, summaries):
+    """{tensor name: the merge option's choice or None} of the outputs to merge: named by
+    the user, marked by the graph, or summarised; only variant single-output ops of
+    replica 0 (each rejected name logged, a name ``outputs`` gives that is no tensor of
+    the graph refused)."""
+    rm, opts = ctx.replicas, ctx.options
+    names = {}
+    for name in opts.outputs:
+        _check_output_name(graph, name)
+        names.setdefault(_key(name), "outputs option")
+    for name in opts.merge:
+        names.setdefault(_key(name), "merge option")
+    mg = graph.meta_graph
+    if mg is not None and LOSSES_COLLECTION in mg.collection_def:
+        for name in mg.collection_def[LOSSES_COLLECTION].node_list.value:
+            names.setdefault(_key(name), "losses collection")
+    for name in summaries:
+        names.setdefault(name, "scalar summary")
+    merge = {_key(k): v for k, v in opts.merge.items()}
+    wanted = {}
+    for name, source in names.items():
+        op, index = split_tensor_name(name)
+        node = graph.get(op)
+        why = None
+        if node is None or index >= opdefs.num_outputs(node):
+            why = "names no tensor of the graph"
+        elif op not in variant:
+            why = "does not depend on the batch (every replica has replica 0's value)"
+        elif node.op in VARIABLE_OPS:
+            why = "is a variable (variables keep their names, for checkpoints)"
+        elif node.replica != 0 or not rm.is_cloned(graph, op):
+            why = "exists once (it is not replicated)"
+        elif opdefs.num_outputs(node) != 1:
+            why = "is an output of an op with several outputs, which cannot take one merged value's name"
+        elif merge.get(name) == "master":
+            why = "is merged as 'master' (replica 0's value)"
+        if why is None:
+            wanted[name] = merge.get(name)
+        else:
+            ctx.info(f"merge_outputs: {name} ({source}) is left alone: it {why}")
+    return wanted
+
+
+def _check_output_name(graph, name):
+    op, index = split_tensor_name(name)
+    node = graph.get(op)
+    if node is None or index >= opdefs.num_outputs(node):
+        raise GraphRewriteError(
+            f"outputs names '{name}', which is no tensor of the graph",
+            hint="name a tensor of the original graph as 'op:index', e.g. 'loss:0'")
+
+
+def _decide(graph, ctx, wanted):
+    """{tensor name: "sum" | "mean" | "concat"} for the wanted outputs the graph merges:
+    the merge option's choice, else Session's rule for the tensor's static shape."""
+    shapes = shape_probe.static_shapes([graph.tensor(n) for n, how in wanted.items() if how is None])
+    shapes = {t.name: s for t, s in shapes.items()}
+    static = {ip.static_batch for ip in ctx.plan.inputs or []
+              if ip.mode == "per_replica" and ip.static_batch is not None}
+    out = {}
+    for name, how in sorted(wanted.items()):
+        floating = dtypes.as_dtype(dtype_of(graph.tensor(name))).is_floating
+        if how is None:
+            shape = shapes.get(name)
+            if shape == () and floating:
+                how = "mean"
+            elif shape and (shape[0] is None or shape[0] in static):
+                how = "concat"
+            else:
+                why = "its rank is unknown" if shape is None else (
+                    "it is a scalar, not of a floating-point type" if shape == () else
+                    "its first dimension is not the batch (replica 0's value)")
+                ctx.info(f"merge_outputs: {name} is left alone: {why}")
+                continue
+        elif how in ("sum", "mean") and not floating:
+            ctx.info(f"merge_outputs: {name} is left alone: a {how} of a non-float tensor "
+                     "is merged by Session in Python")
+            continue
+        out[name] = how
+    return out
+
+
+def _merge(graph, rm, name, how):
+    """Renames replica 0's op of ``name`` and builds the ``how`` of every local replica's
+    value under the original name, on the global device; returns its output."""
+    op, index = split_tensor_name(name)
+    master = graph.node(op)
+    renamed = graph.unique_name(_master_prefix(rm) + op)
+    graph.rename_node(master, renamed)
+    rm.merged[op] = renamed
+    copies = [Tensor(rm.node(graph, i, op), index) for i in rm.built]
+    device = rm.global_device
+    scope = f"{op}/merge_over_replicas"   # the helpers' names (global nodes, like the merge)
+    with graph.adding_to_replica(GLOBAL):
+        if how == "concat":
+            axis = const(graph, f"{scope}/axis", 0, "int32", device)
+            node = make_op(graph, "ConcatV2", op, [copies, axis], device=device)
+        elif how == "sum":
+            node = make_op(graph, "AddN", op, [copies], device=device)
+        else:
+            total = make_op(graph, "AddN", f"{scope}/sum", [copies], device=device).output(0)
+            divisor = const(graph, f"{scope}/replicas", rm.num_local,
+                            dtypes.as_dtype(dtype_of(total)).name, device)
+            node = make_op(graph, "RealDiv", op, [total, divisor], device=device)
+    if node.name != op:
+        raise GraphRewriteError(f"internal: the merge of '{name}' could not take the name '{op}'")
+    return node.output(0)
+
+
+def _mean(graph, rm, name, scope):
+    """The mean of every local replica's copy of the original tensor ``name``, unnamed."""
+    op, index = split_tensor_name(name)
+    copies = [Tensor(rm.node(graph, i, op), index) for i in rm.built]
+    device = rm.global_device
+    dt = dtypes.as_dtype(dtype_of(copies[0]))
+    with graph.adding_to_replica(GLOBAL):
+        total = make_op(graph, "AddN", f"{scope}/sum", [copies], device=device).output(0)
+        return make_op(graph, "RealDiv", scope,
+                       [total, const(graph, f"{scope}/replicas", rm.num_local, dt.name, device)],
+                       device=device).output(0)
+
+
+def _master_prefix(rm):
+    """Replica 0's prefix in the family of the others' ("replica_1/" -> "replica_0/")."""
+    return rm.prefixes[1][:-len("1/")] + "0/"
+
+
+def _key(name):
+    op, index = split_tensor_name(name)
+    return f"{op}:{index}"

@@ -90,44 +90,22 @@ class MirrorVariablesPass(Pass):
                 packs.setdefault(vp.dtype, []).append(vp)
         for k, (dtype, members) in enumerate(packs.items()):
             ikey = init_instance_key(ctx.plan, k)
-            sizes = [_num_elements(vp) for vp in members]
-            total = sum(sizes)
             for i in rm.built:
                 rank = rm.first_replica + i
                 device = rm.devices[i]
                 scope = f"{rm.prefixes[i]}initial_values/{dtype}"
                 inits = [rm.node(graph, i, vp.initializer) for vp in members]
                 if rank == 0:
-                    flats = []
-                    for vp, init in zip(members, inits):
-                        value = _read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value",
-                                      control_inputs=[init])
-                        flats.append(make_op(graph, "Reshape", f"{scope}/flat",
-                                             [value, const(graph, f"{scope}/minus_one", [-1], "int32", device)],
-                                             device=device).output(0))
-                    packed = flats[0] if len(flats) == 1 else make_op(
-                        graph, "ConcatV2", f"{scope}/concat",
-                        [flats, const(graph, f"{scope}/axis", 0, "int32", device)], device=device).output(0)
-                    send = broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey, device, timeout)
+                    send = _send_packed(graph, scope, members, device, rm, gkey, ikey, timeout,
+                                        lambda vp, init: _read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value",
+                                                               control_inputs=[init]), inits)
                     for init_op in _init_ops_of(inits):
                         init_op.add_control_input(send)
                     continue
-                received = broadcast_recv(graph, scope, [total], dtypes.as_dtype(dtype), rm.group_size,
-                                          gkey, ikey, device, timeout).output(0)
-                parts = [received]
-                if len(members) > 1:
-                    split = make_op(graph, "SplitV", f"{scope}/split",
-                                    [received, const(graph, f"{scope}/sizes", sizes, "int64", device),
-                                     const(graph, f"{scope}/split_axis", 0, "int32", device)],
-                                    attrs={"num_split": len(members)}, device=device)
-                    parts = [split.output(j) for j in range(len(members))]
-                for vp, init, part in zip(members, inits, parts):
-                    shaped = make_op(graph, "Reshape", f"{scope}/{vp.name}/shaped",
-                                     [part, const(graph, f"{scope}/{vp.name}/shape", vp.shape, "int64", device)],
-                                     device=device).output(0)
-                    init.set_input(opdefs.input_position(init, "value"), shaped)
+                shaped = _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey, timeout)
+                for init, value in zip(inits, shaped):
+                    init.set_input(opdefs.input_position(init, "value"), value)
         return bool(packs)
-
 
     def _broadcast_current_values(self, graph, ctx, mirrored):
         """``graph_rewriter/broadcast_variables``: replica 0 of the group sends what its
@@ -142,39 +120,51 @@ class MirrorVariablesPass(Pass):
         done = []
         for k, (dtype, members) in enumerate(packs.items()):
             ikey = init_instance_key(ctx.plan, first_key + k)
-            sizes = [_num_elements(vp) for vp in members]
             for i in rm.built:
                 device = rm.devices[i]
                 scope = f"{rm.prefixes[i]}graph_rewriter/broadcast_variables/{dtype}"
                 with graph.adding_to_replica(i):
                     if rm.first_replica + i == 0:
-                        flats = [make_op(graph, "Reshape", f"{scope}/flat",
-                                         [_read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value"),
-                                          const(graph, f"{scope}/minus_one", [-1], "int32", device)],
-                                         device=device).output(0) for vp in members]
-                        packed = flats[0] if len(flats) == 1 else make_op(
-                            graph, "ConcatV2", f"{scope}/concat",
-                            [flats, const(graph, f"{scope}/axis", 0, "int32", device)], device=device).output(0)
-                        done.append(broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey,
-                                                   device, timeout))
+                        done.append(_send_packed(
+                            graph, scope, members, device, rm, gkey, ikey, timeout,
+                            lambda vp, _: _read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value")))
                         continue
-                    received = broadcast_recv(graph, scope, [sum(sizes)], dtypes.as_dtype(dtype),
-                                              rm.group_size, gkey, ikey, device, timeout).output(0)
-                    parts = [received]
-                    if len(members) > 1:
-                        split = make_op(graph, "SplitV", f"{scope}/split",
-                                        [received, const(graph, f"{scope}/sizes", sizes, "int64", device),
-                                         const(graph, f"{scope}/split_axis", 0, "int32", device)],
-                                        attrs={"num_split": len(members)}, device=device)
-                        parts = [split.output(j) for j in range(len(members))]
-                    for vp, part in zip(members, parts):
-                        shaped = make_op(graph, "Reshape", f"{scope}/{vp.name}/shaped",
-                                         [part, const(graph, f"{scope}/{vp.name}/shape", vp.shape, "int64", device)],
-                                         device=device).output(0)
-                        done.append(_assign(graph, rm.node(graph, i, vp.name), shaped,
-                                            f"{scope}/{vp.name}/assign"))
+                    shaped = _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey, timeout)
+                    for vp, value in zip(members, shaped):
+                        done.append(_assign(graph, rm.node(graph, i, vp.name), value, f"{scope}/{vp.name}/assign"))
         with graph.adding_to_replica(GLOBAL):
             graph.add_node(graph.unique_name(BROADCAST_VARIABLES), "NoOp", control_inputs=done)
+
+
+def _send_packed(graph, scope, members, device, rm, gkey, ikey, timeout, value_of, inits=None):
+    """Broadcasts the members' values (``value_of(vp, its initializer)``), flattened and
+    concatenated into one tensor, from replica 0 of the group."""
+    flats = []
+    for vp, init in zip(members, inits or [None] * len(members)):
+        flats.append(make_op(graph, "Reshape", f"{scope}/flat",
+                             [value_of(vp, init), const(graph, f"{scope}/minus_one", [-1], "int32", device)],
+                             device=device).output(0))
+    packed = flats[0] if len(flats) == 1 else make_op(
+        graph, "ConcatV2", f"{scope}/concat",
+        [flats, const(graph, f"{scope}/axis", 0, "int32", device)], device=device).output(0)
+    return broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey, device, timeout)
+
+
+def _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey, timeout):
+    """What _send_packed sent, split back into one tensor per member, in its shape."""
+    sizes = [_num_elements(vp) for vp in members]
+    received = broadcast_recv(graph, scope, [sum(sizes)], dtypes.as_dtype(dtype), rm.group_size,
+                              gkey, ikey, device, timeout).output(0)
+    parts = [received]
+    if len(members) > 1:
+        split = make_op(graph, "SplitV", f"{scope}/split",
+                        [received, const(graph, f"{scope}/sizes", sizes, "int64", device),
+                         const(graph, f"{scope}/split_axis", 0, "int32", device)],
+                        attrs={"num_split": len(members)}, device=device)
+        parts = [split.output(j) for j in range(len(members))]
+    return [make_op(graph, "Reshape", f"{scope}/{vp.name}/shaped",
+                    [part, const(graph, f"{scope}/{vp.name}/shape", vp.shape, "int64", device)],
+                    device=device).output(0) for vp, part in zip(members, parts)]
 
 
 def _num_elements(vp):

@@ -357,6 +357,8 @@ def _report_uninitialized(graph, name, variables, made):
     flags = []
     for v in variables:
         if v not in made:
+            made[v] = _own_flag(v)
+        if made[v] is None:
             scope = f"{SCOPE}/is_initialized/{v.name}"
             if v.op == "VarHandleOp":
                 made[v] = make_op(graph, "VarIsInitializedOp", scope, [v.output(0)], colocate_with=[v]).output(0)
@@ -372,6 +374,15 @@ def _report_uninitialized(graph, name, variables, made):
                    [where.output(0), const(graph, f"{name}/minus_one", [-1], "int32")])
     return make_op(graph, "GatherV2", name,
                    [names, flat.output(0), const(graph, f"{name}/axis", 0, "int32")], attrs={"batch_dims": 0})
+
+
+def _own_flag(var):
+    """``<var>/IsInitialized/VarIsInitializedOp:0``, which tf.compat.v1 makes for every
+    resource variable, or None."""
+    for c, pos in var.consumers(0):
+        if c.op == "VarIsInitializedOp" and c.name == f"{var.name}/IsInitialized/VarIsInitializedOp":
+            return c.output(0)
+    return None
 
 
 def _base(enum):

@@ -78,6 +78,15 @@ def find_saver_def(graph):
     return None
 
 
+def _own_read(var):
+    """``<var>/Read/ReadVariableOp:0``, the read tf.compat.v1 makes for every resource
+    variable, or None."""
+    for c, pos in var.consumers(0):
+        if c.op == "ReadVariableOp" and c.name == f"{var.name}/Read/ReadVariableOp":
+            return c.output(0)
+    return None
+
+
 def _tensor_name(t):
     return f"{t.node.name}:{t.index}"
 
@@ -113,8 +122,10 @@ def build_saver(graph, variables):
     values = []
     for v, dt in zip(variables, base):
         if v.op == "VarHandleOp":
-            values.append(make_op(graph, "ReadVariableOp", f"{scope}/Read_{len(values)}",
-                                  [v.output(0)], attrs={"dtype": dtypes.as_dtype(dt)}).output(0))
+            # the variable's own read (<name>/Read/ReadVariableOp), as TF's Saver uses it
+            values.append(_own_read(v) or make_op(
+                graph, "ReadVariableOp", f"{scope}/Read_{len(values)}", [v.output(0)],
+                attrs={"dtype": dtypes.as_dtype(dt)}).output(0))
         else:
             values.append(v.output(0))
     save = make_op(graph, "SaveV2", f"{scope}/SaveV2", [filename.output(0), tensor_names, slices, values])
@@ -127,12 +138,12 @@ def build_saver(graph, variables):
                       attrs={"dtypes": [dtypes.as_dtype(dt) for dt in base]})
     assigns = []
     for k, (v, dt) in enumerate(zip(variables, base)):
-        value = make_op(graph, "Identity", f"{scope}/Identity_{k}", [restore.output(k)])
+        value = restore.output(k)
         if v.op == "VarHandleOp":
             assigns.append(make_op(graph, "AssignVariableOp", f"{scope}/AssignVariableOp_{k}",
-                                   [v.output(0), value.output(0)], attrs={"dtype": dtypes.as_dtype(dt)}))
+                                   [v.output(0), value], attrs={"dtype": dtypes.as_dtype(dt)}))
         else:
-            assigns.append(make_op(graph, "Assign", f"{scope}/Assign_{k}", [v.output(0), value.output(0)],
+            assigns.append(make_op(graph, "Assign", f"{scope}/Assign_{k}", [v.output(0), value],
                                    attrs={"use_locking": True}, type_attrs={"T": dt},
                                    colocate_with=[v]))
     restore_all = graph.add_node(graph.unique_name(f"{scope}/restore_all"), "NoOp", control_inputs=assigns)

@@ -37,8 +37,15 @@ def _collections(graph, cluster=None, **options):
 
 
 def _reported(graph, report):
-    """The variables a ready report checks (the ones whose is-initialized flag it stacks)."""
-    return {n.inputs[0].node.name for n in ancestors([report]) if n.op in ("VarIsInitializedOp", "IsVariableInitialized")}
+    """The variables a ready report checks (the ones whose is-initialized flag it stacks,
+    by data edges: a master's own flag also runs its replicas' copies, by control edges)."""
+    seen, stack = set(), [report]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(t.node for t in n.inputs)
+    return {n.inputs[0].node.name for n in seen if n.op in ("VarIsInitializedOp", "IsVariableInitialized")}
 
 
 def test_in_graph_collections_name_the_original_variables_and_the_init_op():

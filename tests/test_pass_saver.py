@@ -1,7 +1,7 @@
 """The saver pass alone: the graph has a Saver and the rewrite knows its SaverDef.
 
-    no Saver:       w, b ─> ReadVariableOp ─> SaveV2(filename, names [b, w]) ─^─ Identity(filename)
-                    RestoreV2(filename, names) ─> Identity ─> AssignVariableOp(w|b) ─^─ restore_all
+    no Saver:       w, b ─> their Read/ReadVariableOp ─> SaveV2(filename, names [b, w]) ─^─ Identity(filename)
+                    RestoreV2(filename, names) ─> AssignVariableOp(w|b) ─^─ restore_all
     a Saver's nodes, no SaverDef: the SaverDef is read off them (nothing added)
     a SaverDef:     kept as it is
 """

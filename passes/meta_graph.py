@@ -41,6 +41,7 @@ from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import INIT_BARRIER
 
 RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
+RECEIVES = ("CollectiveBcastRecvV2", "CollectiveBcastRecv")
 RELEASE = f"{INIT_BARRIER}/release"   # sync_queues: the chief's init tells the workers' it is done
 
 SCOPE = "graph_rewriter/collections"
@@ -107,7 +108,7 @@ def _saver_for_one_client(graph, saver_def):
     values in the local init op (broadcast_variables) or from the parameter servers."""
     from tensorflow.core.protobuf import saver_pb2
     restore = graph.get(saver_def.restore_op_name)
-    work = _without_collectives(restore) if restore is not None else None
+    work = _without_collectives(restore, _received(graph)) if restore is not None else None
     if work is None:
         return saver_def
     with graph.adding_to_replica(GLOBAL):
@@ -254,6 +255,7 @@ def _part_defs(graph, vp, trainable, original):
 
 def _init_op(graph, rm, plan):
     """The op that initializes this graph's variables and waits for no collective."""
+    received = _received(graph)
     initializers = {graph.get(vp.initializer) for vp in plan.variables if vp.initializer}
     initializers.discard(None)
     best, covered = None, 0
@@ -263,7 +265,7 @@ def _init_op(graph, rm, plan):
             if n > covered:
                 best, covered = node, n
     if best is not None:
-        members = _without_collectives(best)
+        members = _without_collectives(best, received)
         if members is None and graph.get(RELEASE) not in _flatten(best):
             return best
         # (the release of the workers' plain init ops: no MonitoredTrainingSession
@@ -274,7 +276,7 @@ def _init_op(graph, rm, plan):
     else:
         members = [rm.node(graph, i, vp.initializer) for vp in plan.variables if vp.initializer
                    for i in rm.built]
-        members = [m for m in members if m is not None and not _reaches_collective(m)]
+        members = [m for m in members if m is not None and m not in received]
     return graph.add_node(graph.unique_name(f"{SCOPE}/init_op"), "NoOp", control_inputs=members)
 
 
@@ -292,7 +294,7 @@ def _flatten(noop):
     return out
 
 
-def _without_collectives(init):
+def _without_collectives(init, received):
     """``init``'s work without collectives, or None when it has none: NoOps, barriers
     and broadcast sends are replaced by what they wait for, and what reads a received
     value goes (a worker's copies take the chief's values in the local init op)."""
@@ -306,25 +308,23 @@ def _without_collectives(init):
         if n.op in COLLECTIVES or n.op == "NoOp":
             changed = changed or n.op in COLLECTIVES
             stack.extend(n.control_inputs)
-        elif _reaches_collective(n):
+        elif n in received:
             changed = True
         else:
             work.append(n)
     return work if changed else None
 
 
-def _reaches_collective(node, limit=10000):
-    """Whether ``node`` reads (through data edges) a collective's output."""
-    seen, stack = set(), [t.node for t in node.inputs]
-    while stack and len(seen) < limit:
+def _received(graph):
+    """Every node that reads, by data edges, a value a collective received (a worker's
+    initial values from the chief): computed once, forward from the receives (few)."""
+    out, stack = set(), [n for n in graph.nodes if n.op in RECEIVES]
+    while stack:
         n = stack.pop()
-        if n in seen:
-            continue
-        if n.op in COLLECTIVES:
-            return True
-        seen.add(n)
-        stack.extend(t.node for t in n.inputs)
-    return False
+        if n not in out:
+            out.add(n)
+            stack.extend(c for c, _ in n.consumers())
+    return out
 
 
 def _local_init_op(graph, rm, meta, local_vars):

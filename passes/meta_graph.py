@@ -24,7 +24,10 @@ the Scaffold would otherwise build wrongly:
   uninitialized (what the Scaffold's default reports, over the variables above; a
   non-chief's ready-for-local-init leaves out the mirrored variables its local init
   op initializes).
-- ``savers``: the Saver's SaverDef (the saver pass made sure there is one).
+- ``savers`` (and the MetaGraphDef's ``saver_def``, which ``result.saver()`` and
+  SavedModel loaders use): the Saver's SaverDef (the saver pass made sure there is
+  one), whose restore op the chief runs alone (a between-graph restore that ends with
+  a workers' barrier gets a twin without it).
 Collections that name nodes which no longer exist are dropped; the others (train_op,
 summaries, losses, global_step, update_ops, cond and while contexts) name replica 0's
 or the merged nodes and stay.
@@ -95,6 +98,7 @@ class MetaGraphPass(Pass):
         _set_nodes(meta, "ready_for_local_init_op", [f"{ready_local.name}:0"])
         if meta.HasField("saver_def"):
             saver_def = _saver_for_one_client(graph, meta.saver_def)
+            meta.saver_def.CopyFrom(saver_def)   # result.saver() and SavedModel loaders too
             meta.collection_def["savers"].Clear()
             meta.collection_def["savers"].bytes_list.value.append(saver_def.SerializeToString())
         _drop_stale(graph, meta)
@@ -102,7 +106,7 @@ class MetaGraphPass(Pass):
 
 
 def _saver_for_one_client(graph, saver_def):
-    """The SaverDef MonitoredTrainingSession uses: the chief alone restores. A
+    """The SaverDef a client uses: the chief alone restores. A
     between-graph restore op that ends with a workers' barrier (hybrid: it is a run's
     start, like the init op) gets a twin without it; the workers take the restored
     values in the local init op (broadcast_variables) or from the parameter servers."""

@@ -34,7 +34,7 @@ or the merged nodes and stay.
 """
 
 from tensorflow.core.framework import variable_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2, saver_pb2
 
 from graph_rewriter.collectives import BROADCAST_VARIABLES
 from graph_rewriter.ir import GLOBAL, split_tensor_name
@@ -49,7 +49,6 @@ RELEASE = f"{INIT_BARRIER}/release"   # sync_queues: the chief's init tells the 
 
 SCOPE = "graph_rewriter/collections"
 VARIABLE_COLLECTIONS = ("variables", "trainable_variables", "local_variables", "model_variables", "global_step")
-NODE_COLLECTIONS = ("init_op", "local_init_op", "ready_op", "ready_for_local_init_op", "savers")
 
 
 class MetaGraphPass(Pass):
@@ -110,7 +109,6 @@ def _saver_for_one_client(graph, saver_def):
     between-graph restore op that ends with a workers' barrier (hybrid: it is a run's
     start, like the init op) gets a twin without it; the workers take the restored
     values in the local init op (broadcast_variables) or from the parameter servers."""
-    from tensorflow.core.protobuf import saver_pb2
     restore = graph.get(saver_def.restore_op_name)
     work = _without_collectives(restore, _received(graph)) if restore is not None else None
     if work is None:

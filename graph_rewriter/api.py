@@ -62,6 +62,17 @@ class RewriteResult:
         return self.metadata.get("num_nodes") or len(self.graph_def.node)
 
     @property
+    def is_chief(self):
+        """Whether this graph is the chief's (in-graph: the one client's). As
+        tf.distribute strategies' ``should_checkpoint`` and ``should_save_summary``:
+        only the chief checkpoints and writes summaries (MonitoredTrainingSession's
+        ``is_chief``)."""
+        return bool(self.metadata.get("chief", True))
+
+    should_checkpoint = is_chief
+    should_save_summary = is_chief
+
+    @property
     def devices(self):
         return list(self.metadata["replica_devices"])
 

@@ -114,6 +114,7 @@ def test_in_graph_monitored_training_session_with_hooks_restarts_from_its_checkp
     meta = script_graph()
     result = gr.rewrite(meta, strategy=strategy, devices_per_worker=2, device_type="CPU")
     path = result.save(str(tmp_path / "rewritten.meta"))
+    assert result.should_checkpoint and result.should_save_summary   # the one client
     config = result.session_config()
     ckpt = str(tmp_path / "ckpt")
     feeds = feeds_of(meta)
@@ -235,6 +236,7 @@ def test_between_graph_monitored_training_killed_and_restarted_equals_one_device
         for w in range(2):
             result = gr.rewrite(meta, cluster.spec, task=f"worker:{w}", strategy=strategy, device_type="CPU")
             metas.append(result.save(str(tmp_path / f"worker{w}.meta")))
+            assert result.is_chief == result.should_checkpoint == result.should_save_summary == (w == 0)
             if strategy == "hybrid":
                 # the graph's own restore ends with a workers' barrier; a client's restores alone
                 restore = result.metadata["saver"]["restore_op_name"]

@@ -219,26 +219,19 @@ def _dict_of(name, what):
     return convert
 
 
-def _names(value):
-    if isinstance(value, str):
-        return (value,)
-    try:
-        return tuple(value)
-    except TypeError:
-        raise GraphRewriteError(f"dump_after must be pass names, got {value!r}",
-                                hint="give e.g. ('replicate',) or ('all',)") from None
-
-
-def _tensor_names(value):
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    try:
-        return tuple(value)
-    except TypeError:
-        raise GraphRewriteError(f"outputs must be tensor names, got {value!r}",
-                                hint="give e.g. ['loss:0', 'predictions:0']") from None
+def _tuple_of(name, what, example, none=False):
+    """A converter to a tuple of names (one string is one name; ``none``: None is empty)."""
+    def convert(value):
+        if value is None and none:
+            return ()
+        if isinstance(value, str):
+            return (value,)
+        try:
+            return tuple(value)
+        except TypeError:
+            raise GraphRewriteError(f"{name} must be {what}, got {value!r}",
+                                    hint=f"give e.g. {example}") from None
+    return convert
 
 
 # ----- command-line conversions -------------------------------------------------------------
@@ -374,7 +367,8 @@ class Options:
         "graph's replicas by their original names: the graph merges them (a float scalar "
         "averaged, a batch concatenated) and renames replica 0's op. The merge option's "
         "tensors, the losses collection and scalar summaries' values are merged too.",
-        accepts="tensor names", convert=_tensor_names, check=_check_outputs,
+        accepts="tensor names", check=_check_outputs,
+        convert=_tuple_of("outputs", "tensor names", "['loss:0', 'predictions:0']", none=True),
         cli=Flag("--merge-output", metavar="TENSOR", action="append",
                  help="a tensor any session fetches merged over the replicas by its name "
                       "(repeatable; see docs/semantics.md)"))
@@ -443,7 +437,8 @@ class Options:
     dump_after: tuple = option(
         (), "Pass names ('all': every pass): write the graph after them into dump_dir as "
         "after_<pass>.pbtxt, to debug a pass.",
-        accepts="pass names", convert=_names, check=_check_dump_after,
+        accepts="pass names", check=_check_dump_after,
+        convert=_tuple_of("dump_after", "pass names", "('replicate',) or ('all',)"),
         cli=Flag("--dump-after", metavar="PASS", action="append", commands=("rewrite",),
                  help="write the graph after this pass (repeatable; 'all' for every pass)"))
     dump_dir: str = option(

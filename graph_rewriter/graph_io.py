@@ -86,21 +86,26 @@ def _meta_graph_of(graph):
 
 def _saver_def_of(graph):
     """The SaverDef of ``graph``'s Saver: the first in its "savers" collection, else the
-    first Saver found by the nodes tf.compat.v1.train.Saver builds (<scope>/restore_all,
-    the filename <scope>/Const, the save tensor <scope>/control_dependency, or
-    <scope>/Identity when sharded); None when it has none."""
-    from tensorflow.core.protobuf import saver_pb2
+    one its nodes show (saver_def_of_nodes); None when it has none."""
     for saver in graph.get_collection("savers"):
         if hasattr(saver, "as_saver_def"):
             return saver.as_saver_def()
-    ops = {op.name: op for op in graph.get_operations()}
+    return saver_def_of_nodes({op.name: op.type for op in graph.get_operations()})
+
+
+def saver_def_of_nodes(ops):
+    """The SaverDef of the first Saver a graph's nodes show (``ops``: node name -> op
+    type), by the names tf.compat.v1.train.Saver gives them: <scope>/restore_all, the
+    filename <scope>/Const, the save tensor <scope>/control_dependency, or
+    <scope>/Identity when sharded; None when there is none."""
+    from tensorflow.core.protobuf import saver_pb2
     for name in ops:
         if name != "restore_all" and not name.endswith("/restore_all"):
             continue
         scope = name[:-len("restore_all")]
         if scope + "Const" not in ops:
             continue
-        types = {op.type for op_name, op in ops.items() if op_name.startswith(scope)}
+        types = {t for op_name, t in ops.items() if op_name.startswith(scope)}
         sharded = "ShardedFilename" in types
         for save in (("Identity", "control_dependency") if sharded else ("control_dependency",)):
             if scope + save in ops:

@@ -184,6 +184,16 @@ def run_after(graph, root, ops):
     return node
 
 
+def own_op(var, suffix, op_type):
+    """The op tf.compat.v1 made beside a variable, ``<var>/<suffix>`` of ``op_type`` and
+    reading it (e.g. "Read/ReadVariableOp", "IsInitialized/VarIsInitializedOp"): a pass
+    reuses it instead of adding its twin. None when the graph has none."""
+    for c, _ in var.consumers(0):
+        if c.op == op_type and c.name == f"{var.name}/{suffix}":
+            return c
+    return None
+
+
 def shape_attr(shape):
     """An AttrValue holding a TensorShapeProto (None: unknown rank; -1: unknown dim)."""
     from tensorflow.core.framework import tensor_shape_pb2

@@ -38,7 +38,7 @@ from tensorflow.core.protobuf import meta_graph_pb2, saver_pb2
 
 from graph_rewriter.collectives import BROADCAST_VARIABLES
 from graph_rewriter.ir import GLOBAL, split_tensor_name
-from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_builder import const, make_op, own_op
 from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import INIT_BARRIER
@@ -359,7 +359,8 @@ def _report_uninitialized(graph, name, variables, made):
     flags = []
     for v in variables:
         if v not in made:
-            made[v] = _own_flag(v)
+            own = own_op(v, "IsInitialized/VarIsInitializedOp", "VarIsInitializedOp")
+            made[v] = own.output(0) if own is not None else None
         if made[v] is None:
             scope = f"{SCOPE}/is_initialized/{v.name}"
             if v.op == "VarHandleOp":
@@ -376,15 +377,6 @@ def _report_uninitialized(graph, name, variables, made):
                    [where.output(0), const(graph, f"{name}/minus_one", [-1], "int32")])
     return make_op(graph, "GatherV2", name,
                    [names, flat.output(0), const(graph, f"{name}/axis", 0, "int32")], attrs={"batch_dims": 0})
-
-
-def _own_flag(var):
-    """``<var>/IsInitialized/VarIsInitializedOp:0``, which tf.compat.v1 makes for every
-    resource variable, or None."""
-    for c, pos in var.consumers(0):
-        if c.op == "VarIsInitializedOp" and c.name == f"{var.name}/IsInitialized/VarIsInitializedOp":
-            return c.output(0)
-    return None
 
 
 def _base(enum):

@@ -9,8 +9,9 @@ the first of the pipeline, makes sure there is one to keep:
 - the input's MetaGraphDef names its Saver (``saver_def``): nothing to do;
 - the graph has a Saver's nodes but no SaverDef (a .pb, or a MetaGraphDef exported with
   ``tf.compat.v1.train.export_meta_graph``, which leaves it empty): the SaverDef is read
-  off the nodes (``<scope>/restore_all``, the filename its SaveV2 writes to, the
-  ``<scope>/control_dependency`` that returns it once saved);
+  off the nodes by the names TF's Saver gives them (``graph_io.saver_def_of_nodes``:
+  ``<scope>/restore_all``, ``<scope>/Const``, ``<scope>/control_dependency``, or
+  ``<scope>/Identity`` for a sharded Saver);
 - there is no Saver: one is built over the graph's global variables (the MetaGraphDef's
   ``variables`` collection, or every variable of a GraphDef), as
   ``tf.compat.v1.train.Saver()`` would build it: ``save/SaveV2`` and ``save/RestoreV2``
@@ -26,8 +27,9 @@ from tensorflow.core.framework import variable_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saver_pb2
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.op_builder import const, make_op, shape_attr
-from graph_rewriter.op_vocabulary import SAVER_OPS, VARIABLE_OPS
+from graph_rewriter import graph_io
+from graph_rewriter.op_builder import const, make_op, own_op, shape_attr
+from graph_rewriter.op_vocabulary import VARIABLE_OPS
 from graph_rewriter.pass_manager import Pass
 
 
@@ -38,7 +40,7 @@ class SaverPass(Pass):
         meta = graph.meta_graph
         if meta is not None and meta.HasField("saver_def") and meta.saver_def.restore_op_name:
             return False
-        saver_def = find_saver_def(graph)
+        saver_def = graph_io.saver_def_of_nodes({n.name: n.op for n in graph.nodes})
         changed = False
         if saver_def is None:
             variables = _global_variables(graph)
@@ -52,43 +54,6 @@ class SaverPass(Pass):
             graph.meta_graph = meta_graph_pb2.MetaGraphDef()
         graph.meta_graph.saver_def.CopyFrom(saver_def)
         return changed
-
-
-def find_saver_def(graph):
-    """The SaverDef of a V1-style Saver already in the graph (the first one), or None."""
-    for node in graph.nodes:
-        if node.op not in ("SaveV2", "Save"):
-            continue
-        scope = node.name.rsplit("/", 1)[0] if "/" in node.name else ""
-        restore = graph.get(f"{scope}/restore_all")
-        filename = node.inputs[0]
-        saved = None
-        for c in filename.node.consumers():
-            consumer = c[0]
-            if consumer.op == "Identity" and any(d.op in SAVER_OPS or d.op == "MergeV2Checkpoints"
-                                                 for d in consumer.control_inputs):
-                saved = consumer
-                break
-        if restore is None or saved is None:
-            continue
-        return saver_pb2.SaverDef(
-            filename_tensor_name=_tensor_name(filename), save_tensor_name=f"{saved.name}:0",
-            restore_op_name=restore.name, max_to_keep=5, keep_checkpoint_every_n_hours=10000.0,
-            version=saver_pb2.SaverDef.V2 if node.op == "SaveV2" else saver_pb2.SaverDef.V1)
-    return None
-
-
-def _own_read(var):
-    """``<var>/Read/ReadVariableOp:0``, the read tf.compat.v1 makes for every resource
-    variable, or None."""
-    for c, pos in var.consumers(0):
-        if c.op == "ReadVariableOp" and c.name == f"{var.name}/Read/ReadVariableOp":
-            return c.output(0)
-    return None
-
-
-def _tensor_name(t):
-    return f"{t.node.name}:{t.index}"
 
 
 def _global_variables(graph):
@@ -123,9 +88,10 @@ def build_saver(graph, variables):
     for v, dt in zip(variables, base):
         if v.op == "VarHandleOp":
             # the variable's own read (<name>/Read/ReadVariableOp), as TF's Saver uses it
-            values.append(_own_read(v) or make_op(
+            read = own_op(v, "Read/ReadVariableOp", "ReadVariableOp") or make_op(
                 graph, "ReadVariableOp", f"{scope}/Read_{len(values)}", [v.output(0)],
-                attrs={"dtype": dtypes.as_dtype(dt)}).output(0))
+                attrs={"dtype": dtypes.as_dtype(dt)})
+            values.append(read.output(0))
         else:
             values.append(v.output(0))
     save = make_op(graph, "SaveV2", f"{scope}/SaveV2", [filename.output(0), tensor_names, slices, values])

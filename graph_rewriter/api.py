@@ -173,7 +173,8 @@ def pipeline():
             passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
             passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.PlacePass(), passes.MetadataPass()]
+            passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
+            passes.PlacePass(), passes.MetadataPass()]
 
 
 def _check_client_task(cluster):

@@ -150,6 +150,11 @@ def _serve_parser():
                         "(ConfigProto.experimental.collective_nccl); auto and ring: TensorFlow's "
                         "default, NCCL only where the graph asks for it. Give every server the "
                         "same value (default: auto)")
+    p.add_argument("--no-supervise", action="store_true",
+                   help="run the TensorFlow server in this process and nothing more. By default "
+                        "serve runs it in a child process and starts a new one on the same address "
+                        "when TensorFlow has aborted its collectives, which lasts until the process "
+                        "ends (docs/reliability.md)")
     return p
 
 
@@ -252,13 +257,26 @@ def cmd_inspect(argv):
 
 def cmd_serve(argv):
     args = _serve_parser().parse_args(argv)
-    from graph_rewriter.server import start_server
     if (args.cluster is None or args.task is None) and not os.environ.get("TF_CONFIG"):
         raise GraphRewriteError("serve needs --cluster and --task (or a TF_CONFIG environment variable)",
                                 hint="pass e.g. --cluster cluster.json --task worker:0")
+    task = args.task or "the TF_CONFIG task"
+    if not args.no_supervise:
+        from graph_rewriter.supervisor import Supervisor
+        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")
+        supervisor = Supervisor([sys.executable, "-m", "graph_rewriter.cli", "serve", *argv, "--no-supervise"],
+                                task, _log, forward_level=int(level) if level.isdigit() else 3)
+        signal.signal(signal.SIGTERM, supervisor.stop)
+        try:
+            return supervisor.run()
+        except KeyboardInterrupt:
+            return 0
+    import_tensorflow_quietly()
+    from graph_rewriter.server import start_server
     server = start_server(args.cluster, args.task, device_type=args.device_type,
-                          devices_per_worker=args.devices_per_worker, communication=args.communication)
-    _log(f"serving {args.task or 'the TF_CONFIG task'} at {server.target} (Ctrl-C to stop)")
+                          devices_per_worker=args.devices_per_worker, communication=args.communication,
+                          log=lambda message: _log(f"{task}: {message}"))
+    _log(f"serving {task} at {server.target} (process {os.getpid()}; Ctrl-C to stop)")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
     try:
@@ -321,8 +339,8 @@ def main(argv=None):
     if not (argv and argv[0] == "serve") and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)   # serve installs its own
     try:
-        if not ({"-h", "--help"} & set(argv)):
-            import_tensorflow_quietly()
+        if not ({"-h", "--help"} & set(argv)) and not (argv and argv[0] == "serve"):
+            import_tensorflow_quietly()    # serve imports it in the process that serves
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])
         return cmd_rewrite(argv)

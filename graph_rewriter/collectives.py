@@ -6,6 +6,13 @@ same servers do not reuse each other's instance keys (which TensorFlow would mis
 one collective with mismatched shapes). Instances are numbered in one canonical order:
 the dense packs, then a block per sparse gradient, then the initial-value broadcasts.
 
+No collective carries its own ``timeout_seconds``: when that timer fires, TensorFlow
+aborts the server's whole collective executor, and every later collective on that server
+fails until the process restarts ("Collective ops is aborted by: ..."). The step's bound
+is the session's deadline instead (``operation_timeout_in_ms`` from
+``RewriteResult.session_config()``, or RunOptions), which cancels the step and leaves the
+server healthy (docs/reliability.md, "Poisoned servers").
+
 TensorFlow remembers the shape an instance key first had and fails any later step whose
 shape differs. Sparse rows vary from step to step, so they are padded to a power of two
 and each power has its own instance key: ``SPARSE_BUCKETS`` keys for values and as many
@@ -32,6 +39,22 @@ def _digest(text):
 def group_key(devices):
     """One group per ordered device set: 1 .. 2**30."""
     return _digest("group|" + "|".join(devices)) % ((1 << 30) - 1) + 1
+
+
+def replica_group(cluster, device_type, devices_per_worker):
+    """Every replica of a cluster in rank order: each compute task's devices in turn."""
+    return [cluster.device(task, device_type, j)
+            for task in cluster.compute_tasks for j in range(devices_per_worker)]
+
+
+def host_group(cluster):
+    """The host CPU of every compute task: the group of the workers' barriers."""
+    return [cluster.device(task, "CPU", 0) for task in cluster.compute_tasks]
+
+
+# The instance key the servers use to form their groups at start (server.form_groups):
+# above every key a rewrite uses (instance_base's block ends at 2**30).
+GROUP_FORMING_INSTANCE = (1 << 30) + 1
 
 
 def instance_base(plan):
@@ -97,35 +120,35 @@ def _key_inputs(graph, scope, group_size, gkey, ikey, device):
             const(graph, f"{scope}/group_key", gkey, "int32", device), key]
 
 
-def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):
+def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
     """CollectiveReduceV2 summing ``tensor`` over the group and dividing by its size."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
     return make_op(graph, "CollectiveReduceV2", f"{scope}/all_reduce", inputs,
                    attrs={"merge_op": "Add", "final_op": "Div", "communication_hint": "auto",
-                          "timeout_seconds": float(timeout)},
+                          "timeout_seconds": 0.0},
                    device=device, control_inputs=control_inputs)
 
 
-def broadcast_send(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):
+def broadcast_send(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
     """CollectiveBcastSendV2: ``tensor`` to every other member of the group."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device)
     return make_op(graph, "CollectiveBcastSendV2", f"{scope}/broadcast", inputs,
-                   attrs={"communication_hint": "auto", "timeout_seconds": float(timeout)},
+                   attrs={"communication_hint": "auto", "timeout_seconds": 0.0},
                    device=device, control_inputs=control_inputs)
 
 
-def broadcast_recv(graph, scope, shape, dtype, group_size, gkey, ikey, device, timeout):
+def broadcast_recv(graph, scope, shape, dtype, group_size, gkey, ikey, device):
     """CollectiveBcastRecvV2: the tensor the group's sender broadcasts."""
     inputs = _key_inputs(graph, scope, group_size, gkey, ikey, device) + [
         const(graph, f"{scope}/shape", shape, "int64", device)]
     return make_op(graph, "CollectiveBcastRecvV2", f"{scope}/receive", inputs,
-                   attrs={"communication_hint": "auto", "timeout_seconds": float(timeout)},
+                   attrs={"communication_hint": "auto", "timeout_seconds": 0.0},
                    type_attrs={"T": dtype}, device=device)
 
 
-def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, timeout, control_inputs=()):
+def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
     """CollectiveGatherV2: every member's ``tensor`` (same shape) stacked along axis 0."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
     return make_op(graph, "CollectiveGatherV2", f"{scope}/all_gather", inputs,
-                   attrs={"communication_hint": "auto", "timeout_seconds": float(timeout)},
+                   attrs={"communication_hint": "auto", "timeout_seconds": 0.0},
                    device=device, control_inputs=control_inputs)

@@ -66,34 +66,46 @@ class LocalCluster:
 
     def start(self):
         atexit.register(self.stop)
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-        spec = json.dumps(self.spec)
         for job, i in self.tasks():
-            cmd = [sys.executable, "-m", "graph_rewriter.cli", "serve", "--cluster", spec,
-                   "--task", f"{job}:{i}", "--device-type", self.device_type,
-                   "--devices-per-worker", str(self.devices_per_worker)]
-            if self.log_dir:
-                log = open(os.path.join(self.log_dir, f"{job}_{i}.log"), "wb")
-                self._logs.append(log)
-            else:
-                log = subprocess.DEVNULL
-            self.processes[f"{job}:{i}"] = subprocess.Popen(
-                cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+            self._spawn(job, i)
         deadline = time.monotonic() + self.start_timeout
         for job, i in self.tasks():
-            port = int(self.spec[job][i].rsplit(":", 1)[1])
-            proc = self.processes[f"{job}:{i}"]
-            while not accepts(port):
-                if proc.poll() is not None:
-                    self.stop()
-                    raise GraphRewriteError(f"the server for {job}:{i} exited with status {proc.returncode}")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise GraphRewriteError(
-                        f"the server for {job}:{i} did not listen on port {port} within "
-                        f"{self.start_timeout:.0f} s")
-                time.sleep(0.2)
+            self._wait_listening(job, i, deadline)
         return self
+
+    def _spawn(self, job, i):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "graph_rewriter.cli", "serve", "--cluster", json.dumps(self.spec),
+               "--task", f"{job}:{i}", "--device-type", self.device_type,
+               "--devices-per-worker", str(self.devices_per_worker)]
+        if self.log_dir:
+            log = open(os.path.join(self.log_dir, f"{job}_{i}.log"), "ab")
+            self._logs.append(log)
+        else:
+            log = subprocess.DEVNULL
+        self.processes[f"{job}:{i}"] = subprocess.Popen(
+            cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+
+    def _wait_listening(self, job, i, deadline):
+        port = int(self.spec[job][i].rsplit(":", 1)[1])
+        proc = self.processes[f"{job}:{i}"]
+        while not accepts(port):
+            if proc.poll() is not None:
+                self.stop()
+                raise GraphRewriteError(f"the server for {job}:{i} exited with status {proc.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise GraphRewriteError(
+                    f"the server for {job}:{i} did not listen on port {port} within "
+                    f"{self.start_timeout:.0f} s")
+            time.sleep(0.2)
+
+    def restart(self, job, index):
+        """Starts ``job:index``'s server again on its address (after ``kill``), as a
+        restarted pod would; returns once it listens."""
+        self.kill(job, index)
+        self._spawn(job, index)
+        self._wait_listening(job, index, time.monotonic() + self.start_timeout)
 
     def kill(self, job, index):
         """Kills one task's server at once (SIGKILL), as a crash would."""

@@ -32,6 +32,7 @@ BATCH_SPLITS = ("global", "per_replica")
 COMMUNICATIONS = ("auto", "ring", "nccl")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_HEARTBEAT_SECONDS = 5.0
 DEFAULT_PS_SHARD_BYTES = 64 * 1024 * 1024
 
 COMMANDS = ("rewrite", "plan")   # the commands whose flags come from here (IN OUT, and plan IN)
@@ -129,6 +130,13 @@ def _check_bytes_per_pack(value):
         raise GraphRewriteError(
             f"bytes_per_pack must be a non-negative integer (0: one pack per dtype), got {value!r}",
             hint="give a byte count, e.g. 33554432 (32 MiB), or 0")
+
+
+def _check_heartbeat(value):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and (value == 0 or value >= 1)):
+        raise GraphRewriteError(
+            f"heartbeat_seconds must be 0 (no heartbeats) or a number >= 1, got {value!r}",
+            hint="give seconds, e.g. 5; a client beats every heartbeat_seconds / 5 s")
 
 
 def _check_timeout(value):
@@ -386,6 +394,12 @@ class Options:
         "peer fails the step instead of hanging; 0: wait forever.",
         default_text="600", check=_check_timeout,
         cli=Flag("--timeout-seconds", metavar="S", type=float))
+    heartbeat_seconds: float = option(
+        DEFAULT_HEARTBEAT_SECONDS, "Between-graph: a worker whose client has sent no heartbeat for "
+        "this long is taken as gone, and the steps waiting for it fail (gr.Session, HeartbeatHook) "
+        "instead of waiting for timeout_seconds; 0: no heartbeats.",
+        default_text="5", check=_check_heartbeat,
+        cli=Flag("--heartbeat-seconds", metavar="S", type=float))
     sync: bool = option(
         True, "Parameter servers: False trains asynchronously (every replica applies its own "
         "gradient, nobody waits).",

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.health import Heartbeat
 from graph_rewriter.ir import split_tensor_name
 
 
@@ -115,6 +116,12 @@ class Session(tf.compat.v1.Session):
                                 if i["mode"] == "per_replica" and i["static_batch"] is not None}
         self._num_replicas = md.get("local_replicas", md["num_replicas"])
         self._node_names = {n.name for n in self.result.graph_def.node}
+        self._heartbeat = None
+        if md.get("heartbeat"):
+            # between-graph: beat, and end a step that waits for a peer whose client is gone
+            base = super()
+            self._heartbeat = Heartbeat(lambda fetches, options: base.run(fetches, options=options),
+                                        md["heartbeat"], lambda message: base.close()).start()
 
     @property
     def num_replicas(self):
@@ -125,11 +132,26 @@ class Session(tf.compat.v1.Session):
         feeds = self._check_feeds(feed_dict)
         flat = []
         plan = self._plan(fetches, flat)
+        if self._heartbeat is not None:
+            self._heartbeat.step_started()
         try:
             values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
         except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
             raise type(e)(e.node_def, e.op, self._diagnosis(e, options)) from e
+        except (tf.errors.CancelledError, RuntimeError) as e:
+            if self._heartbeat is not None and self._heartbeat.gone:
+                raise tf.errors.UnavailableError(None, None, self._heartbeat.gone) from e
+            raise
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.step_ended()
         return _build(plan, values)
+
+    def close(self):
+        """Closes the session; between-graph, first tells the peers this client left."""
+        if getattr(self, "_heartbeat", None) is not None:
+            self._heartbeat.stop(leave=True)
+        super().close()
 
     def _diagnosis(self, error, options):
         """TensorFlow's message for a step that timed out or lost a peer, led by what

@@ -48,7 +48,6 @@ class AllGatherPass(Pass):
         rm = ctx.replicas
         dev = rm.devices[i]
         r = rm.group_size
-        timeout = ctx.options.timeout_seconds
         s = f"{rm.prefixes[i]}allgather/{cut.variable}"
         values = rm.tensor(graph, i, cut.values)
         indices = rm.tensor(graph, i, cut.indices)
@@ -67,7 +66,7 @@ class AllGatherPass(Pass):
 
         count = make_op(graph, "Size", f"{s}/rows", [indices], attrs={"out_type": dtypes.int64}, device=dev)
         count = make_op(graph, "Reshape", f"{s}/rows_vector", [count.output(0), c("one_shape", [1], "int32")], device=dev)
-        sizes = all_gather(graph, f"{s}/sizes", count.output(0), r, gkey, keys[0], dev, timeout)
+        sizes = all_gather(graph, f"{s}/sizes", count.output(0), r, gkey, keys[0], dev)
         most = make_op(graph, "Max", f"{s}/max_rows", [sizes.output(0), c("axis0", [0], "int32")], device=dev)
         # bucket = how many powers of two lie below the largest count; pad to 2**bucket.
         powers = [1 << b for b in range(SPARSE_BUCKETS)]
@@ -88,8 +87,8 @@ class AllGatherPass(Pass):
             [[pad_row.output(0), c("no_pad", [[0, 0]] * (rank - 1), "int64")], c("axis_b", 0, "int32")], device=dev)
         padded_values = make_op(graph, "Pad", f"{s}/pad_values", [values, value_pads.output(0)], device=dev)
         padded_indices = make_op(graph, "Pad", f"{s}/pad_indices", [indices, pad_row.output(0)], device=dev)
-        all_values = all_gather(graph, f"{s}/values", padded_values.output(0), r, gkey, value_key, dev, timeout)
-        all_indices = all_gather(graph, f"{s}/indices", padded_indices.output(0), r, gkey, index_key, dev, timeout)
+        all_values = all_gather(graph, f"{s}/values", padded_values.output(0), r, gkey, value_key, dev)
+        all_indices = all_gather(graph, f"{s}/indices", padded_indices.output(0), r, gkey, index_key, dev)
         # Rows to keep: row j of replica q is real if j < sizes[q].
         positions = make_op(graph, "Range", f"{s}/positions",
                             [c("zero", 0, "int64"), capacity.output(0), c("step", 1, "int64")], device=dev)

@@ -92,7 +92,6 @@ class AllReducePass(Pass):
                              attrs={"DstT": dtypes.as_dtype(_COMPRESS[ctx.options.compression])},
                              device=device).output(0)
         reduced = all_reduce_mean(graph, scope, packed, rm.group_size, gkey, ikey, device,
-                                  ctx.options.timeout_seconds,
                                   control_inputs=[previous] if previous is not None else [])
         out = reduced.output(0)
         if compressed:

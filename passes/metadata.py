@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 
+from graph_rewriter.health import heartbeat_metadata
 from graph_rewriter.metadata import METADATA_FORMAT, METADATA_NODE
 from graph_rewriter.op_builder import const
 from graph_rewriter.pass_manager import Pass
@@ -55,6 +56,9 @@ class MetadataPass(Pass):
             doc["saver"] = {"filename_tensor_name": sd.filename_tensor_name,
                             "save_tensor_name": sd.save_tensor_name,
                             "restore_op_name": sd.restore_op_name, "version": int(sd.version)}
+        if "heartbeat" in ctx.passes_run:
+            # between-graph: the ops graph_rewriter.health runs to tell live peers from gone ones
+            doc["heartbeat"] = heartbeat_metadata(ctx.cluster, ctx.options.heartbeat_seconds)
         if rm.merged:
             # ops whose original name now holds the merge of every replica's value
             # (merge_outputs); absent when none, so other graphs stay as they were
@@ -89,9 +93,10 @@ def session_config(ctx):
     # Collectives of several in-process replicas block inter-op threads while they wait;
     # fewer threads than replicas + 1 can deadlock the step.
     cfg["inter_op_parallelism_threads"] = max(2, opts.devices_per_worker + 2)
-    # Every blocking op (a queue, an accumulator, a recv from a dead peer) fails after
-    # timeout_seconds instead of hanging: collectives have their own timeout attr, the
-    # parameter-server waits have none.
+    # Every blocking op (a collective, a queue, an accumulator, a recv from a dead peer)
+    # fails after timeout_seconds instead of hanging. The session's deadline cancels the
+    # step, which leaves the servers usable; a collective's own timeout attr would abort
+    # its server's collectives for good (collectives.py).
     if opts.timeout_seconds:
         cfg["operation_timeout_in_ms"] = int(opts.timeout_seconds * 1000)
     return cfg

@@ -10,7 +10,7 @@ so random initializers are drawn once (a tensor has one value per run). Between-
 the group's replica 0, on the chief, initializes and broadcasts: its initial values are
 packed per dtype and sent with CollectiveBcastSendV2; every other replica of every
 worker receives them (CollectiveBcastRecvV2) as its initial value. Every worker runs
-its init op; the broadcast pairs them up (bounded by the collective timeout).
+its init op; the broadcast pairs them up (bounded by the session's deadline).
 
 A checkpoint restore writes the graph's master copy (the Saver keeps the original
 names); the restore op then also copies the restored values into the graph's other
@@ -82,7 +82,6 @@ class MirrorVariablesPass(Pass):
 
     def _broadcast_initial_values(self, graph, ctx, mirrored):
         rm = ctx.replicas
-        timeout = ctx.options.timeout_seconds
         gkey = group_key(rm.group_devices)
         packs = {}
         for vp in mirrored:
@@ -96,13 +95,13 @@ class MirrorVariablesPass(Pass):
                 scope = f"{rm.prefixes[i]}initial_values/{dtype}"
                 inits = [rm.node(graph, i, vp.initializer) for vp in members]
                 if rank == 0:
-                    send = _send_packed(graph, scope, members, device, rm, gkey, ikey, timeout,
+                    send = _send_packed(graph, scope, members, device, rm, gkey, ikey,
                                         lambda vp, init: _read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value",
                                                                control_inputs=[init]), inits)
                     for init_op in _init_ops_of(inits):
                         init_op.add_control_input(send)
                     continue
-                shaped = _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey, timeout)
+                shaped = _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey)
                 for init, value in zip(inits, shaped):
                     init.set_input(opdefs.input_position(init, "value"), value)
         return bool(packs)
@@ -111,7 +110,6 @@ class MirrorVariablesPass(Pass):
         """``graph_rewriter/broadcast_variables``: replica 0 of the group sends what its
         mirrored variables hold now; every other replica assigns it (module doc)."""
         rm = ctx.replicas
-        timeout = ctx.options.timeout_seconds
         gkey = group_key(rm.group_devices)
         packs = {}
         for vp in mirrored:
@@ -126,17 +124,17 @@ class MirrorVariablesPass(Pass):
                 with graph.adding_to_replica(i):
                     if rm.first_replica + i == 0:
                         done.append(_send_packed(
-                            graph, scope, members, device, rm, gkey, ikey, timeout,
+                            graph, scope, members, device, rm, gkey, ikey,
                             lambda vp, _: _read(graph, graph.node(vp.name), f"{scope}/{vp.name}/value")))
                         continue
-                    shaped = _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey, timeout)
+                    shaped = _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey)
                     for vp, value in zip(members, shaped):
                         done.append(_assign(graph, rm.node(graph, i, vp.name), value, f"{scope}/{vp.name}/assign"))
         with graph.adding_to_replica(GLOBAL):
             graph.add_node(graph.unique_name(BROADCAST_VARIABLES), "NoOp", control_inputs=done)
 
 
-def _send_packed(graph, scope, members, device, rm, gkey, ikey, timeout, value_of, inits=None):
+def _send_packed(graph, scope, members, device, rm, gkey, ikey, value_of, inits=None):
     """Broadcasts the members' values (``value_of(vp, its initializer)``), flattened and
     concatenated into one tensor, from replica 0 of the group."""
     flats = []
@@ -147,14 +145,14 @@ def _send_packed(graph, scope, members, device, rm, gkey, ikey, timeout, value_o
     packed = flats[0] if len(flats) == 1 else make_op(
         graph, "ConcatV2", f"{scope}/concat",
         [flats, const(graph, f"{scope}/axis", 0, "int32", device)], device=device).output(0)
-    return broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey, device, timeout)
+    return broadcast_send(graph, scope, packed, rm.group_size, gkey, ikey, device)
 
 
-def _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey, timeout):
+def _receive_unpacked(graph, scope, members, dtype, device, rm, gkey, ikey):
     """What _send_packed sent, split back into one tensor per member, in its shape."""
     sizes = [_num_elements(vp) for vp in members]
     received = broadcast_recv(graph, scope, [sum(sizes)], dtypes.as_dtype(dtype), rm.group_size,
-                              gkey, ikey, device, timeout).output(0)
+                              gkey, ikey, device).output(0)
     parts = [received]
     if len(members) > 1:
         split = make_op(graph, "SplitV", f"{scope}/split",

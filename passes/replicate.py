@@ -19,6 +19,7 @@ every replica built (``materialize_replicas=True``), at a fraction of the cost.
 """
 
 from graph_rewriter.analysis import analyze
+from graph_rewriter.collectives import host_group, replica_group
 from graph_rewriter.op_vocabulary import PLACEHOLDERS, VARIABLE_OPS
 from graph_rewriter.traversal import absorb_exclusive_ancestors, gradient_readers, topological_order
 from graph_rewriter.ir import GLOBAL
@@ -227,11 +228,8 @@ def replica_map(graph, ctx):
     ``task_index * devices_per_worker ...`` (the chief is compute task 0)."""
     cluster, opts = ctx.cluster, ctx.options
     dpw = opts.devices_per_worker
-    group, group_hosts = [], []
-    for task in cluster.compute_tasks:
-        for j in range(dpw):
-            group.append(cluster.device(task, opts.device_type, j))
-            group_hosts.append(cluster.device(task, "CPU", 0))
+    group = replica_group(cluster, opts.device_type, dpw)
+    group_hosts = [host for host in host_group(cluster) for _ in range(dpw)]
     if cluster.task is None:
         first, local = 0, len(group)
     else:

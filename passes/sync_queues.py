@@ -33,7 +33,7 @@ from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.framework import dtypes
 
 from graph_rewriter.analysis import written_variables
-from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key
+from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key, host_group
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
@@ -251,7 +251,7 @@ class SyncQueuesPass(Pass):
         workers = cluster.compute_tasks
         if len(workers) < 2 or all(c.sync == "accumulate" for c in plan.cuts):
             return lambda op, kind, index: None
-        hosts = [cluster.device(t, "CPU", 0) for t in workers]
+        hosts = host_group(cluster)
         me = cluster.device(cluster.task, "CPU", 0)
         gkey = group_key(hosts)
 
@@ -259,7 +259,7 @@ class SyncQueuesPass(Pass):
             scope = graph.unique_name(f"graph_rewriter/end_of_{kind}")
             zero = const(graph, f"{scope}/zero", 0.0, "float32", me)
             done = all_reduce_mean(graph, scope, zero, len(hosts), gkey, barrier_instance_key(plan, kind, index),
-                                   me, ctx.options.timeout_seconds, control_inputs=list(op.control_inputs))
+                                   me, control_inputs=list(op.control_inputs))
             for c in list(op.control_inputs):
                 op.remove_control_input(c)
             op.add_control_input(done)

@@ -287,7 +287,7 @@ def _reduce(g, scope, device, size, group, instance, v1=False):
         return make_op(g, "CollectiveReduce", f"{scope}/all_reduce", [x], device=device,
                        attrs={"group_size": size, "group_key": group, "instance_key": instance,
                               "merge_op": "Add", "final_op": "Id", "subdiv_offsets": [0]}).name
-    return collectives.all_reduce_mean(g, scope, x, size, group, instance, device, 10).name
+    return collectives.all_reduce_mean(g, scope, x, size, group, instance, device).name
 
 
 @pytest.mark.parametrize("v1", [False, True], ids=["V2", "V1"])

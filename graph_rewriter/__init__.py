@@ -8,7 +8,7 @@ distributed data-parallel GraphDef that trains it on many devices and machines.
         sess.run(["loss:0", "train_op"], feed_dict={"x:0": x, "y:0": y})
 
 The public names (the contract: docs/api.md): rewrite, load, Session, start_server,
-GraphRewriteError.
+HeartbeatHook, GraphRewriteError.
 TensorFlow is imported lazily, so `import graph_rewriter` and the CLI's argument
 checks stay fast.
 """
@@ -16,16 +16,16 @@ checks stay fast.
 from graph_rewriter.errors import GraphRewriteError
 
 __version__ = "0.1.0"
-__all__ = ["rewrite", "load", "Session", "start_server", "GraphRewriteError", "Plan", "CostModel"]
+__all__ = ["rewrite", "load", "Session", "start_server", "HeartbeatHook", "GraphRewriteError", "Plan", "CostModel"]
 
 
 def __getattr__(name):
     if name in ("rewrite", "load", "RewriteResult"):
         from graph_rewriter import api as _api
         return getattr(_api, name)
-    if name == "Session":
-        from graph_rewriter.session import Session
-        return Session
+    if name in ("Session", "HeartbeatHook"):
+        from graph_rewriter import session as _session
+        return getattr(_session, name)
     if name == "start_server":
         from graph_rewriter.server import start_server
         return start_server

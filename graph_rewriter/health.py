@@ -48,6 +48,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = None
         self._seen = {}           # peer -> (last value, when it last changed; None: never seen to)
+        self.peers_seen = False   # wait_for_peers found every peer beating once
 
     def start(self):
         self._beat()
@@ -109,6 +110,19 @@ class Heartbeat:
                         f"worker's client again; training resumes from the last checkpoint")
         return None
 
+    def wait_for_peers(self, timeout):
+        """Waits until every peer has been seen beating (its client runs now), at most
+        ``timeout`` seconds (0: forever); returns the peers still missing. A client that
+        waits here before its first step never starts a collective alone, which is what
+        leaves TensorFlow's collective state half-made when a worker is missing."""
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            self.check()
+            missing = [task for task in self.peers if (self._seen.get(task) or (None, None))[1] is None]
+            if not missing or (deadline is not None and time.monotonic() >= deadline):
+                return missing
+            time.sleep(self.period / 2)
+
     def _loop(self):
         while not self._stop.wait(self.period):
             self._beat()
@@ -119,7 +133,9 @@ class Heartbeat:
                 return
 
     def stop(self, leave=True):
-        """Stops beating; ``leave`` tells the peers this client left on purpose."""
+        """Stops beating (once); ``leave`` tells the peers this client left on purpose."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.period * 4 + 5)

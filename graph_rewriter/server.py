@@ -5,6 +5,7 @@ that it leaves out on purpose, is in docs/deployment.md ("Server configuration")
 """
 
 import threading
+import time
 
 import tensorflow as tf
 
@@ -52,7 +53,27 @@ def server_groups(cluster, device_type, devices_per_worker):
     return groups
 
 
-def form_groups(server, cluster, device_type="GPU", devices_per_worker=1, log=None):
+LEADER_POLL_SECONDS = 2.0    # how often a follower checks its group leader's incarnation
+LEADER_STABLE_SECONDS = 2.0  # a leader must keep one incarnation this long before forming
+
+
+def leader_incarnation(server, cluster):
+    """The incarnation of the collective group leader's CPU:0 (it changes when the
+    leader's server restarts), or None if it cannot be read now."""
+    job, index = cluster.compute_tasks[0]
+    config = tf.compat.v1.ConfigProto(device_filters=[f"/job:{job}/task:{index}"])
+    name = cluster.device((job, index), "CPU", 0)
+    try:
+        with tf.compat.v1.Session(server.target, config=config) as sess:
+            for device in sess.list_devices():
+                if device.name == name:
+                    return device.incarnation
+    except (tf.errors.OpError, RuntimeError):
+        pass
+    return None
+
+
+def form_groups(server, cluster, device_type="GPU", devices_per_worker=1, log=None, on_leader_restart=None):
     """Forms this server's collective groups (``server_groups``) in a background thread
     that waits, without a deadline, until every member's server has started.
 
@@ -62,9 +83,16 @@ def form_groups(server, cluster, device_type="GPU", devices_per_worker=1, log=No
     cancelled for the rest of its life; every later collective of that group then
     aborts the server's collectives for good. Formed here, by the long-lived server
     process itself, a group is complete before any client's step uses it, and a
-    cancelled step only cancels its own instances, which leaves no trace."""
+    cancelled step only cancels its own instances, which leaves no trace.
+
+    A member other than the leader (compute task 0) forms its groups once the leader has
+    kept one incarnation for LEADER_STABLE_SECONDS. With ``on_leader_restart``, it then
+    watches the leader: a leader whose server restarted has forgotten the groups this
+    server remembers, so every collective would fail; ``on_leader_restart(message)`` is
+    called (serve's supervised server exits, and its supervisor starts a fresh one)."""
     job, index = cluster.task
     mine = f"/job:{job}/replica:0/task:{index}/"
+    leader = (job, index) == cluster.compute_tasks[0]
     steps = []
     for g, devices in enumerate(server_groups(cluster, device_type, devices_per_worker)):
         graph = tf.Graph()
@@ -82,7 +110,18 @@ def form_groups(server, cluster, device_type="GPU", devices_per_worker=1, log=No
     if not steps:
         return None
 
+    def stable_leader():
+        seen, since = None, time.monotonic()
+        while True:
+            now = leader_incarnation(server, cluster)
+            if now is None or now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since >= LEADER_STABLE_SECONDS:
+                return seen
+            time.sleep(0.5)
+
     def form():
+        incarnation = None if leader else stable_leader()
         for graph, ops, size in steps:
             try:
                 with tf.compat.v1.Session(server.target, graph=graph) as sess:
@@ -93,14 +132,17 @@ def form_groups(server, cluster, device_type="GPU", devices_per_worker=1, log=No
                 if log:
                     log(f"could not form the collective group of {size} devices: "
                         f"{' '.join(e.message.split())[:300]}")
-
-    thread = threading.Thread(target=form, name="graph_rewriter-form-groups", daemon=True)
-    thread.start()
-    return thread
-
+        while on_leader_restart is not None and not leader:
+            time.sleep(LEADER_POLL_SECONDS)
+            now = leader_incarnation(server, cluster)
+            if now is not None and now != incarnation:
+                job0, index0 = cluster.compute_tasks[0]
+                on_leader_restart(f"the collective group leader {job0}:{index0} restarted, so this "
+                                  "server's collective groups are gone there")
+                return
 
 def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1, communication="auto",
-                 start=True, log=None):
+                 start=True, log=None, on_leader_restart=None):
     """Starts (and returns) the tf.distribute.Server for ``task`` of ``cluster_spec``,
     configured by ``server_config``, and forms its collective groups in the background
     (``form_groups``). Every server of a cluster should be given the same
@@ -122,5 +164,6 @@ def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1,
             f"cannot start the server for {job}:{index} at {cluster.jobs[job][index]}: "
             f"{str(e).splitlines()[0]}", hint="check that the port is free and the address is this machine's") from None
     if start and (job, index) in cluster.compute_tasks:
-        form_groups(server, cluster, device_type, devices_per_worker, log=log)
+        form_groups(server, cluster, device_type, devices_per_worker, log=log,
+                    on_leader_restart=on_leader_restart)
     return server

@@ -21,6 +21,7 @@ gives these rules in full.
   CPU replicas, enough inter-op threads for in-process collectives).
 """
 
+import json
 import os
 
 import numpy as np
@@ -29,6 +30,7 @@ import tensorflow as tf
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.health import Heartbeat
 from graph_rewriter.ir import split_tensor_name
+from graph_rewriter.metadata import METADATA_NODE
 
 
 def _load_result(result):
@@ -133,6 +135,7 @@ class Session(tf.compat.v1.Session):
         flat = []
         plan = self._plan(fetches, flat)
         if self._heartbeat is not None:
+            self._wait_for_peers(options)
             self._heartbeat.step_started()
         try:
             values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
@@ -147,11 +150,39 @@ class Session(tf.compat.v1.Session):
                 self._heartbeat.step_ended()
         return _build(plan, values)
 
+    def _wait_for_peers(self, options):
+        """Before its first step, a between-graph client waits (within the step's
+        timeout) until every other worker's client beats: a step run alone would start
+        collectives its peers never join, and a cancelled first collective can leave
+        the servers' collective state half-made (docs/reliability.md)."""
+        hb = self._heartbeat
+        if hb.peers_seen:
+            return
+        limit = (options.timeout_in_ms / 1000 if options is not None and options.timeout_in_ms
+                 else self._config.operation_timeout_in_ms / 1000)
+        missing = hb.wait_for_peers(limit)
+        if missing:
+            raise tf.errors.DeadlineExceededError(
+                None, None, f"graph_rewriter: the step did not start: no heartbeat within {limit:g} s from "
+                f"{', '.join(missing)}, whose client is not running (this graph is "
+                f"{':'.join(map(str, self.result.metadata['task']))}'s). Start every worker's client; "
+                "nothing ran, so the servers are as they were")
+        hb.peers_seen = True
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if exc_type is not None and self._heartbeat is not None:
+            # interrupted or failed: the peers must see this client as gone, not as done
+            self._heartbeat.stop(leave=False)
+        return super().__exit__(exc_type, exc_value, traceback)
+
     def close(self):
         """Closes the session; between-graph, first tells the peers this client left."""
         if getattr(self, "_heartbeat", None) is not None:
             self._heartbeat.stop(leave=True)
-        super().close()
+        try:
+            super().close()
+        except tf.errors.OpError:
+            pass   # closing after a failed step: TensorFlow may report that step's error again
 
     def _diagnosis(self, error, options):
         """TensorFlow's message for a step that timed out or lost a peer, led by what
@@ -293,3 +324,56 @@ def merge_values(parts, how):
 def _tensor_key(name):
     op, index = split_tensor_name(name)
     return f"{op}:{index}"
+
+
+class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
+    """The heartbeats of a between-graph rewritten graph for a MonitoredTrainingSession
+    client (``gr.Session`` runs them itself): this client beats, and a step that waits
+    for a peer whose client has sent no heartbeat for ``heartbeat_seconds`` is ended by
+    closing the session (its run raises CancelledError; the reason, naming the peer, is
+    logged as an error). Does nothing for a graph without heartbeats.
+
+        hooks = [gr.HeartbeatHook(), tf.compat.v1.train.StopAtStepHook(last_step=1000)]
+        with tf.compat.v1.train.MonitoredTrainingSession(master=..., hooks=hooks) as sess: ...
+    """
+
+    def __init__(self):
+        self._info = None
+        self._heartbeat = None
+        self._session = None
+        self.gone = None        # the reason, once a peer was taken as gone
+
+    def begin(self):
+        graph = tf.compat.v1.get_default_graph()
+        try:
+            op = graph.get_operation_by_name(METADATA_NODE)
+        except KeyError:
+            return
+        doc = json.loads(op.get_attr("value").string_val[0].decode("utf-8"))
+        self._info = doc.get("heartbeat")
+
+    def after_create_session(self, session, coord):
+        if not self._info:
+            return
+        if self._heartbeat is not None:   # a recovered session: beat through the new one
+            self._heartbeat.stop(leave=False)
+        self._session = session
+        self._heartbeat = Heartbeat(lambda fetches, options: session.run(fetches, options=options),
+                                    self._info, self._gone).start()
+
+    def _gone(self, message):
+        self.gone = message
+        tf.compat.v1.logging.error(message)
+        self._session.close()
+
+    def before_run(self, run_context):
+        if self._heartbeat is not None:
+            self._heartbeat.step_started()
+
+    def after_run(self, run_context, run_values):
+        if self._heartbeat is not None:
+            self._heartbeat.step_ended()
+
+    def end(self, session):
+        if self._heartbeat is not None:
+            self._heartbeat.stop(leave=True)

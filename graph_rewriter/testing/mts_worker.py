@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--stop-after", type=int, default=0)
     p.add_argument("--device-count", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--progress", action="store_true", help="print 'step N' after every step")
     args = p.parse_args(argv)
 
     import tensorflow as tf
@@ -50,7 +51,8 @@ def main(argv=None):
         tf1.train.import_meta_graph(args.graph)
         loss = graph.get_tensor_by_name("loss:0")
         step = tf1.train.get_global_step()
-        hooks = [tf1.train.StopAtStepHook(last_step=args.last_step),
+        import graph_rewriter as gr
+        hooks = [gr.HeartbeatHook(), tf1.train.StopAtStepHook(last_step=args.last_step),
                  tf1.train.NanTensorHook(loss),
                  tf1.train.LoggingTensorHook({"loss": loss.name, "step": step.name}, every_n_iter=1)]
         if args.chief and args.checkpoint_dir:
@@ -75,6 +77,8 @@ def main(argv=None):
                 losses.append(float(value))
                 steps.append(at)
                 done += 1
+                if args.progress:
+                    print(f"step {at}", flush=True)
                 if args.stop_after and done >= args.stop_after:
                     sys.stdout.flush()
                     os._exit(17)

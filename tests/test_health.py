@@ -1,0 +1,179 @@
+"""Heartbeats and serve's supervisor, without a cluster (the real ones: tests/test_faults.py).
+
+What is held (docs/reliability.md, "Dead peers" and "Poisoned servers"):
+
+- The heartbeat pass gives a between-graph graph one float64 heartbeat per compute task
+  on that task's host CPU, an op that sets this task's to its clock, one that marks it
+  left (-1), and reads of every other task's; in-graph graphs and
+  ``heartbeat_seconds=0`` have none. The metadata names them for graph_rewriter.health.
+- ``Heartbeat.check`` judges a peer only once it has been seen to beat (a value left by
+  an earlier run is no sign of life), only while this client is in a step, never a peer
+  that left cleanly; ``wait_for_peers`` returns the peers never seen beating.
+- The servers form exactly the groups the rewrite's collectives use (the replicas', and
+  the workers' barriers' host CPUs), so a client's step never forms a group.
+- serve's supervisor recognizes TensorFlow's reports of a poisoned collective state in
+  the log lines TensorFlow 2.21 writes, and nothing else.
+"""
+
+import pytest
+
+import graph_rewriter as gr
+from graph_rewriter import health
+from graph_rewriter.cluster import parse_cluster
+from graph_rewriter.collectives import group_key, key_of
+from graph_rewriter.graph_io import load_graph
+from graph_rewriter.server import server_groups
+from graph_rewriter.supervisor import _tf_log_level, poison_reason
+from graph_rewriter.testing import models
+
+SPEC = {"worker": ["localhost:2222", "localhost:2223", "localhost:2224"], "ps": ["localhost:2225"]}
+
+
+def _by_name(graph_def):
+    return {n.name: n for n in graph_def.node}
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_between_graph_graphs_carry_a_heartbeat_per_compute_task(strategy):
+    ex = models.build("mlp", "sgd", seed=1)
+    result = gr.rewrite(ex.graph_def, SPEC, task="worker:1", strategy=strategy, device_type="CPU")
+    nodes = _by_name(result.graph_def)
+    for k in range(3):
+        var = nodes[f"graph_rewriter/heartbeat/worker_{k}"]
+        assert var.op == "VarHandleOp" and var.device.endswith(f"/task:{k}/device:CPU:0")
+        assert var.attr["shared_name"].s.decode() == var.name
+    beat = nodes["graph_rewriter/heartbeat/beat"]
+    assert beat.op == "AssignVariableOp" and beat.input[0] == "graph_rewriter/heartbeat/worker_1"
+    assert nodes[beat.input[1]].op == "Timestamp" and beat.device.endswith("/task:1/device:CPU:0")
+    assert nodes["graph_rewriter/heartbeat/leave"].input[0] == "graph_rewriter/heartbeat/worker_1"
+    info = result.metadata["heartbeat"]
+    assert info["seconds"] == 5.0
+    assert info["peers"] == {"worker:0": "graph_rewriter/heartbeat/worker_0/read:0",
+                             "worker:2": "graph_rewriter/heartbeat/worker_2/read:0"}
+    assert "graph_rewriter/heartbeat/worker_1/read" not in nodes
+    # not a model variable: the Saver and the initializers leave it alone
+    saved = [n for n in result.graph_def.node if n.op == "SaveV2"]
+    assert saved and all("heartbeat" not in inp for n in saved for inp in n.input)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(task="worker:0", heartbeat_seconds=0)],
+                         ids=["in-graph", "heartbeat_seconds=0"])
+def test_no_heartbeat_in_graph_or_when_turned_off(kwargs):
+    ex = models.build("mlp", "sgd", seed=1)
+    result = gr.rewrite(ex.graph_def, SPEC, strategy="allreduce", device_type="CPU", **kwargs)
+    assert not any("heartbeat" in n.name for n in result.graph_def.node)
+    assert "heartbeat" not in result.metadata
+
+
+@pytest.mark.parametrize("value", [0.5, -1, "5", True])
+def test_heartbeat_seconds_must_be_zero_or_at_least_one(value):
+    ex = models.build("mlp", "sgd", seed=1)
+    with pytest.raises(gr.GraphRewriteError, match="heartbeat_seconds"):
+        gr.rewrite(ex.graph_def, SPEC, task="worker:0", heartbeat_seconds=value, device_type="CPU")
+
+
+class Peers:
+    """What the peers' heartbeat reads return, step by step (None: unreadable)."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def run(self, fetch, options):
+        if fetch.endswith("/beat") or fetch.endswith("/leave"):
+            return None
+        task = fetch.split("/")[2].replace("_", ":")
+        value = self.values.get(task)
+        if value is None:
+            raise RuntimeError("uninitialized")
+        return value
+
+
+INFO = {"seconds": 5.0, "beat": "graph_rewriter/heartbeat/beat", "leave": "graph_rewriter/heartbeat/leave",
+        "peers": {"worker:1": "graph_rewriter/heartbeat/worker_1/read:0"}}
+
+
+def test_a_peer_is_judged_only_after_it_was_seen_beating_and_only_during_a_step():
+    peers = Peers(**{"worker:1": 100.0})
+    hb = health.Heartbeat(peers.run, INFO, on_gone=None)
+    hb.step_started()
+    assert hb.check(now=0.0) is None            # a value from before: no sign of life
+    assert hb.check(now=60.0) is None           # still never seen to change: the deadline's job
+    peers.values["worker:1"] = 101.0
+    assert hb.check(now=61.0) is None           # alive at 61
+    assert hb.check(now=65.5) is None           # 4.5 s < 5 s
+    message = hb.check(now=66.5)
+    assert "worker:1 is gone" in message and "5.5 s" in message and "heartbeat_seconds=5" in message
+    hb.step_ended()
+    assert hb.check(now=90.0) is None           # not waiting in a step: nothing to end
+
+
+def test_a_peer_that_left_cleanly_or_keeps_beating_is_never_judged():
+    peers = Peers(**{"worker:1": 1.0})
+    hb = health.Heartbeat(peers.run, INFO, on_gone=None)
+    hb.step_started()
+    hb.check(now=0.0)
+    for t in range(1, 30):
+        peers.values["worker:1"] = 1.0 + t
+        assert hb.check(now=float(t)) is None
+    peers.values["worker:1"] = health.LEFT
+    hb.check(now=30.0)
+    assert hb.check(now=100.0) is None
+
+
+def test_wait_for_peers_returns_the_peers_never_seen_beating():
+    info = dict(INFO, seconds=1.0, peers={"worker:1": "graph_rewriter/heartbeat/worker_1/read:0",
+                                          "worker:2": "graph_rewriter/heartbeat/worker_2/read:0"})
+    clock = {"worker:1": 0.0}
+
+    def run(fetch, options):
+        if "worker_1" in fetch:
+            clock["worker:1"] += 1.0     # beats on every read
+            return clock["worker:1"]
+        if "worker_2" in fetch:
+            raise RuntimeError("uninitialized: never started")
+        return None
+
+    hb = health.Heartbeat(run, info, on_gone=None)
+    assert hb.wait_for_peers(timeout=0.5) == ["worker:2"]
+
+
+def test_the_servers_form_the_groups_the_rewrites_collectives_use():
+    """Every group key a rewrite's collectives use (replicas, barriers) is among the
+    groups `serve` forms at start, for allreduce, hybrid between-graph and 2 devices
+    per worker."""
+    ex = models.build("embedding", "adam", seed=2)
+    spec = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    for strategy, dpw in [("allreduce", 1), ("allreduce", 2), ("hybrid", 2)]:
+        formed = {group_key(devices) for devices in server_groups(parse_cluster(spec, "worker:0"), "CPU", dpw)}
+        for task in ("worker:0", "worker:1"):
+            result = gr.rewrite(ex.graph_def, spec, task=task, strategy=strategy, device_type="CPU",
+                                devices_per_worker=dpw)
+            used = {key_of(n, "group_key") for n in load_graph(result.graph_def).nodes
+                    if n.op.startswith("Collective")}
+            assert used and used <= formed, (strategy, dpw, task, used, formed)
+
+
+LINES = [
+    ("E0000 00:00:1795555035.662390   17993 base_collective_executor.cc:252] "
+     "BaseCollectiveExecutor::StartAbort CANCELLED: group is cancelled", "group is cancelled"),
+    ("E0000 00:00:1795555035.663608   17945 worker.cc:436] Bad status from CompleteGroupDistributed: "
+     "FAILED_PRECONDITION: Device /job:worker/replica:0/task:1/device:CPU:0 current incarnation "
+     "doesn't match with one in the group.", "incarnation"),
+]
+
+
+@pytest.mark.parametrize("line, why", LINES, ids=["executor-aborted", "leader-refused-a-member"])
+def test_the_supervisor_recognizes_tensorflows_report_of_a_poisoned_server(line, why):
+    reason = poison_reason(line)
+    assert reason is not None and why in reason
+    assert _tf_log_level(line) == 2
+
+
+@pytest.mark.parametrize("line", [
+    "W0000 00:00:1795555031.629533   17992 local_rendezvous.cc:412] Local rendezvous is aborting "
+    "with status: ABORTED: Cleanup 127266163977112730",
+    "I0000 00:00:1795555034.640508   17947 worker.cc:216] Cancellation requested for RunGraph.",
+    "graph-rewrite: serving worker:0 at grpc://localhost:1 (process 3; Ctrl-C to stop)",
+])
+def test_the_supervisor_leaves_a_server_alone_for_other_lines(line):
+    assert poison_reason(line) is None

@@ -262,6 +262,8 @@ def cmd_serve(argv):
                                 hint="pass e.g. --cluster cluster.json --task worker:0")
     task = args.task or "the TF_CONFIG task"
     if not args.no_supervise:
+        from graph_rewriter.cluster import parse_cluster
+        parse_cluster(args.cluster, args.task)   # a bad spec or task: refused here, not by each child
         from graph_rewriter.supervisor import Supervisor
         level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")
         supervisor = Supervisor([sys.executable, "-m", "graph_rewriter.cli", "serve", *argv, "--no-supervise"],

@@ -4,6 +4,7 @@ What the configuration holds, and what TensorFlow's MultiWorkerMirroredStrategy 
 that it leaves out on purpose, is in docs/deployment.md ("Server configuration").
 """
 
+import socket
 import threading
 import time
 
@@ -61,6 +62,13 @@ def leader_incarnation(server, cluster):
     """The incarnation of the collective group leader's CPU:0 (it changes when the
     leader's server restarts), or None if it cannot be read now."""
     job, index = cluster.compute_tasks[0]
+    host, port = cluster.jobs[job][index].rsplit(":", 1)
+    try:
+        # TensorFlow's ListDevices retries an unreachable task for minutes: ask only a
+        # leader that accepts connections
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except (OSError, ValueError):
+        return None
     config = tf.compat.v1.ConfigProto(device_filters=[f"/job:{job}/task:{index}"])
     name = cluster.device((job, index), "CPU", 0)
     try:
@@ -140,6 +148,10 @@ def form_groups(server, cluster, device_type="GPU", devices_per_worker=1, log=No
                 on_leader_restart(f"the collective group leader {job0}:{index0} restarted, so this "
                                   "server's collective groups are gone there")
                 return
+
+    thread = threading.Thread(target=form, name="graph_rewriter-form-groups", daemon=True)
+    thread.start()
+    return thread
 
 def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1, communication="auto",
                  start=True, log=None, on_leader_restart=None):

@@ -341,6 +341,7 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
         self._info = None
         self._heartbeat = None
         self._session = None
+        self._beats = None
         self.gone = None        # the reason, once a peer was taken as gone
 
     def begin(self):
@@ -355,11 +356,16 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
     def after_create_session(self, session, coord):
         if not self._info:
             return
-        if self._heartbeat is not None:   # a recovered session: beat through the new one
-            self._heartbeat.stop(leave=False)
+        # the session whose waiting step a gone peer ends; a recovered one replaces it
         self._session = session
-        self._heartbeat = Heartbeat(lambda fetches, options: session.run(fetches, options=options),
-                                    self._info, self._gone).start()
+        if self._heartbeat is None:
+            # beats go through a session of their own: MonitoredTrainingSession closes
+            # and recreates its session while it recovers from an unreachable task, and
+            # this client must go on beating meanwhile, or its peers would take it as gone
+            beats = tf.compat.v1.Session(target=session.sess_str, graph=session.graph)
+            self._beats = beats
+            self._heartbeat = Heartbeat(lambda fetches, options: beats.run(fetches, options=options),
+                                        self._info, self._gone).start()
 
     def _gone(self, message):
         self.gone = message
@@ -377,3 +383,4 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
     def end(self, session):
         if self._heartbeat is not None:
             self._heartbeat.stop(leave=True)
+            self._beats.close()

@@ -16,6 +16,14 @@ INIT_BARRIER = "graph_rewriter/init_done"          # queue: the chief initialize
 APPLIED = "graph_rewriter/gradients_applied"       # per replica: its gradients are in
 WORKER_STEP = "graph_rewriter/worker_step"         # with staleness: this worker's own steps
 MICRO_BATCHES = "graph_rewriter/micro_batches"     # gradient sums over accumulation_steps runs
+DRAIN = "/drain"     # suffix of the take by which the init op empties an accumulator
+
+TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
+
+
+def step_takes(graph):
+    """The takes of the training step's averaged gradients (not the init op's drains)."""
+    return [n for n in graph if n.op in TAKES and not n.name.endswith(DRAIN)]
 
 
 def shared_name(fingerprint, what):

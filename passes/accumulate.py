@@ -42,7 +42,7 @@ from tensorflow.python.framework import dtypes
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.ps_state import (ACCUMULATORS, APPLIED, COUNTER, INCREMENT, WORKER_STEP,
+from graph_rewriter.ps_state import (ACCUMULATORS, APPLIED, COUNTER, DRAIN, INCREMENT, WORKER_STEP,
                                      init_ops, int_variable, shared_name)
 from graph_rewriter.traversal import descendants, is_back_edge, reaches
 
@@ -138,8 +138,23 @@ class AccumulatePass(Pass):
                           attrs={"dtype": dtypes.as_dtype(cut.dtype), "shape": shape_attr(cut.shape),
                                  "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients{suffix}"),
                                  "reduction_type": "SUM" if sparse else "MEAN"})
+            # An earlier run's gradients may still be in it (a step cancelled after some
+            # replicas applied theirs): setting its step to 0 would keep them, since they
+            # are tagged with later steps, and the first take would average them in. So
+            # the reset first takes whatever it holds, then sets the step.
+            left = make_op(graph, "AccumulatorNumAccumulated", f"{acc.name}/leftover", [acc.output(0)], device=dev)
+            some = make_op(graph, "Greater", f"{acc.name}/has_leftover",
+                           [left.output(0), const(graph, f"{acc.name}/none", 0, "int32", dev)], device=dev)
+            switch = make_op(graph, "Switch", f"{acc.name}/drain_switch", [left.output(0), some.output(0)], device=dev)
+            drain = make_op(graph, "SparseAccumulatorTakeGradient" if sparse else "AccumulatorTakeGradient",
+                            f"{acc.name}{DRAIN}", [acc.output(0), switch.output(1)],
+                            type_attrs={"dtype": dtypes.as_dtype(cut.dtype)}, device=dev)
+            drained = make_op(graph, "Identity", f"{acc.name}/drained", [switch.output(1)], device=dev,
+                              control_inputs=[drain])
+            empty = make_op(graph, "Merge", f"{acc.name}/empty", [[switch.output(0), drained.output(0)]], device=dev)
             reset = make_op(graph, "AccumulatorSetGlobalStep", f"{acc.name}/reset",
-                            [acc.output(0), const(graph, f"{acc.name}/zero", 0, "int64", dev)], device=dev)
+                            [acc.output(0), const(graph, f"{acc.name}/zero", 0, "int64", dev)], device=dev,
+                            control_inputs=[empty])
             for op in inits:
                 op.add_control_input(reset)
             accs.append(acc)

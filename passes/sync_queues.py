@@ -38,10 +38,9 @@ from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, TOKENS, WORKER_STEP,
-                                     restore_region, shared_name)
+                                     TAKES, restore_region, shared_name, step_takes)
 from graph_rewriter.traversal import descendants, is_back_edge
 
-_TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
 _SWITCHES = frozenset(("Switch", "RefSwitch"))
 _MERGES = frozenset(("Merge", "RefMerge"))
 
@@ -167,7 +166,7 @@ class SyncQueuesPass(Pass):
         ps_initializers += [c for op in init_ops for c in op.control_inputs if c.op == "AccumulatorSetGlobalStep"]
         barrier = _scalar_queue(graph, INIT_BARRIER, fp, "init_done", ps0)
         # The train ops: what the user runs each step, i.e. the roots after the updates.
-        after_updates = descendants([n for n in graph if n.op in _TAKES])
+        after_updates = descendants(step_takes(graph))
         roots = [n for n in graph if n.is_sink
                  and n in after_updates]
         if rm.chief:
@@ -203,7 +202,7 @@ class SyncQueuesPass(Pass):
             updates = [n for n in graph if n in after_updates and n not in roots and n is not increment
                        and rm.replica_of(graph, n.name) is None]
             updates += [n for n in _ps_writes(graph, ctx.replicas, plan) if n not in updates]
-            updates = _live_after(graph, ctx.replicas, updates, [n for n in graph if n.op in _TAKES], set(roots))
+            updates = _live_after(graph, ctx.replicas, updates, step_takes(graph), set(roots))
             token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
                             attrs={"dtype": dtypes.int64}, control_inputs=[increment] + updates,
                             device=ps0).output(0)
@@ -269,7 +268,7 @@ class SyncQueuesPass(Pass):
         """A non-chief worker never takes gradients or applies updates, nor writes a
         parameter-server variable in a step (``ps_writes``): the chief does.
         Returns {removed root's name: the control inputs its replacement needs}."""
-        takes = [n for n in graph if n.op in _TAKES]
+        takes = [n for n in graph if n.op in TAKES]   # the init op's drains too
         chief_only = set(takes) | set(ps_writes)
         if INCREMENT in graph:
             chief_only.add(graph.node(INCREMENT))

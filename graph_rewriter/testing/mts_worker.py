@@ -6,11 +6,13 @@ standard hooks, the chief checkpointing and writing summaries.
         --chief --checkpoint-dir ckpt --last-step 4 --batches batches.npz --out out.json
 
 The rewritten MetaGraphDef is imported with ``tf.compat.v1.train.import_meta_graph``;
-nothing of graph_rewriter runs in the training loop. Run ``--last-step`` steps (counted
-by the graph's global step, so a restarted client resumes where the checkpoint left
-off), feeding batch ``step`` of the ``.npz`` (arrays ``<feed>__<step>``), and write the
+of graph_rewriter only ``gr.HeartbeatHook`` runs, among the hooks (between-graph, a
+step waiting for a worker whose client is gone then fails within seconds). Run
+``--last-step`` steps (counted by the graph's global step, so a restarted client resumes
+where the checkpoint left off), feeding batch ``step`` of the ``.npz`` (arrays ``<feed>__<step>``), and write the
 losses and the final values of ``--read`` variables as JSON. ``--stop-after N`` makes
-the client exit abruptly (os._exit) after N steps of this run: a killed worker.
+the client exit abruptly (os._exit) after N steps of this run: a killed worker;
+``--progress`` prints "step N" after each step (the fault tests wait for it).
 """
 
 import argparse

@@ -231,7 +231,7 @@ class _Client(threading.Thread):
                 vals = sess.run([self.example.variables[n] for n in names], options=options)
                 self.values = {n: np.asarray(v, dtype=np.float64) for n, v in zip(names, vals)}
         except Exception as e:  # reported by the demo, which then exits 1
-            self.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            self.error = f"{type(e).__name__}: {' '.join(str(e).split())[:1500]}"
         finally:
             with self._progress:
                 self._progress.notify_all()

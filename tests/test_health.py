@@ -36,7 +36,8 @@ def _by_name(graph_def):
 @pytest.mark.parametrize("strategy", ["allreduce", "ps"])
 def test_between_graph_graphs_carry_a_heartbeat_per_compute_task(strategy):
     ex = models.build("mlp", "sgd", seed=1)
-    result = gr.rewrite(ex.graph_def, SPEC, task="worker:1", strategy=strategy, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, SPEC, task="worker:1", strategy=strategy, device_type="CPU",
+                        heartbeat_seconds=5)
     nodes = _by_name(result.graph_def)
     for k in range(3):
         var = nodes[f"graph_rewriter/heartbeat/worker_{k}"]
@@ -56,8 +57,9 @@ def test_between_graph_graphs_carry_a_heartbeat_per_compute_task(strategy):
     assert saved and all("heartbeat" not in inp for n in saved for inp in n.input)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(task="worker:0", heartbeat_seconds=0)],
-                         ids=["in-graph", "heartbeat_seconds=0"])
+@pytest.mark.parametrize("kwargs", [dict(heartbeat_seconds=5), dict(task="worker:0"),
+                                    dict(task="worker:0", heartbeat_seconds=0)],
+                         ids=["in-graph", "default", "heartbeat_seconds=0"])
 def test_no_heartbeat_in_graph_or_when_turned_off(kwargs):
     ex = models.build("mlp", "sgd", seed=1)
     result = gr.rewrite(ex.graph_def, SPEC, strategy="allreduce", device_type="CPU", **kwargs)

@@ -275,17 +275,8 @@ def cmd_serve(argv):
             return 0
     import_tensorflow_quietly()
     from graph_rewriter.server import start_server
-    from graph_rewriter.supervisor import LEADER_RESTARTED, SUPERVISED
-
-    def leader_restarted(message):   # only under a supervisor, which starts a fresh server
-        _log(f"{task}: {message}")
-        sys.stderr.flush()
-        os._exit(LEADER_RESTARTED)
-
     server = start_server(args.cluster, args.task, device_type=args.device_type,
-                          devices_per_worker=args.devices_per_worker, communication=args.communication,
-                          log=lambda message: _log(f"{task}: {message}"),
-                          on_leader_restart=leader_restarted if os.environ.get(SUPERVISED) else None)
+                          devices_per_worker=args.devices_per_worker, communication=args.communication)
     _log(f"serving {task} at {server.target} (process {os.getpid()}; Ctrl-C to stop)")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))

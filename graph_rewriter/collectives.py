@@ -52,10 +52,6 @@ def host_group(cluster):
     return [cluster.device(task, "CPU", 0) for task in cluster.compute_tasks]
 
 
-# The instance key the servers use to form their groups at start (server.form_groups):
-# above every key a rewrite uses (instance_base's block ends at 2**30).
-GROUP_FORMING_INSTANCE = (1 << 30) + 1
-
 
 def instance_base(plan):
     """The first instance key of this rewrite: from the graph's fingerprint and what sets

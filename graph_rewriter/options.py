@@ -32,7 +32,7 @@ BATCH_SPLITS = ("global", "per_replica")
 COMMUNICATIONS = ("auto", "ring", "nccl")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
-DEFAULT_HEARTBEAT_SECONDS = 0.0
+DEFAULT_HEARTBEAT_SECONDS = 5.0
 DEFAULT_PS_SHARD_BYTES = 64 * 1024 * 1024
 
 COMMANDS = ("rewrite", "plan")   # the commands whose flags come from here (IN OUT, and plan IN)
@@ -397,10 +397,8 @@ class Options:
     heartbeat_seconds: float = option(
         DEFAULT_HEARTBEAT_SECONDS, "Between-graph: a worker whose client has sent no heartbeat for "
         "this long is taken as gone, and the steps waiting for it fail (gr.Session, HeartbeatHook) "
-        "instead of waiting for timeout_seconds; gr.Session also waits for every peer's heartbeat "
-        "before its first step. 0 (the default): no heartbeats; 5 is a good value (docs/reliability.md "
-        "says where heartbeats are not yet safe).",
-        default_text="0", check=_check_heartbeat,
+        "instead of waiting for timeout_seconds; 0: no heartbeats.",
+        default_text="5", check=_check_heartbeat,
         cli=Flag("--heartbeat-seconds", metavar="S", type=float))
     sync: bool = option(
         True, "Parameter servers: False trains asynchronously (every replica applies its own "

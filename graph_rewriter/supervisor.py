@@ -9,10 +9,6 @@ it. The supervisor reads the child's log for TensorFlow's own report of that sta
 replaces the child. The new server starts empty: its variables and queues are gone, and
 the training client restores them from its last checkpoint (docs/reliability.md).
 
-A member of a collective group also starts afresh when the group leader's server
-restarts (the child exits with LEADER_RESTARTED; server.form_groups watches the
-leader): the leader has forgotten the groups the member remembers.
-
 A child that exits on its own is started again too, unless it keeps exiting within
 ``FAST_EXIT_SECONDS`` of its start (a port in use, a bad flag): then serve gives up with
 the child's status.
@@ -31,8 +27,6 @@ import time
 POISON_MARKERS = ("BaseCollectiveExecutor::StartAbort", "Bad status from CompleteGroupDistributed")
 
 PROG = "graph-rewrite"
-SUPERVISED = "GRAPH_REWRITE_SUPERVISED"   # set in the child's environment
-LEADER_RESTARTED = 75     # the child's exit status when its collective group leader restarted
 FAST_EXIT_SECONDS = 10.0
 FAST_EXITS_ALLOWED = 3
 GRACE_SECONDS = 0.5       # lets the abort's error reach the clients before the server goes
@@ -65,7 +59,6 @@ class Supervisor:
         # reach this process's stderr only at the level the user asked for.
         self.forward_level = forward_level
         self.env["TF_CPP_MIN_LOG_LEVEL"] = str(min(2, forward_level))
-        self.env[SUPERVISED] = "1"
         self.restarts = 0
         self._stop = threading.Event()
         self._poisoned = None
@@ -131,15 +124,10 @@ class Supervisor:
                 status = child.poll()
                 if status is None:
                     continue
-                if status == LEADER_RESTARTED:
-                    self.restarts += 1
-                    child, started = self._start(), time.monotonic()
-                    self.log(f"{self.task}: started a new server (process {child.pid}, restart "
-                             f"{self.restarts}) to form its collective groups with the restarted leader; "
-                             "its variables and queues start empty, restore them from the last checkpoint")
-                    continue
+                if status == 2:
+                    return 2       # bad input: the child said what, in its one line
                 fast_exits = fast_exits + 1 if time.monotonic() - started < FAST_EXIT_SECONDS else 0
-                if fast_exits >= FAST_EXITS_ALLOWED or status == 2:
+                if fast_exits >= FAST_EXITS_ALLOWED:
                     self.log(f"{self.task}: the server exited with status {status}; giving up")
                     return status if status else 1
                 self.restarts += 1

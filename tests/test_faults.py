@@ -175,7 +175,7 @@ def test_a_worker_started_alone_leaves_the_servers_usable(clients, tmp_path):
     cancelled' until every server was restarted."""
     ex, batches, ref_losses, ref_values = _reference("mlp", "sgd", 5)
     with LocalCluster(workers=2, ps=1, device_type="CPU", log_dir=str(tmp_path)) as cluster:
-        workers = _workers(cluster, ex, batches, tmp_path, "allreduce", timeout_seconds=8, heartbeat_seconds=5)
+        workers = _workers(cluster, ex, batches, tmp_path, "allreduce", timeout_seconds=8)
         lone = clients.start("lone", _worker_cmd(cluster, workers, 0, tmp_path / "lone.npz", timeout=0))
         assert clients.wait(lone) == 3
         # it waited for worker 1's heartbeat and never started a collective alone
@@ -197,7 +197,7 @@ def test_a_gone_client_fails_its_peers_step_within_seconds_and_the_servers_stay_
     device."""
     ex, batches, ref_losses, ref_values = _reference("mlp", "adam", 7)
     with LocalCluster(workers=2, ps=1, device_type="CPU", log_dir=str(tmp_path)) as cluster:
-        workers = _workers(cluster, ex, batches, tmp_path, strategy, heartbeat_seconds=5)
+        workers = _workers(cluster, ex, batches, tmp_path, strategy)
         survivor = clients.start("survivor", _worker_cmd(cluster, workers, 0, tmp_path / "s.npz", steps=20,
                                                          delay=0.3))
         victim = clients.start("victim", _worker_cmd(cluster, workers, 1, tmp_path / "v.npz", steps=20, delay=0.3))

@@ -52,7 +52,6 @@ def host_group(cluster):
     return [cluster.device(task, "CPU", 0) for task in cluster.compute_tasks]
 
 
-
 def instance_base(plan):
     """The first instance key of this rewrite: from the graph's fingerprint and what sets
     the collectives' shapes (packs, gathered gradients, replica count)."""

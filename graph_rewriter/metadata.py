@@ -9,10 +9,14 @@ METADATA_NODE = "graph_rewriter/metadata"
 METADATA_FORMAT = "graph_rewriter.metadata/1"
 
 
+def decode_metadata(tensor):
+    """The metadata dict held by the metadata node's value (a TensorProto)."""
+    return json.loads(tensor.string_val[0].decode("utf-8"))
+
+
 def read_metadata_of(graph):
     """The metadata dict of a rewritten GraphItem."""
-    node = graph.node(METADATA_NODE)
-    return json.loads(node.attr["value"].tensor.string_val[0].decode("utf-8"))
+    return decode_metadata(graph.node(METADATA_NODE).attr["value"].tensor)
 
 
 def read_metadata(graph_def, source="graph"):
@@ -20,7 +24,7 @@ def read_metadata(graph_def, source="graph"):
     for node in reversed(graph_def.node):
         if node.name == METADATA_NODE:
             try:
-                doc = json.loads(node.attr["value"].tensor.string_val[0].decode("utf-8"))
+                doc = decode_metadata(node.attr["value"].tensor)
             except (IndexError, ValueError) as e:
                 raise GraphRewriteError(f"{source}: its graph_rewriter metadata is damaged ({e})",
                                         hint="rewrite the original graph again") from None

@@ -51,11 +51,10 @@ def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1,
     job, index = cluster.task
     config = server_config(cluster, device_type, devices_per_worker, communication)
     try:
-        server = tf.distribute.Server(
+        return tf.distribute.Server(
             tf.train.ClusterSpec(cluster.jobs), job_name=job, task_index=index,
             config=config, start=start)
     except (tf.errors.OpError, ValueError, RuntimeError) as e:
         raise GraphRewriteError(
             f"cannot start the server for {job}:{index} at {cluster.jobs[job][index]}: "
             f"{str(e).splitlines()[0]}", hint="check that the port is free and the address is this machine's") from None
-    return server

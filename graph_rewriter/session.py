@@ -21,7 +21,6 @@ gives these rules in full.
   CPU replicas, enough inter-op threads for in-process collectives).
 """
 
-import json
 import os
 
 import numpy as np
@@ -30,7 +29,7 @@ import tensorflow as tf
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.health import Heartbeat
 from graph_rewriter.ir import split_tensor_name
-from graph_rewriter.metadata import METADATA_NODE
+from graph_rewriter.metadata import METADATA_NODE, decode_metadata
 
 
 def _load_result(result):
@@ -350,8 +349,7 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
             op = graph.get_operation_by_name(METADATA_NODE)
         except KeyError:
             return
-        doc = json.loads(op.get_attr("value").string_val[0].decode("utf-8"))
-        self._info = doc.get("heartbeat")
+        self._info = decode_metadata(op.get_attr("value")).get("heartbeat")
 
     def after_create_session(self, session, coord):
         if not self._info:

@@ -5,8 +5,8 @@ the next collective (or never feeds the parameter servers' accumulators); its pe
 steps wait for it until the session's deadline (``timeout_seconds``, 600 s by default).
 TensorFlow cannot tell them sooner: the peer's server is healthy. So each compute task
 gets a float64 scalar on its own host, ``graph_rewriter/heartbeat/<job>_<index>``, which
-its client sets to its clock every second (``beat``, an assignment that needs no
-initializer) and to -1 when it leaves cleanly (``leave``); every graph reads its peers'
+its client sets to its clock every ``heartbeat_seconds / 5`` seconds (``beat``, an
+assignment that needs no initializer) and to -1 when it leaves cleanly (``leave``); every graph reads its peers'
 (``<job>_<index>/read``). The runtime side, ``graph_rewriter.health``, is what
 ``gr.Session`` (and ``HeartbeatHook`` for MonitoredTrainingSession) runs: a peer that was
 seen beating and stops for ``heartbeat_seconds`` fails this client's waiting step.
@@ -16,7 +16,7 @@ clock, so clock skew between machines does not matter.
 
 from tensorflow.python.framework import dtypes
 
-from graph_rewriter.health import SCOPE, task_label
+from graph_rewriter.health import LEFT, SCOPE, task_label
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op, shape_attr
 from graph_rewriter.pass_manager import Pass
@@ -45,7 +45,7 @@ class HeartbeatPass(Pass):
             now = make_op(graph, "Timestamp", f"{SCOPE}/now", [], device=me)
             make_op(graph, "AssignVariableOp", f"{SCOPE}/beat", [own, now.output(0)], device=me)
             make_op(graph, "AssignVariableOp", f"{SCOPE}/leave",
-                    [own, const(graph, f"{SCOPE}/left", -1.0, "float64", me)], device=me)
+                    [own, const(graph, f"{SCOPE}/left", LEFT, "float64", me)], device=me)
             for task, handle in handles.items():
                 if task != cluster.task:
                     make_op(graph, "ReadVariableOp", f"{SCOPE}/{task_label(task)}/read", [handle.output(0)],

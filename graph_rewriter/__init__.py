@@ -9,8 +9,10 @@ distributed data-parallel GraphDef that trains it on many devices and machines.
 
 The public names (the contract: docs/api.md): rewrite, load, Session, start_server,
 HeartbeatHook, GraphRewriteError.
-TensorFlow is imported lazily, so `import graph_rewriter` and the CLI's argument
-checks stay fast.
+TensorFlow is imported lazily, and only to run graphs: rewriting, planning and
+inspecting use the TensorFlow protos and op tables that ship with the package
+(protos.py, opdefs.py), so `import graph_rewriter` and the CLI stay fast and a machine
+without TensorFlow can rewrite.
 """
 
 from graph_rewriter.errors import GraphRewriteError
@@ -23,6 +25,9 @@ def __getattr__(name):
     if name in ("rewrite", "load", "RewriteResult"):
         from graph_rewriter import api as _api
         return getattr(_api, name)
+    if name in ("Session", "HeartbeatHook", "start_server"):
+        from graph_rewriter.tf_runtime import import_tensorflow
+        import_tensorflow(f"graph_rewriter.{name}")
     if name in ("Session", "HeartbeatHook"):
         from graph_rewriter import session as _session
         return getattr(_session, name)

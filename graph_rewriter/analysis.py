@@ -28,7 +28,7 @@ Found from op types, OpDef argument names and graph structure, never from node n
 
 import dataclasses
 
-from tensorflow.core.framework import types_pb2
+from graph_rewriter.protos import types_pb2
 
 from graph_rewriter import opdefs
 from graph_rewriter.errors import GraphRewriteError
@@ -239,7 +239,7 @@ class _Analyzer:
         meta = self.g.meta_graph
         self.declared_trainable = None
         if meta is not None and "trainable_variables" in meta.collection_def:
-            from tensorflow.core.framework import variable_pb2
+            from graph_rewriter.protos import variable_pb2
             names = set()
             for raw in meta.collection_def["trainable_variables"].bytes_list.value:
                 vd = variable_pb2.VariableDef()

@@ -6,11 +6,12 @@ import inspect
 import os
 import time
 
-from graph_rewriter import passes
 from graph_rewriter import graph_io
+from graph_rewriter import options as option_schema
+from graph_rewriter import passes
+from graph_rewriter import protos
 from graph_rewriter import saved_model
 from graph_rewriter.cluster import parse_cluster
-from graph_rewriter import options as option_schema
 from graph_rewriter.context import RewriteContext
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.metadata import METADATA_NODE, read_metadata, read_metadata_of
@@ -37,9 +38,10 @@ class RewriteResult:
         """The rewritten tf.compat.v1.GraphDef (parsed on first use; after that, save()
         writes this object, with any change made to it)."""
         if self._graph_def is None:
-            from tensorflow.core.framework import graph_pb2
+            from graph_rewriter.protos import graph_pb2
             self._graph_def = graph_pb2.GraphDef.FromString(self._serialized)
         self._serialized = None
+        self._graph_def = protos.for_tensorflow(self._graph_def)
         return self._graph_def
 
     def serialized(self):
@@ -270,7 +272,7 @@ def _saved_model_dir(source):
 def load(path):
     """Reads a rewritten graph written by ``RewriteResult.save`` or the CLI (a graph file
     or a SavedModel directory)."""
-    from tensorflow.core.protobuf import meta_graph_pb2
+    from graph_rewriter.protos import meta_graph_pb2
     item = graph_io.load_graph(path)
     gd = graph_io.to_graph_def(item)
     metadata = read_metadata(gd, os.fspath(path) if isinstance(path, (str, os.PathLike)) else "graph")

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from graph_rewriter import __version__
 from graph_rewriter.errors import GraphRewriteError
 
 PROG = "graph-rewrite"
@@ -97,6 +98,7 @@ def _rewrite_parser():
                    "with a SavedModel IN, any other path is a new SavedModel directory")
     _add_rewrite_options(p, "rewrite")
     p.add_argument("--plan", metavar="FILE", help="apply a plan written by `graph-rewrite plan` (and perhaps edited)")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return p
 
 
@@ -273,7 +275,8 @@ def cmd_serve(argv):
             return supervisor.run()
         except KeyboardInterrupt:
             return 0
-    import_tensorflow_quietly()
+    from graph_rewriter.tf_runtime import import_tensorflow
+    import_tensorflow("graph-rewrite serve")
     from graph_rewriter.server import start_server
     server = start_server(args.cluster, args.task, device_type=args.device_type,
                           devices_per_worker=args.devices_per_worker, communication=args.communication)
@@ -295,33 +298,10 @@ def cmd_demo(argv):
     if args.steps < 1:
         raise GraphRewriteError(f"--steps must be at least 1, got {args.steps}",
                                 hint="give --steps 1 or more")
+    from graph_rewriter.tf_runtime import import_tensorflow
+    import_tensorflow("graph-rewrite demo")
     from graph_rewriter.demo import run_demo
     return run_demo(log=lambda line: print(line, flush=True), steps=args.steps, strategy=args.strategy)
-
-
-def import_tensorflow_quietly():
-    """Imports TensorFlow with its start-up log lines (printed by C++ before logging is
-    configured, so TF_CPP_MIN_LOG_LEVEL cannot silence them) kept off stderr, which is
-    reserved for this command's own one-line messages."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if "tensorflow" in sys.modules:
-        return
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        import tensorflow  # noqa: F401  (stderr is not a real file: nothing to redirect)
-        return
-    saved = os.dup(fd)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    sys.stderr.flush()
-    os.dup2(devnull, fd)
-    try:
-        import tensorflow  # noqa: F401
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, fd)
-        os.close(saved)
-        os.close(devnull)
 
 
 class _Terminated(BaseException):
@@ -340,8 +320,8 @@ def main(argv=None):
     if not (argv and argv[0] == "serve") and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)   # serve installs its own
     try:
-        if not ({"-h", "--help"} & set(argv)) and not (argv and argv[0] == "serve"):
-            import_tensorflow_quietly()    # serve imports it in the process that serves
+        # Rewriting, planning and inspecting need no TensorFlow (protos.py, opdefs.py):
+        # it is imported where its runtime is needed (demo, serve, shape inference).
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])
         return cmd_rewrite(argv)

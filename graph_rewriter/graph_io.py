@@ -7,16 +7,16 @@ and printed here on export; nothing else in the project sees them.
 
 import os
 import re
+import sys
 import tempfile
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
-from tensorflow.core.framework import graph_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
 
-from graph_rewriter import saved_model
+from graph_rewriter import protos, saved_model
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GraphItem, Node
+from graph_rewriter.protos import graph_pb2, meta_graph_pb2
 from graph_rewriter.replica_export import write_replicated_nodes
 from graph_rewriter.wire import SHORT, VARINTS, attrs_bytes, colocation_entry, encode_varint, string_field, varint
 
@@ -45,18 +45,20 @@ def load_graph(source, name=None, tag=None):
             f"tag {tag!r} picks a MetaGraphDef of a SavedModel, but the input "
             f"{label or type(source).__name__} is not a SavedModel",
             hint="drop the tag, or pass a SavedModel directory (one holding saved_model.pb)")
-    if isinstance(source, graph_pb2.GraphDef):
+    if protos.is_message(source, "tensorflow.GraphDef"):
         gd = graph_pb2.GraphDef()
-        gd.CopyFrom(source)
+        gd.CopyFrom(protos.as_class(source, graph_pb2.GraphDef))
         return graph_item_from_graph_def(gd, name or "<GraphDef>")
-    if isinstance(source, meta_graph_pb2.MetaGraphDef):
+    if protos.is_message(source, "tensorflow.MetaGraphDef"):
         mg = meta_graph_pb2.MetaGraphDef()
-        mg.CopyFrom(source)
+        mg.CopyFrom(protos.as_class(source, meta_graph_pb2.MetaGraphDef))
         return _item_from_meta(mg, name or "<MetaGraphDef>")
     if _is_tf_graph(source):
-        return _item_from_meta(_meta_graph_of(source), name or "<tf.Graph>")
+        return _item_from_meta(protos.as_class(_meta_graph_of(source), meta_graph_pb2.MetaGraphDef),
+                               name or "<tf.Graph>")
     if hasattr(source, "as_graph_def") and callable(source.as_graph_def):
-        return graph_item_from_graph_def(source.as_graph_def(), name or f"<{type(source).__name__}>")
+        return graph_item_from_graph_def(protos.as_class(source.as_graph_def(), graph_pb2.GraphDef),
+                                         name or f"<{type(source).__name__}>")
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _load_bytes(bytes(source), name or "<bytes>", None)
     if isinstance(source, (str, os.PathLike)):
@@ -70,6 +72,8 @@ def load_graph(source, name=None, tag=None):
 
 
 def _is_tf_graph(source):
+    if sys.modules.get("tensorflow") is None:   # no tf.Graph can exist: do not import it to ask
+        return False
     from tensorflow.python.framework import ops
     return isinstance(source, ops.Graph)
 
@@ -98,7 +102,7 @@ def saver_def_of_nodes(ops):
     type), by the names tf.compat.v1.train.Saver gives them: <scope>/restore_all, the
     filename <scope>/Const, the save tensor <scope>/control_dependency, or
     <scope>/Identity when sharded; None when there is none."""
-    from tensorflow.core.protobuf import saver_pb2
+    from graph_rewriter.protos import saver_pb2
     for name in ops:
         if name != "restore_all" and not name.endswith("/restore_all"):
             continue

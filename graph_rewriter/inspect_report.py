@@ -325,10 +325,12 @@ def format_report(rep):
 def write_tensorboard(graph_def, logdir):
     """Writes ``graph_def`` as an event file TensorBoard's Graphs tab shows (colour by
     device to see the replicas and the ps); returns the event file's path."""
-    import tensorflow as tf
+    from graph_rewriter import protos
+    from graph_rewriter.tf_runtime import import_tensorflow
+    tf = import_tensorflow("inspect --tensorboard")
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.import_graph_def(graph_def, name="")
+        tf.compat.v1.import_graph_def(protos.as_class(graph_def, tf.compat.v1.GraphDef), name="")
         writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)  # graph mode: not eager
         writer.close()
     events = [os.path.join(logdir, f) for f in os.listdir(logdir) if f.startswith("events.")]

@@ -21,9 +21,8 @@ import collections
 import contextlib
 import types
 
-from tensorflow.core.framework import attr_value_pb2
-
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.protos import attr_value_pb2
 
 Tensor = collections.namedtuple("Tensor", ["node", "index"])
 Changes = collections.namedtuple("Changes", ["edges", "attrs", "bulk", "order_ok"])
@@ -441,7 +440,7 @@ class GraphItem:
         """Creates a node; ``attrs`` maps names to AttrValue or python scalars.
         ``shared_def`` is a NodeDef holding the node's attributes, shared (copy on
         write) with other nodes made from it: op_builder's templates."""
-        from tensorflow.core.framework import node_def_pb2
+        from graph_rewriter.protos import node_def_pb2
         if name in self._nodes:
             raise GraphRewriteError(f"{self.source}: a node named '{name}' already exists")
         if shared_def is not None:

@@ -7,12 +7,11 @@ List arguments (``number_attr`` or ``type_list_attr``) are passed as python list
 """
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2, node_def_pb2
-from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
-from graph_rewriter import opdefs
+from graph_rewriter import dtypes, opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Tensor
+from graph_rewriter.protos import attr_value_pb2, node_def_pb2, tensor_shape_pb2
 
 
 def dtype_of(tensor):
@@ -24,7 +23,7 @@ def _attr_value(value):
     if isinstance(value, attr_value_pb2.AttrValue):
         return value
     a = attr_value_pb2.AttrValue()
-    if isinstance(value, dtypes.DType):
+    if hasattr(value, "as_datatype_enum"):   # a DType, ours or TensorFlow's
         a.type = value.as_datatype_enum
     elif isinstance(value, bool):
         a.b = value
@@ -35,7 +34,7 @@ def _attr_value(value):
     elif isinstance(value, (str, bytes)):
         a.s = value.encode() if isinstance(value, str) else value
     elif isinstance(value, (list, tuple)):
-        if all(isinstance(v, dtypes.DType) for v in value):
+        if all(hasattr(v, "as_datatype_enum") for v in value):
             a.list.type.extend(v.as_datatype_enum for v in value)
         elif all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             a.list.i.extend(value)
@@ -57,7 +56,7 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     ``replica`` (an index, or ir.GLOBAL) says which replica the node belongs to when its
     inputs do not tell.
     """
-    od = op_def_registry.get(op_type)
+    od = opdefs.registered_op(op_type)
     if od is None:
         raise GraphRewriteError(f"op '{op_type}' is not registered in this TensorFlow")
     given = dict(attrs or {})
@@ -136,7 +135,7 @@ def _template_key(op_type, values):
 
 
 def _hashable(v):
-    if isinstance(v, dtypes.DType):
+    if hasattr(v, "as_datatype_enum"):
         return ("dtype", v.as_datatype_enum)
     if isinstance(v, (bool, int, float, str, bytes)):
         return (type(v).__name__, v)
@@ -153,7 +152,7 @@ def _const_attrs(value, dtype):
     key = (dt.as_datatype_enum, repr(value))
     hit = _CONSTS.get(key)
     if hit is None:
-        proto = tensor_util.make_tensor_proto(np.asarray(value, dtype=dt.as_numpy_dtype), dtype=dt)
+        proto = dtypes.make_tensor_proto(np.asarray(value, dtype=dt.as_numpy_dtype), dt)
         hit = node_def_pb2.NodeDef()
         hit.attr["dtype"].CopyFrom(_attr_value(dt))
         hit.attr["value"].CopyFrom(attr_value_pb2.AttrValue(tensor=proto))
@@ -196,7 +195,6 @@ def own_op(var, suffix, op_type):
 
 def shape_attr(shape):
     """An AttrValue holding a TensorShapeProto (None: unknown rank; -1: unknown dim)."""
-    from tensorflow.core.framework import tensor_shape_pb2
     proto = tensor_shape_pb2.TensorShapeProto()
     if shape is None:
         proto.unknown_rank = True
@@ -213,7 +211,6 @@ def out(node, index=0):
 def dedup_rows(graph, scope, values, indices, device):
     """(summed values, unique indices): how TensorFlow's optimizers deduplicate the rows
     of an IndexedSlices gradient (Unique, then UnsortedSegmentSum by position)."""
-    from tensorflow.python.framework import dtypes
     unique = make_op(graph, "Unique", f"{scope}/unique", [indices], attrs={"out_idx": dtypes.int64},
                      device=device)
     count = make_op(graph, "Size", f"{scope}/count", [unique.output(0)], attrs={"out_type": dtypes.int64},

@@ -2,7 +2,8 @@
 output counts and dtypes, statefulness, and which devices have a kernel for it.
 
 Positions are computed from the OpDef (an argument can expand to several inputs through
-``number_attr`` or ``type_list_attr``), never from hand-written tables. Calls of library
+``number_attr`` or ``type_list_attr``), never from hand-written tables: from the registry
+itself, or from the tables tools/gen_tf_tables.py generated from it. Calls of library
 functions are resolved through the function's signature.
 """
 
@@ -10,20 +11,85 @@ import functools
 import json
 import os
 
-from tensorflow.core.framework import types_pb2
-from tensorflow.python.framework import kernels, op_def_registry
-
+from graph_rewriter import protos
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.protos import types_pb2
 
 DT_RESOURCE = types_pb2.DT_RESOURCE
 DT_VARIANT = types_pb2.DT_VARIANT
 DT_STRING = types_pb2.DT_STRING
 _REF_OFFSET = 100  # DT_FLOAT_REF = DT_FLOAT + 100
 
+_DATA = os.path.join(os.path.dirname(__file__), "data")
+_OP_TABLE = os.path.join(_DATA, "op_defs.pb")
+_CPU_TABLE = os.path.join(_DATA, "cpu_kernels.json")
+_GPU_TABLE = os.path.join(_DATA, "gpu_kernels.json")
+
+
+# ----- where the facts come from: the live registry, or the tables ---------------------
+# With TensorFlow imported (protos.USING_TENSORFLOW), its own registries answer: they
+# know the ops that libraries loaded with tf.load_op_library register. Without it, the
+# tables tools/gen_tf_tables.py generated from TensorFlow answer, so that the CLI and a
+# TensorFlow-free install rewrite without the 4 s import.
+
+@functools.lru_cache(maxsize=None)
+def _op_table():
+    with open(_OP_TABLE, "rb") as f:
+        ops = protos.op_def_pb2.OpList.FromString(f.read())
+    return {od.name: od for od in ops.op}
+
+
+@functools.lru_cache(maxsize=None)
+def _lookup():
+    if protos.USING_TENSORFLOW:
+        from tensorflow.python.framework import op_def_registry
+        return op_def_registry.get
+    return _op_table().get
+
+
+def registered_op(op):
+    """The OpDef TensorFlow registers for ``op`` (live registry or shipped table), or None."""
+    return _lookup()(op)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_table(path):
+    with open(path) as f:
+        return json.load(f)["kernels"]
+
+
+def live_op_list():
+    """Every op the imported TensorFlow registers, as an OpList (for gen_tf_tables.py)."""
+    from tensorflow.core.framework import op_def_pb2
+    from tensorflow.python.client import pywrap_tf_session
+    return op_def_pb2.OpList.FromString(pywrap_tf_session.TF_GetBuffer(pywrap_tf_session.TF_GetAllOpList()))
+
+
+def live_tensorflow_version():
+    import tensorflow as tf
+    return tf.__version__
+
+
+def registered_kernels(device_types):
+    """{op: [kernel, ...]} where a kernel is {constraint attr: [allowed dtype enums]}: the
+    kernels the imported TensorFlow registers for ``device_types`` ("CPU", "GPU",
+    "DEFAULT"), as the kernel tables ship them."""
+    from tensorflow.python.framework import kernels
+    table = {}
+    for k in kernels.get_all_registered_kernels().kernel:
+        if k.device_type not in device_types:
+            continue
+        constraints = {c.name: sorted(c.allowed_values.list.type) for c in k.constraint
+                       if c.allowed_values.list.type}
+        entry = table.setdefault(k.op, [])
+        if constraints not in entry:
+            entry.append(constraints)
+    return table
+
 
 def op_def(op, library=None):
     """The OpDef of a registered op, or the signature of a library function, or None."""
-    od = op_def_registry.get(op)
+    od = registered_op(op)
     if od is not None:
         return od
     if library is not None:
@@ -37,10 +103,11 @@ def require_op_def(node):
     od = op_def(node.op, node.graph.library)
     if od is None:
         raise GraphRewriteError(
-            f"{node.graph.source}: node '{node.name}' uses op '{node.op}', which this TensorFlow "
+            f"{node.graph.source}: node '{node.name}' uses op '{node.op}', which "
+            f"{'this TensorFlow' if protos.USING_TENSORFLOW else 'TensorFlow (the op table shipped with graph_rewriter)'} "
             f"does not know and the graph's function library does not define",
-            hint="load the library that registers the op (tf.load_op_library) before rewriting, "
-                 "or check that the graph was written by a compatible TensorFlow")
+            hint="import TensorFlow and load the library that registers the op (tf.load_op_library) "
+                 "before rewriting in Python, or check that the graph was written by a compatible TensorFlow")
     return od
 
 
@@ -89,7 +156,7 @@ class _ArgInfo:
 
 @functools.lru_cache(maxsize=None)
 def _signature_attrs(op):
-    od = op_def_registry.get(op)
+    od = registered_op(op)
     names = set()
     for arg in list(od.input_arg) + list(od.output_arg):
         for a in (arg.number_attr, arg.type_attr, arg.type_list_attr):
@@ -130,14 +197,14 @@ def arg_info(node):
 
 
 def _compute_info(node):
-    if op_def_registry.get(node.op) is None:
+    if registered_op(node.op) is None:
         return _ArgInfo(require_op_def(node), node.attr)
     attrs = node.attr
     key = (node.op,) + tuple(_attr_key(attrs[a]) if a in attrs else None
                              for a in _signature_attrs(node.op))
     info = _INFO_CACHE.get(key)
     if info is None:
-        info = _INFO_CACHE[key] = _ArgInfo(op_def_registry.get(node.op), attrs)
+        info = _INFO_CACHE[key] = _ArgInfo(registered_op(node.op), attrs)
     return info
 
 
@@ -191,52 +258,44 @@ def base_dtype(dt):
     return dt - _REF_OFFSET if dt > _REF_OFFSET else dt
 
 
-_GPU_TABLE = os.path.join(os.path.dirname(__file__), "data", "gpu_kernels.json")
-
-
 @functools.lru_cache(maxsize=None)
 def gpu_kernel_source():
-    """Where GPU kernel facts come from: "registry" when this TensorFlow build registers GPU
-    kernels, else "table". The tensorflow-cpu wheel registers none, yet rewriting for GPU
-    machines must work on CPU-only ones, so a table generated from a CUDA build ships with
-    the package (tools/gen_kernel_table.py)."""
+    """Where GPU kernel facts come from: "registry" when the imported TensorFlow build
+    registers GPU kernels, else "table". The tensorflow-cpu wheel registers none, yet
+    rewriting for GPU machines must work on CPU-only ones, so a table generated from a
+    CUDA build ships with the package (tools/gen_kernel_table.py)."""
+    if not protos.USING_TENSORFLOW:
+        return "table"
+    from tensorflow.python.framework import kernels
     live = kernels.get_registered_kernels_for_op("MatMul").kernel
     return "registry" if any(k.device_type == "GPU" for k in live) else "table"
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu_table():
-    with open(_GPU_TABLE) as f:
-        return json.load(f)["kernels"]
-
-
 def registered_gpu_kernels():
-    """(TensorFlow version, {op: [kernel, ...]}) where a kernel is {constraint attr:
-    [allowed dtype enums]}: the GPU and DEVICE_DEFAULT kernels this build registers, what
-    tools/gen_kernel_table.py writes as the shipped table (and the tests compare with it)."""
-    import tensorflow as tf
-
-    table = {}
-    for k in kernels.get_all_registered_kernels().kernel:
-        if k.device_type not in ("GPU", "DEFAULT"):
-            continue
-        constraints = {c.name: sorted(c.allowed_values.list.type) for c in k.constraint
-                       if c.allowed_values.list.type}
-        entry = table.setdefault(k.op, [])
-        if constraints not in entry:
-            entry.append(constraints)
-    return tf.__version__, table
+    """(TensorFlow version, {op: [kernel, ...]}): the GPU and DEVICE_DEFAULT kernels the
+    imported build registers, what tools/gen_kernel_table.py writes as the shipped table
+    (and the tests compare with it)."""
+    return live_tensorflow_version(), registered_kernels(("GPU", "DEFAULT"))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel_constraints(op, device_type):
     """The kernels registered for ``op`` on ``device_type`` or for DEVICE_DEFAULT, each as
     {attr: allowed dtypes}; an attr without a list of allowed dtypes is left out. For GPU
-    on a build without GPU kernels, the shipped table answers (it holds both kinds: the
-    CPU wheel registers a different set of DEVICE_DEFAULT kernels)."""
+    on a build without GPU kernels, the shipped GPU table answers (it holds both kinds:
+    the CPU wheel registers a different set of DEVICE_DEFAULT kernels); without
+    TensorFlow imported, the shipped CPU table answers for CPU."""
     if device_type == "GPU" and gpu_kernel_source() == "table":
         return tuple({name: frozenset(types) for name, types in k.items()}
-                     for k in _gpu_table().get(op, ()))
+                     for k in _kernel_table(_GPU_TABLE).get(op, ()))
+    if not protos.USING_TENSORFLOW:
+        if device_type != "CPU":
+            raise GraphRewriteError(
+                f"no kernel table for device type {device_type} ships with graph_rewriter",
+                hint="import TensorFlow before rewriting (its registry then answers), or place on CPU or GPU")
+        return tuple({name: frozenset(types) for name, types in k.items()}
+                     for k in _kernel_table(_CPU_TABLE).get(op, ()))
+    from tensorflow.python.framework import kernels
     return tuple({c.name: frozenset(c.allowed_values.list.type)
                   for c in k.constraint if c.allowed_values.list.type}
                  for k in kernels.get_registered_kernels_for_op(op).kernel
@@ -253,8 +312,8 @@ def _has_device_kernel(op, device_type, attr_items):
 @functools.lru_cache(maxsize=None)
 def allowed_types(op, attr):
     """The dtype names an op's type attr accepts, from its OpDef (all, if unconstrained)."""
-    from tensorflow.python.framework import dtypes
-    for a in op_def_registry.get(op).attr:
+    from graph_rewriter import dtypes
+    for a in registered_op(op).attr:
         if a.name == attr:
             return tuple(dtypes.as_dtype(t).name for t in a.allowed_values.list.type)
     raise GraphRewriteError(f"op {op} has no attr '{attr}'")
@@ -263,7 +322,7 @@ def allowed_types(op, attr):
 def has_kernel(node, device_type):
     """True if TensorFlow registers a kernel for this node on ``device_type`` (checking the
     kernel's dtype constraints). Function calls run wherever their caller runs."""
-    if op_def_registry.get(node.op) is None:
+    if registered_op(node.op) is None:
         return True  # a library function: its body's ops are placed when it runs
     info = _info(node)  # one per op and dtype attrs: shared by clones and equal nodes
     known = info.kernels.get(device_type)

@@ -175,7 +175,7 @@ def plan_inputs(analysis, batch_split, num_replicas):
 
 
 def dtype_name(enum):
-    from tensorflow.python.framework import dtypes
+    from graph_rewriter import dtypes
     return dtypes.as_dtype(enum).base_dtype.name
 
 

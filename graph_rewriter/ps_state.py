@@ -3,8 +3,7 @@ state, shared by the passes that build it and the code that reads it (between-gr
 workers find it by these names), and how such state is created and reset with the run's
 init and restore ops."""
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter.op_builder import const, make_op, shape_attr
 from graph_rewriter.traversal import descendants
 

@@ -23,11 +23,11 @@ Python per node.
 import array
 
 import numpy as np
-from tensorflow.core.framework import node_def_pb2
 
 from graph_rewriter import opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import COLOCATION_ATTR, UNKNOWN_REPLICA, Node
+from graph_rewriter.protos import node_def_pb2
 from graph_rewriter.wire import attrs_bytes, colocation_entry, string_field, varint
 
 PREFIX, INDEX, DEVICE, HOST = range(4)   # kinds of hole

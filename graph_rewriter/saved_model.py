@@ -17,10 +17,10 @@ import tempfile
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
-from tensorflow.core.protobuf import meta_graph_pb2
-from tensorflow.core.protobuf import saved_model_pb2
 
+from graph_rewriter import opdefs, protos
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.protos import graph_pb2, meta_graph_pb2, op_def_pb2, saved_model_pb2
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 # what a SavedModel directory holds besides saved_model.pb, copied unchanged on output
@@ -192,8 +192,32 @@ def meta_graph_with(meta_graph, graph_def):
     out = meta_graph_pb2.MetaGraphDef()
     if meta_graph is not None:
         out.CopyFrom(meta_graph)
-    out.graph_def.CopyFrom(graph_def)
+    out.graph_def.CopyFrom(protos.as_class(graph_def, graph_pb2.GraphDef))   # ours or TensorFlow's class
     if out.meta_info_def.HasField("stripped_op_list"):
-        from tensorflow.python.framework import meta_graph as tf_meta_graph
-        out.meta_info_def.stripped_op_list.CopyFrom(tf_meta_graph.stripped_op_list_for_graph(graph_def))
+        out.meta_info_def.stripped_op_list.CopyFrom(stripped_op_list(graph_def))
     return out
+
+
+def stripped_op_list(graph_def):
+    """The OpList of the registered ops ``graph_def`` uses, in its nodes and in the library
+    functions they call (directly or through PartitionedCall's ``f``), sorted by name: what
+    tf.compat.v1.train.export_meta_graph records as ``stripped_op_list``."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    used, pending = set(), []
+
+    def use(node):
+        names = [node.op]
+        if node.op in ("PartitionedCall", "StatefulPartitionedCall"):
+            names.append(node.attr["f"].func.name)
+        for name in names:
+            if name not in used and name in functions:
+                pending.append(functions[name])
+            used.add(name)
+
+    for node in graph_def.node:
+        use(node)
+    while pending:
+        for node in pending.pop().node_def:
+            use(node)
+    found = (opdefs.registered_op(op) for op in sorted(used - set(functions)))
+    return op_def_pb2.OpList(op=[od for od in found if od is not None])

@@ -10,8 +10,13 @@ inference on a scratch tf.Graph holding the tensors' ancestors. Two questions:
 - ``static_shapes``: the static shapes of a few outputs (is it a scalar? is its first
   dimension the batch?), for the merge_outputs pass, which merges a user's outputs in
   the graph as ``Session`` merges them in Python.
+
+TensorFlow is imported here when it is installed and not yet imported (the CLI does
+not import it otherwise). Without TensorFlow, both answer "unknown": rows per example
+unknown in the plan, outputs left to ``Session`` to merge.
 """
 
+from graph_rewriter import protos, tf_runtime
 from graph_rewriter.traversal import ancestors
 
 
@@ -36,14 +41,20 @@ def rows_per_example(tensor, batch_inputs, max_nodes=2000):
     return one
 
 
-def _static_rows(tensor, region, batch_nodes, batch):
-    import tensorflow as tf
+def _tensorflow():
+    """TensorFlow, or None when it is not installed."""
+    return tf_runtime.import_tensorflow("shape inference") if tf_runtime.installed() else None
 
+
+def _static_rows(tensor, region, batch_nodes, batch):
+    tf = _tensorflow()
+    if tf is None:
+        return None
     gd = _graph_def(tensor.node.graph, region, batch_nodes, batch, controls=True)
     scratch = tf.Graph()
     try:
         with scratch.as_default():
-            tf.compat.v1.import_graph_def(gd, name="")
+            tf.compat.v1.import_graph_def(protos.as_class(gd, tf.compat.v1.GraphDef), name="")
         shape = scratch.get_tensor_by_name(tensor.name).shape
     except (ValueError, TypeError, KeyError, tf.errors.OpError):
         return None
@@ -58,10 +69,9 @@ def static_shapes(tensors, max_nodes=20000):
     rank is left out. One scratch graph holds the data ancestors of them all (control
     edges do not change shapes); more than ``max_nodes`` of them, or a region TensorFlow
     cannot import, gives {} (nothing known) rather than a long import."""
-    import tensorflow as tf
-
     tensors = list(tensors)
-    if not tensors:
+    tf = _tensorflow() if tensors else None
+    if tf is None:
         return {}
     region = ancestors([t.node for t in tensors], data_only=True) | {t.node for t in tensors}
     if len(region) > max_nodes:
@@ -70,7 +80,7 @@ def static_shapes(tensors, max_nodes=20000):
     scratch = tf.Graph()
     try:
         with scratch.as_default():
-            tf.compat.v1.import_graph_def(gd, name="")
+            tf.compat.v1.import_graph_def(protos.as_class(gd, tf.compat.v1.GraphDef), name="")
     except (ValueError, TypeError, KeyError, tf.errors.OpError):
         return {}
     out = {}
@@ -84,9 +94,7 @@ def static_shapes(tensors, max_nodes=20000):
 def _graph_def(graph, region, batch_nodes, batch, controls):
     """A GraphDef of the ``region`` of ``graph`` (with its function library); the batch
     inputs among ``batch_nodes`` get a first dimension of ``batch``."""
-    from tensorflow.core.framework import graph_pb2
-
-    gd = graph_pb2.GraphDef()
+    gd = protos.graph_pb2.GraphDef()
     if graph.library is not None:
         gd.library.CopyFrom(graph.library)
     for n in [n for n in graph if n in region]:   # import_graph_def takes any order

@@ -126,7 +126,7 @@ def load_plan(path):
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UsageError(f"{path}: not a plan JSON file ({e})") from None
         return PlanView(data, path)
-    from graph_rewriter.cli import import_tensorflow_quietly
+    from graph_rewriter.tf_runtime import import_tensorflow_quietly
     import_tensorflow_quietly()
     from graph_rewriter.api import load
     try:
@@ -381,7 +381,7 @@ CAL_TINY = 1                # one float32: 4 B
 
 def _quiet_tf():
     """TensorFlow in graph mode, imported without its start-up log lines."""
-    from graph_rewriter.cli import import_tensorflow_quietly
+    from graph_rewriter.tf_runtime import import_tensorflow_quietly
     import_tensorflow_quietly()
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()

@@ -1,9 +1,8 @@
 """Protobuf wire-format primitives for writing serialized GraphDefs directly (the
 export assembles bytes instead of building message objects; see graph_io)."""
 
-from tensorflow.core.framework import attr_value_pb2, node_def_pb2
-
 from graph_rewriter.ir import COLOCATION_ATTR
+from graph_rewriter.protos import attr_value_pb2, node_def_pb2
 
 
 def encode_varint(n):

@@ -37,7 +37,7 @@ gradients_applied``), which the sync_queues pass makes the worker wait for. Asyn
 training (sync=False) uses no accumulator: each replica applies its own gradient.
 """
 
-from tensorflow.python.framework import dtypes
+from graph_rewriter import dtypes
 
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr

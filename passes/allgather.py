@@ -16,8 +16,7 @@ update is not linear: Adagrad, Ftrl, Adam), giving exactly the one-device update
 An optimizer that did not deduplicate keeps every row, in replica order.
 """
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter.collectives import SPARSE_BUCKETS, all_gather, group_key, sparse_instance_keys
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass

@@ -16,8 +16,7 @@ BatchNorm moving statistics and other batch-dependent state updates are packed a
 averaged the same way.
 """
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter.analysis import variable_of
 from graph_rewriter.collectives import all_reduce_mean, dense_instance_key, group_key
 from graph_rewriter.errors import GraphRewriteError

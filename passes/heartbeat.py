@@ -14,8 +14,7 @@ Values are compared with the peer's own earlier values, never with this machine'
 clock, so clock skew between machines does not matter.
 """
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter.health import LEFT, SCOPE, task_label
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op, shape_attr

@@ -40,8 +40,7 @@ mean of every worker's would need a collective in the fetch). The merge runs on 
 graph's global device (the host CPU), like the batch split.
 """
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter import opdefs, shape_probe
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL, Tensor, split_tensor_name

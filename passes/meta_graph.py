@@ -33,14 +33,13 @@ summaries, losses, global_step, update_ops, cond and while contexts) name replic
 or the merged nodes and stay.
 """
 
-from tensorflow.core.framework import variable_pb2
-from tensorflow.core.protobuf import meta_graph_pb2, saver_pb2
-
 from graph_rewriter.collectives import BROADCAST_VARIABLES
 from graph_rewriter.ir import GLOBAL, split_tensor_name
 from graph_rewriter.op_builder import const, make_op, own_op
 from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.protos import meta_graph_pb2, saver_pb2
+from graph_rewriter.protos import variable_pb2
 from graph_rewriter.ps_state import INIT_BARRIER
 
 RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
@@ -380,5 +379,5 @@ def _report_uninitialized(graph, name, variables, made):
 
 
 def _base(enum):
-    from tensorflow.python.framework import dtypes
+    from graph_rewriter import dtypes
     return dtypes.as_dtype(enum if enum < 100 else enum - 100)

@@ -23,8 +23,8 @@ the sums are reset by the init op and by a checkpoint restore.
 """
 
 import numpy as np
-from tensorflow.python.framework import dtypes
 
+from graph_rewriter import dtypes
 from graph_rewriter.analysis import variable_of, written_variables
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL

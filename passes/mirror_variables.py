@@ -25,13 +25,12 @@ MonitoredTrainingSession's local init op, which the emitted collections name), i
 makes every replica equal to the chief's restored or initialized variables.
 """
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter import opdefs
-from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, PASS_THROUGH
 from graph_rewriter.collectives import BROADCAST_VARIABLES, broadcast_recv, broadcast_send, group_key, init_instance_key
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, PASS_THROUGH
 from graph_rewriter.pass_manager import Pass
 
 

@@ -23,14 +23,13 @@ output carries it. The later passes see an ordinary Saver: the variable passes k
 restore writing every replica, the parameter-server shards and their readers.
 """
 
-from tensorflow.core.framework import variable_pb2
-from tensorflow.core.protobuf import meta_graph_pb2, saver_pb2
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter import graph_io
 from graph_rewriter.op_builder import const, make_op, own_op, shape_attr
 from graph_rewriter.op_vocabulary import VARIABLE_OPS
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.protos import meta_graph_pb2, saver_pb2
+from graph_rewriter.protos import variable_pb2
 
 
 class SaverPass(Pass):

@@ -16,8 +16,7 @@ so embedding lookups and checkpoints still use the original name and shapes. Row
 goes to the part whose range holds it ("div" partitioning, like tf.nn.embedding_lookup's).
 """
 
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter import opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dtype_of, make_op, shape_attr

@@ -37,10 +37,9 @@ ShardDataset(num_workers, worker index) goes in front of every batching dataset 
 worker k batches elements k, k+W, k+2W, ...
 """
 
-from tensorflow.core.framework import attr_value_pb2
-
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.protos import attr_value_pb2
 
 BATCH_DATASETS = frozenset(("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
                             "PaddedBatchDatasetV2", "ParallelBatchDataset"))
@@ -159,7 +158,7 @@ def _equal_rows(graph, rm, node, draws):
     dynamic = [i for i, s in enumerate(shapes) if not s.unknown_rank and s.dim and s.dim[0].size < 0]
     if not dynamic or len(draws) < 2:
         return []
-    from tensorflow.python.framework import dtypes
+    from graph_rewriter import dtypes
     host = rm.global_device
     i, scope = dynamic[0], f"{node.name}/equal_rows"
 

@@ -29,14 +29,13 @@ abort whatever of the other worker's step is still waiting there ("Aborted: Clea
 <step id>"). After the barrier nobody has anything left on the ps.
 """
 
-from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
-from tensorflow.python.framework import dtypes
-
+from graph_rewriter import dtypes
 from graph_rewriter.analysis import written_variables
 from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key, host_group
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.protos import attr_value_pb2, tensor_shape_pb2
 from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, TOKENS, WORKER_STEP,
                                      TAKES, restore_region, shared_name, step_takes)
 from graph_rewriter.traversal import descendants, is_back_edge

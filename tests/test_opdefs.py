@@ -41,7 +41,7 @@ def test_shipped_table_matches_the_live_gpu_registry():
     if opdefs.gpu_kernel_source() != "registry":
         pytest.skip("this TensorFlow registers no GPU kernels (tensorflow-cpu): the table is in use")
     _, live = opdefs.registered_gpu_kernels()
-    shipped = opdefs._gpu_table()
+    shipped = opdefs._kernel_table(opdefs._GPU_TABLE)
     canon = lambda kernels: sorted(sorted(k.items()) for k in kernels)  # noqa: E731
     differing = sorted(op for op in set(live) | set(shipped) if canon(live.get(op, [])) != canon(shipped.get(op, [])))
     assert not differing, f"regenerate graph_rewriter/data/gpu_kernels.json: {differing[:10]}"

@@ -54,4 +54,5 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     assert zipfile.ZipFile(out / wheel).read(top_level).decode().split() == ["graph_rewriter"]
     passes = sorted(n for n in names if n.startswith("graph_rewriter/passes/"))
     assert "graph_rewriter/passes/__init__.py" in passes and "graph_rewriter/passes/allreduce.py" in passes
-    assert "graph_rewriter/data/gpu_kernels.json" in names
+    for table in ("gpu_kernels.json", "cpu_kernels.json", "op_defs.pb", "tf_protos.pb"):
+        assert f"graph_rewriter/data/{table}" in names   # rewriting without TensorFlow needs them

@@ -10,6 +10,10 @@ the SHA-256 of the emitted bytes (or the error message, for a combination the gr
 refuses; each rewrite runs twice, and a rewrite whose two outputs differ is
 reported as nondeterministic). Prints every difference with the first nodes that differ and exits 1 if any.
 
+This tree rewrites without TensorFlow (the shipped protos and op tables) unless
+--import-tensorflow is given, when it imports TensorFlow first and uses its protos and
+live registries: run both to show that the two give the same bytes.
+
 With --ignore-passes-run the metadata's list of the passes that ran is left out of
 the comparison (and the pass names out of error messages), for a change that only
 changes which passes a plan runs.
@@ -121,8 +125,12 @@ def _error_without_passes_run(message):
     return re.sub(r" \((?:passes run|after)[^)]*\)", "", message)
 
 
-def emit(in_dir, out_path, keep_dir=None, ignore_passes_run=False):
-    """Rewrites every input under every config; writes {input/config: sha256 or error}."""
+def emit(in_dir, out_path, keep_dir=None, ignore_passes_run=False, import_tensorflow=False):
+    """Rewrites every input under every config; writes {input/config: sha256 or error}.
+    graph_rewriter rewrites without TensorFlow unless it was imported first
+    (``import_tensorflow``): then TensorFlow's protos and registries are used."""
+    if import_tensorflow:
+        import tensorflow  # noqa: F401
     import graph_rewriter as gr
     results = {}
     for file in sorted(os.listdir(in_dir)):
@@ -207,7 +215,8 @@ def compare(rev, work):
         code = _stage(root, os.path.join(work, "code_" + label))
         env = dict(os.environ, PYTHONPATH=code)
         subprocess.run([sys.executable, os.path.abspath(__file__), "emit", inputs, out, "--keep", keep]
-                       + (["--ignore-passes-run"] if ARGS.ignore_passes_run else []),
+                       + (["--ignore-passes-run"] if ARGS.ignore_passes_run else [])
+                       + (["--import-tensorflow"] if ARGS.import_tensorflow and label == "after" else []),
                        cwd=code, env=env, check=True)
         runs[label] = json.load(open(out))
     before, after = runs["before"], runs["after"]
@@ -273,6 +282,9 @@ def main():
     c.add_argument("rev")
     c.add_argument("--work")
     c.add_argument("--keras", action="store_true", help="also a Keras ResNet50 (needs tf_keras)")
+    c.add_argument("--import-tensorflow", action="store_true",
+                   help="this tree's rewrites import TensorFlow first (its protos and live registries) "
+                        "instead of rewriting without it")
     c.add_argument("--ignore-passes-run", action="store_true",
                    help="compare outputs with the metadata's list of passes run left out (and "
                         "errors without the passes they name), for a change of which passes run")
@@ -290,11 +302,12 @@ def main():
     e.add_argument("out")
     e.add_argument("--keep")
     e.add_argument("--ignore-passes-run", action="store_true")
+    e.add_argument("--import-tensorflow", action="store_true")
     ARGS = p.parse_args()
     if ARGS.cmd == "inputs":
         print("\n".join(build_inputs(ARGS.dir, keras=ARGS.keras)))
     elif ARGS.cmd == "emit":
-        emit(ARGS.dir, ARGS.out, ARGS.keep, ARGS.ignore_passes_run)
+        emit(ARGS.dir, ARGS.out, ARGS.keep, ARGS.ignore_passes_run, ARGS.import_tensorflow)
     elif ARGS.cmd == "time":
         time_revisions(ARGS.rev, ARGS.graph, [int(r) for r in ARGS.replicas.split(",")], ARGS.rounds,
                        ARGS.work)

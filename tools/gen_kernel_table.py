@@ -15,7 +15,6 @@ and the CPU wheel registers a different set of them:
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,18 +27,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the table")
     args = parser.parse_args(argv)
+    from gen_tf_tables import write_kernel_table   # this folder is on sys.path when run as a script
     from graph_rewriter.opdefs import registered_gpu_kernels
     version, table = registered_gpu_kernels()
     if "MatMul" not in table:
         print("gen_kernel_table: this TensorFlow registers no GPU kernels (tensorflow-cpu?); "
               "install the 'tensorflow' wheel, which is built with CUDA", file=sys.stderr)
         return 2
-    lines = [f'  "{op}": {json.dumps(sorted(table[op], key=json.dumps), sort_keys=True)}'
-             for op in sorted(table)]
-    text = '{\n  "tensorflow": "%s",\n  "kernels": {\n  %s\n  }\n}\n' % (version, ",\n  ".join(lines))
-    json.loads(text)  # the hand-assembled text must still be JSON
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_kernel_table(args.out, version, table)
     print(f"wrote {len(table)} ops, {sum(map(len, table.values()))} GPU kernels "
           f"(TensorFlow {version}) to {os.path.normpath(args.out)}")
     return 0

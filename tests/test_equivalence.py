@@ -16,6 +16,9 @@ computed once and shared by its R cases. The default run takes R in {2, 4} for e
 optimizer and R=1 for a representative subset (sgd, adam, adagrad, ftrl and their Keras
 counterparts, dense and sparse); ``-m slow`` adds R=1 for the other optimizers.
 
+The replicas are CPU:0..R-1; with GRAPH_REWRITER_TEST_DEVICE=GPU they are GPU:0..R-1 (see
+``_device``; tools/gpu_readiness.py runs this module so on real GPUs).
+
 BatchNorm is different (see test_batchnorm_*): each replica normalises with its own
 shard's statistics, so losses differ from one device; the defined behaviour is that every
 replica's moving statistics get the single-device update computed with the MEAN of the
@@ -42,6 +45,8 @@ KERAS = models.OPTIMIZERS_KERAS
 REPRESENTATIVE_V1 = ("sgd", "adam", "adagrad", "ftrl")
 REPRESENTATIVE_KERAS = ("keras_sgd", "keras_adam", "keras_adagrad", "keras_ftrl")
 
+DEVICE = harness.device_type()   # "CPU"; "GPU" with GRAPH_REWRITER_TEST_DEVICE=GPU
+
 # Exhaustive variants belong to the full run; the quick run (-m "not slow") leaves them out.
 slow = [pytest.mark.slow]
 
@@ -65,6 +70,16 @@ def _split_cases(models, optimizers, representative, resources):
                     else:
                         exhaustive.append(case)
     return quick + _mark(exhaustive, slow)
+
+
+def _device(replicas):
+    """The device type a test rewrites ``replicas`` replicas for: DEVICE. On GPUs, a case
+    with more replicas than this machine has GPUs is skipped (GPU:R-1 must exist); on CPUs
+    the session creates the virtual devices, so every case runs."""
+    gpus = len(tf.config.list_physical_devices("GPU")) if DEVICE == "GPU" else 0
+    if DEVICE == "GPU" and replicas > gpus:
+        pytest.skip(f"{replicas} GPU replicas, this machine has {gpus} GPUs")
+    return DEVICE
 
 
 def _case_id(value):
@@ -91,13 +106,14 @@ def _step_counter_name(ex):
 
 
 def check_equivalence(model, optimizer, resource, replicas, **options):
+    device = _device(replicas)
     ex, initial, losses, final = _reference(model, optimizer, resource, tuple(sorted(options.items())))
     # The reference trained: the loss is finite and weights moved, so equality means something.
     assert np.all(np.isfinite(losses)), losses
     moved = [n for n in final if not np.array_equal(final[n], initial[n])]
     assert len(moved) >= 2, f"single-device run of {model}/{optimizer} changed only {moved}"
 
-    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type=device)
     assert result.num_replicas == replicas
     got_losses, got = harness.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH,
                                              replica_copies=True)
@@ -173,7 +189,7 @@ def test_sparse_with_steady_shard_sizes(model, optimizer, resource, replicas):
     ex = models.build(model, optimizer, resource=resource)
     feeds = _steady_ids(ex, replicas)
     losses, want = harness.run_single(ex, steps=STEPS, batch_size=BATCH, feeds=feeds)
-    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type=_device(replicas))
     got_losses, got = harness.run_rewritten(result, ex, steps=STEPS, batch_size=BATCH, feeds=feeds)
     np.testing.assert_allclose(got_losses, losses, rtol=RTOL, atol=ATOL)
     for name in want:
@@ -267,7 +283,7 @@ def test_batchnorm_moving_statistics(replicas, resource, update_ops):
     # The variance of replica means differs from the batch variance: the test can tell.
     assert not np.allclose(want_variance, single["bn/moving_variance"], rtol=RTOL, atol=ATOL)
 
-    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type=_device(replicas))
     values = _read_replicas(result, ex, ["bn/moving_mean", "bn/moving_variance"], 1,
                             lambda step: ex.batch(step, BATCH))
     for prefix in result.metadata["replica_prefixes"]:
@@ -282,7 +298,7 @@ def test_batchnorm_replicas_stay_identical(replicas):
     """Over several steps the replicas' statistics and weights stay equal to each other,
     and the step counter advances once per step."""
     ex, *_ = _reference("batchnorm", "adam", True)
-    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type=_device(replicas))
     names = list(ex.variables)
     values = _read_replicas(result, ex, names, STEPS, lambda step: ex.batch(step, BATCH))
     prefixes = result.metadata["replica_prefixes"]

@@ -4,7 +4,8 @@ The contract of tests/test_equivalence.py, for ``strategy="ps"`` (every variable
 parameter server) and ``strategy="hybrid"`` (variables with sparse gradients and their
 slots on the parameter server, the others mirrored and all-reduced). With no cluster the
 parameter server is this machine's host CPU and the replicas are CPU:0..R-1
-(``device_type="CPU"``). After STEPS steps on the same global batches, the losses and
+(``device_type="CPU"``; GPU:0..R-1 with GRAPH_REWRITER_TEST_DEVICE=GPU, see
+test_equivalence._device). After STEPS steps on the same global batches, the losses and
 every final variable (weights, optimizer slots, step counters) equal the single-device
 run within float rounding; the step counter equals STEPS; a parameter-server variable
 exists once (no replica copy) and every mirrored variable's replica copies equal the
@@ -34,7 +35,7 @@ import graph_rewriter as gr
 from graph_rewriter.session import session_config
 from graph_rewriter.testing import harness, models
 
-from test_equivalence import (ATOL, BATCH, REPRESENTATIVE_V1, RTOL, STEPS, _case_id,
+from test_equivalence import (ATOL, BATCH, REPRESENTATIVE_V1, RTOL, STEPS, _case_id, _device,
                               _reference, _step_counter_name)
 
 V1 = models.OPTIMIZERS_V1
@@ -77,6 +78,7 @@ def _expected_on_ps(plan, strategy):
 
 
 def check_ps_equivalence(model, optimizer, resource, strategy, replicas, **options):
+    device = _device(replicas)
     ex, initial, losses, final = _reference(model, optimizer, resource, tuple(sorted(options.items())))
     # The reference trained: the loss is finite and weights moved, so equality means something.
     assert np.all(np.isfinite(losses)), losses
@@ -84,7 +86,7 @@ def check_ps_equivalence(model, optimizer, resource, strategy, replicas, **optio
     assert len(moved) >= 2, f"single-device run of {model}/{optimizer} changed only {moved}"
 
     result = gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=replicas,
-                        device_type="CPU")
+                        device_type=device)
     assert result.num_replicas == replicas
     plan = result.plan
     assert plan.strategy == strategy
@@ -191,7 +193,7 @@ def test_batchnorm_moving_statistics(resource, update_ops):
     # The variance of replica means differs from the batch variance: the test can tell.
     assert not np.allclose(want_variance, single["bn/moving_variance"], rtol=RTOL, atol=ATOL)
 
-    result = gr.rewrite(ex.graph_def, strategy="ps", devices_per_worker=replicas, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, strategy="ps", devices_per_worker=replicas, device_type=_device(replicas))
     values = _train_plain(result, ex, 1)
     assert not [n for n in values if n.startswith("replica_")], "ps variables were cloned"
     np.testing.assert_allclose(values["bn/moving_mean"], single["bn/moving_mean"],
@@ -204,7 +206,7 @@ def test_batchnorm_trains_with_one_step_counter():
     """Over several steps: one copy of every variable, the weights and statistics all
     move, and global_step advances once per step."""
     ex, initial, *_ = _reference("batchnorm", "adam", True)
-    result = gr.rewrite(ex.graph_def, strategy="ps", devices_per_worker=2, device_type="CPU")
+    result = gr.rewrite(ex.graph_def, strategy="ps", devices_per_worker=2, device_type=_device(2))
     values = _train_plain(result, ex, STEPS)
     assert set(values) == set(ex.variables)
     for name in ("hidden/kernel", "bn/gamma", "bn/moving_mean", "bn/moving_variance"):

@@ -51,6 +51,7 @@ from graph_rewriter.testing import real_models as rm
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
+from test_equivalence import _device
 
 STEPS = 12
 RTOL, ATOL = 1e-4, 1e-5
@@ -159,7 +160,9 @@ def _assert_copies_equal(what, result, ex, values):
 
 
 def _rewrite(ex, replicas, strategy):
-    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU",
+    """``ex`` rewritten for ``replicas`` CPU replicas (GPU ones with
+    GRAPH_REWRITER_TEST_DEVICE=GPU; test_equivalence._device)."""
+    result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type=_device(replicas),
                         strategy=strategy, timeout_seconds=TIMEOUT_SECONDS)
     assert result.num_replicas == replicas
     return result

@@ -1,6 +1,6 @@
 """Step time of emitted graphs: one device, the rewritten graph, tf.distribute.
 
-    python tools/bench_step.py [--replicas 2] [--steps 100] [--warmup 20]
+    python tools/bench_step.py [--replicas 2] [--steps 100] [--warmup 20] [--device-type CPU|GPU]
 
 The same model three ways, each in a fresh process, on this machine's CPU:
 
@@ -17,6 +17,10 @@ The same model three ways, each in a fresh process, on this machine's CPU:
 Prints median step times and the ratios the performance targets name
 (rewritten/one device, rewritten/MirroredStrategy). The figures in
 docs/performance.md come from this script.
+
+``--device-type GPU`` measures the same on GPUs instead: one device is GPU:0, the
+rewritten graph's replicas GPU:0..N-1, MirroredStrategy mirrors over /gpu:0..N-1
+(tools/gpu_readiness.py uses ``run_measure`` this way).
 """
 
 import argparse
@@ -70,15 +74,19 @@ def _time(run, batches, steps, warmup):
     return statistics.median(times)
 
 
-def measure(kind, replicas, steps, warmup):
+def measure(kind, replicas, steps, warmup, device_type="CPU"):
+    """Median seconds per step of one ``kind`` ("single", "rewritten", "mirrored",
+    "no_comm") in this process, its replicas on ``device_type`` ("CPU": logical CPUs;
+    "GPU": GPU:0..replicas-1)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
     batches = _batches(8)
     if kind == "mirrored":
-        cpus = tf.config.list_physical_devices("CPU")
-        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
+        if device_type == "CPU":
+            cpus = tf.config.list_physical_devices("CPU")
+            tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
         import tf_keras
-        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+        strategy = tf.distribute.MirroredStrategy([f"/{device_type.lower()}:{i}" for i in range(replicas)])
         with strategy.scope():
             model = tf_keras.Sequential([tf_keras.layers.Dense(HIDDEN, activation="relu") for _ in range(LAYERS)]
                                         + [tf_keras.layers.Dense(CLASSES, use_bias=False)])
@@ -110,7 +118,7 @@ def measure(kind, replicas, steps, warmup):
         sess = tf.compat.v1.Session(graph=graph)
     else:
         import graph_rewriter as gr
-        result = gr.rewrite(gd, devices_per_worker=replicas, device_type="CPU")
+        result = gr.rewrite(gd, devices_per_worker=replicas, device_type=device_type)
         if kind == "no_comm":
             _drop_collectives(result.graph_def)
         sess = gr.Session(result)
@@ -134,6 +142,18 @@ def _drop_collectives(graph_def):
             n.attr["T"].type = dtype
 
 
+def run_measure(kind, replicas, steps, warmup, device_type="CPU"):
+    """``measure`` in a fresh process (this script with --measure): median seconds per
+    step. A failed measurement raises RuntimeError with the end of its stderr."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(replicas),
+           "--steps", str(steps), "--warmup", str(warmup), "--device-type", device_type]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2)
@@ -142,10 +162,12 @@ def main():
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of (one device, rewritten, MirroredStrategy, no communication); ratios are per round, "
                         "then the median: the machine's speed drifts between processes")
+    p.add_argument("--device-type", choices=("CPU", "GPU"), default="CPU",
+                   help="where the replicas run (GPU: one device is GPU:0, the replicas GPU:0..N-1)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup)))
+        print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup, args.device_type)))
         return
     print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
     kinds = ("single", "rewritten", "mirrored", "no_comm")
@@ -153,13 +175,10 @@ def main():
     for r in range(args.rounds):
         results = {}
         for kind in kinds:
-            cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(args.replicas),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                                  env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-            if proc.returncode != 0:
-                raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-            results[kind] = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+            try:
+                results[kind] = run_measure(kind, args.replicas, args.steps, args.warmup, args.device_type)
+            except RuntimeError as e:
+                raise SystemExit(str(e)) from None
         rounds.append(results)
         print(f"round {r + 1}: " + ", ".join(f"{k} {results[k] * 1000:.1f} ms/step" for k in kinds), flush=True)
 

@@ -8,11 +8,50 @@ of the variables, so a test (or a user checking their own rewrite) can compare t
     losses2, values2 = run_rewritten(result, ex, steps=3)  # must be the same numbers
 
 Works with any ``graph_rewriter.testing.models.Example``, the zoo's or one built by hand.
+
+The equivalence tests rewrite for ``device_type()``: CPU replicas (CPU:0..R-1) unless the
+environment variable GRAPH_REWRITER_TEST_DEVICE=GPU puts them on GPU:0..R-1, which is how
+tools/gpu_readiness.py runs the same tests on a machine with GPUs.
 """
+
+import os
 
 import numpy as np
 
+from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.testing.models import BN_MOMENTUM
+
+# ----- the device the equivalence tests put replicas on ---------------------------------------
+
+DEVICE_ENV = "GRAPH_REWRITER_TEST_DEVICE"
+DEVICE_TYPES = ("CPU", "GPU")
+
+
+def device_type(environ=None):
+    """The device type the equivalence tests rewrite for: "CPU" by default (replicas on
+    CPU:0..R-1, the virtual CPU devices graph_rewriter.Session creates; runs anywhere),
+    "GPU" when the environment variable GRAPH_REWRITER_TEST_DEVICE is "GPU" (replicas on
+    GPU:0..R-1; what tools/gpu_readiness.py sets). Read at each call (test_equivalence.py
+    reads it once, at import); unset or empty means CPU, case is ignored, another value
+    raises GraphRewriteError. ``environ``: a mapping to read instead of os.environ."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(DEVICE_ENV, "").strip()
+    if not value:
+        return "CPU"
+    if value.upper() not in DEVICE_TYPES:
+        raise GraphRewriteError(f"{DEVICE_ENV}={value!r} is not a device type the tests know",
+                                hint="set it to GPU (replicas on GPU:0..R-1), or CPU or nothing (CPU replicas)")
+    return value.upper()
+
+
+def exact_float32():
+    """Turns TensorFloat-32 off for this process. On Ampere and later GPUs TensorFlow runs
+    float32 matmuls and convolutions with a 10-bit mantissa by default, so one device's whole
+    batch and the replicas' shards round differently by about 1e-3, far beyond the tests'
+    tolerance; with it off they agree as on CPUs. No effect on CPUs."""
+    import tensorflow as tf
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+
 
 # ----- running ------------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ def visible_gpus():
     """The number of GPUs this process's TensorFlow sees; GraphRewriteError when there are
     none or TensorFlow cannot use them (check_gpus), or when TensorFlow is missing.
     TensorFlow's start-up lines stay off stderr, which holds this script's one line."""
-    from graph_rewriter.cli import import_tensorflow_quietly
+    from graph_rewriter.tf_runtime import import_tensorflow_quietly
     try:
         import_tensorflow_quietly()
         import tensorflow as tf

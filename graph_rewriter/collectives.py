@@ -4,7 +4,9 @@ Keys derive from the plan and the devices alone, so every worker of a between-gr
 run computes the same keys without talking, and two different rewritten graphs on the
 same servers do not reuse each other's instance keys (which TensorFlow would mistake for
 one collective with mismatched shapes). Instances are numbered in one canonical order:
-the dense packs, then a block per sparse gradient, then the initial-value broadcasts.
+the dense packs, then a block per sparse gradient, then the initial-value broadcasts;
+the workers' barriers and the within-worker stages of hierarchical packs count down
+from the end of the rewrite's block.
 
 No collective carries its own ``timeout_seconds``: when that timer fires, TensorFlow
 aborts the server's whole collective executor, and every later collective on that server
@@ -54,9 +56,11 @@ def host_group(cluster):
 
 def instance_base(plan):
     """The first instance key of this rewrite: from the graph's fingerprint and what sets
-    the collectives' shapes (packs, gathered gradients, replica count)."""
+    the collectives' shapes (packs and their algorithm, gathered gradients, replica
+    count)."""
     shape = "|".join([plan.fingerprint, plan.strategy, str(plan.num_replicas), str(plan.compression)]
-                     + [f"{p.dtype}:{p.bytes}:{','.join(p.cuts)}" for p in plan.packs]
+                     + [f"{p.dtype}:{p.bytes}:{','.join(p.cuts)}" + (":hierarchical" if p.algorithm else "")
+                        for p in plan.packs]
                      + [f"{c.variable}:{c.sync}" for c in plan.cuts])
     return (_digest("instances|" + shape) % (1 << 17)) * _INSTANCE_SLOTS + 1
 
@@ -91,6 +95,25 @@ def barrier_instance_key(plan, kind, index):
     if index >= _BARRIERS:
         raise GraphRewriteError(f"more than {_BARRIERS} {kind} ops need a barrier between workers")
     return instance_base(plan) + _INSTANCE_SLOTS - 1 - index - (_BARRIERS if kind == "init" else 0)
+
+
+def worker_groups(group_devices, devices_per_worker):
+    """(each worker's devices, one device per worker): the groups of a hierarchical
+    all-reduce, from every replica in rank order (each worker's devices in turn)."""
+    d = devices_per_worker
+    return [group_devices[k:k + d] for k in range(0, len(group_devices), d)], group_devices[::d]
+
+
+def hierarchical_instance_keys(plan, pack_index):
+    """(within-worker reduce, within-worker broadcast) instance keys of a hierarchical
+    pack; its across-worker all-reduce takes the pack's dense key in the group of one
+    replica per worker. They count down below the barriers' keys, and must not reach the
+    keys counting up from the start."""
+    top = instance_base(plan) + _INSTANCE_SLOTS - 1 - 2 * _BARRIERS - 2 * pack_index
+    if top - 1 <= init_instance_key(plan, len(plan.packs)):   # past the initial values' keys
+        raise GraphRewriteError(f"too many packs ({len(plan.packs)}) for the hierarchical all-reduce's keys",
+                                hint="use larger packs (bytes_per_pack) or the flat all-reduce")
+    return top, top - 1
 
 
 def key_of(node, arg):
@@ -132,13 +155,13 @@ def broadcast_send(graph, scope, tensor, group_size, gkey, ikey, device, control
                    device=device, control_inputs=control_inputs)
 
 
-def broadcast_recv(graph, scope, shape, dtype, group_size, gkey, ikey, device):
+def broadcast_recv(graph, scope, shape, dtype, group_size, gkey, ikey, device, control_inputs=()):
     """CollectiveBcastRecvV2: the tensor the group's sender broadcasts."""
     inputs = _key_inputs(graph, scope, group_size, gkey, ikey, device) + [
         const(graph, f"{scope}/shape", shape, "int64", device)]
     return make_op(graph, "CollectiveBcastRecvV2", f"{scope}/receive", inputs,
                    attrs={"communication_hint": "auto", "timeout_seconds": 0.0},
-                   type_attrs={"T": dtype}, device=device)
+                   type_attrs={"T": dtype}, device=device, control_inputs=control_inputs)
 
 
 def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):

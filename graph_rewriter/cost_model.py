@@ -9,6 +9,11 @@ each way of synchronising it and the rewrite picks the cheapest:
   ``2 (n - 1) / n`` of the gradient's bytes over its ring link in ``2 (n - 1)`` messages;
   the messages' latency is shared by the gradients of one pack. With several machines
   the ring's slowest link, the NIC, sets the pace.
+* hierarchical allreduce (a pack's choice on several workers with several devices
+  each): a ring within each worker over its ``d`` devices, a ring across one replica per
+  worker over the NICs, then a broadcast back within each worker. The cross-machine ring
+  has ``w`` members instead of ``w d``: its ``2 (w - 1)`` messages replace the flat ring's
+  ``2 (w d - 1)``, for the price of two passes over the machine's bus.
 * allgather (sparse gradients, passes/allgather.py): every replica receives the other
   ``n - 1`` replicas' rows, padded to a power of two, values and ids.
 * ps (parameter servers, passes/accumulate.py): every replica pushes its gradient (a
@@ -138,6 +143,38 @@ def allreduce_cost(nbytes, topo, model, pack_bytes=None):
     share = 1.0 if not pack_bytes else min(1.0, nbytes / pack_bytes)
     moved = 2 * (n - 1) / n * nbytes
     return Cost(2 * (n - 1) * lat * share + moved / bw, int(moved), 2 * (n - 1))
+
+
+def hierarchical_cost(nbytes, topo, model, pack_bytes=None):
+    """A two-level all-reduce of ``nbytes``: ring within each worker, ring across one
+    replica per worker, broadcast back within the worker (the flat ring's cost when the
+    cluster has a single worker or a single device per worker)."""
+    w, d = topo.workers, topo.devices_per_worker
+    if w < 2 or d < 2 or not nbytes:
+        return allreduce_cost(nbytes, topo, model, pack_bytes)
+    share = 1.0 if not pack_bytes else min(1.0, nbytes / pack_bytes)
+    within = allreduce_cost(nbytes, Topology(1, d), model, pack_bytes)
+    across = allreduce_cost(nbytes, Topology(w, 1), model, pack_bytes)
+    back = (d - 1) * model.intra_latency * share + nbytes / model.intra_bandwidth
+    return Cost(within.seconds + across.seconds + back, across.bytes_per_link,
+                within.messages + across.messages + d - 1)
+
+
+def pack_cost(pack, topo, model):
+    """One pack's all-reduce, by the algorithm the plan gives it."""
+    if pack.algorithm == "hierarchical":
+        return hierarchical_cost(pack.bytes, topo, model)
+    return allreduce_cost(pack.bytes, topo, model)
+
+
+def choose_algorithms(plan, topo, model):
+    """Gives each pack the two-level all-reduce where the model predicts it cheaper than
+    the flat ring (only clusters of several workers with several devices each have two
+    levels); the others keep the flat ring (``algorithm`` None)."""
+    for pack in plan.packs:
+        flat = allreduce_cost(pack.bytes, topo, model).seconds
+        two_level = hierarchical_cost(pack.bytes, topo, model).seconds
+        pack.algorithm = "hierarchical" if two_level < flat * (1 - 1e-9) else None
 
 
 def allgather_cost(rows, row_bytes, index_bytes, topo, model):
@@ -271,7 +308,7 @@ def predict(plan, topo, model):
         result["seconds"] = 0.0
         return result
     for p in plan.packs:
-        c = allreduce_cost(p.bytes, topo, model)
+        c = pack_cost(p, topo, model)
         result["allreduce"] += c.seconds
         result["bytes"]["ring_link"] += c.bytes_per_link
     ps_load = [0.0] * max(topo.ps_tasks, 1)

@@ -113,7 +113,8 @@ def report(result, batch_size=None):
         "batch_inputs": md["batch_inputs"],
         "inputs": _inputs(md, nodes),
         "variables": variables,
-        "packs": [{"index": i, "dtype": p["dtype"], "bytes": p["bytes"], "gradients": p["cuts"]}
+        "packs": [{"index": i, "dtype": p["dtype"], "bytes": p["bytes"], "gradients": p["cuts"],
+                   **({"algorithm": p["algorithm"]} if p.get("algorithm") else {})}
                   for i, p in enumerate(plan["packs"])],
         "gradients": gradients, "collectives": collectives,
         "accumulators": accumulators,
@@ -283,7 +284,9 @@ def format_report(rep):
                      "(micro-batches), synchronised and applied on every last one")
     lines.append(f"packs ({len(rep['packs'])}):")
     for p in rep["packs"]:
-        lines.append(f"  pack {p['index']}: {p['dtype']}, {_size(p['bytes'])}, {len(p['gradients'])} gradient(s)")
+        two_level = ", hierarchical (within each worker, across the workers' first replicas, back)"
+        lines.append(f"  pack {p['index']}: {p['dtype']}, {_size(p['bytes'])}, {len(p['gradients'])} gradient(s)"
+                     + (two_level if p.get("algorithm") == "hierarchical" else ""))
     if rep["accumulators"]:
         lines.append(f"accumulators ({len(rep['accumulators'])}):")
         for a in rep["accumulators"]:

@@ -30,6 +30,7 @@ COMPRESSIONS = (None, "fp16", "bf16")
 MERGES = ("sum", "mean", "concat", "master")
 BATCH_SPLITS = ("global", "per_replica")
 COMMUNICATIONS = ("auto", "ring", "nccl")
+ALLREDUCE_ALGORITHMS = ("flat", "hierarchical", "auto")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_HEARTBEAT_SECONDS = 5.0
@@ -355,6 +356,16 @@ class Options:
         check=one_of(COMMUNICATIONS, "unknown communication {value!r}",
                      f"use one of {', '.join(COMMUNICATIONS)}"),
         cli=Flag("--communication", choices=COMMUNICATIONS))
+    allreduce_algorithm: typing.Optional[str] = option(
+        None, "How each pack is all-reduced across machines: flat is one ring over every "
+        "replica; hierarchical reduces within each worker, all-reduces across one replica per "
+        "worker and broadcasts back within the worker (fewer cross-machine messages: for many "
+        "workers with several devices each); auto lets the cost model choose per pack. A plan "
+        "can set it per pack.",
+        default_text="flat (strategy auto: auto)",
+        check=one_of((None,) + ALLREDUCE_ALGORITHMS, "unknown allreduce_algorithm {value!r}",
+                     f"use one of {', '.join(ALLREDUCE_ALGORITHMS)}"),
+        cli=Flag("--allreduce-algorithm", choices=ALLREDUCE_ALGORITHMS))
     sparse_as_dense: bool = option(
         False, "All-reduce sparse gradients as dense tensors instead of gathering their rows.",
         check=boolean("sparse_as_dense"),

@@ -52,6 +52,9 @@ class PackPlan:
     # the collective implementation the pack asks for ("auto", "ring", "nccl"); None:
     # the rewrite's communication option (absent from the JSON then)
     communication: str = None
+    # "hierarchical": reduced within each worker, all-reduced across one replica per
+    # worker, broadcast back within the worker; None: one flat ring (absent from the JSON)
+    algorithm: str = None
 
 
 @dataclasses.dataclass
@@ -163,6 +166,8 @@ class Plan:
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]
+            if p["algorithm"] is None:
+                del p["algorithm"]
         return d
 
     def input_plans(self):

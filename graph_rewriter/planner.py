@@ -45,6 +45,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
     _choose_communication(result, options)
+    _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
@@ -74,6 +75,32 @@ def _choose_communication(plan, options):
             raise GraphRewriteError(
                 f"the plan's pack {i} asks for communication 'nccl', which runs on GPUs, but "
                 "the replicas are CPU devices", hint="use 'ring' or 'auto' for CPU replicas")
+
+
+def _choose_algorithm(plan, options, topology):
+    """Each pack's all-reduce algorithm: the rewrite's ``allreduce_algorithm`` when given
+    ("auto": the cost model's choice per pack), else the plan's (strategy auto: the cost
+    model's; a given plan: its own), else the flat ring. The two-level all-reduce needs
+    two levels: several workers with several devices each."""
+    choice = options.allreduce_algorithm
+    if choice == "auto":
+        cost_model.choose_algorithms(plan, topology, options.cost_model or cost_model.CostModel())
+    elif choice is not None:
+        for pack in plan.packs:
+            pack.algorithm = "hierarchical" if choice == "hierarchical" else None
+    for i, pack in enumerate(plan.packs):
+        if pack.algorithm == "flat":
+            pack.algorithm = None
+        if pack.algorithm not in (None, "hierarchical"):
+            raise GraphRewriteError(f"the plan's pack {i} asks for algorithm {pack.algorithm!r}",
+                                    hint="use 'hierarchical', or 'flat' (or no algorithm) for one ring")
+        if pack.algorithm == "hierarchical" and (topology.workers < 2 or topology.devices_per_worker < 2):
+            who = "allreduce_algorithm 'hierarchical'" if choice == "hierarchical" else f"the plan's pack {i}"
+            raise GraphRewriteError(
+                f"{who} asks for the hierarchical all-reduce, which needs several workers with several "
+                f"devices each; this cluster has {topology.workers} worker(s) with "
+                f"{topology.devices_per_worker} device(s) each",
+                hint="use the flat all-reduce (allreduce_algorithm 'flat' or 'auto') on this cluster")
 
 
 HYBRID_WITHOUT_SPARSE = "hybrid: no sparse gradients, every variable is all-reduced"
@@ -264,6 +291,8 @@ def _auto_plan(plan, options, topology, can_use_ps):
                   for c in p.cuts if c.sync == "accumulate"}
         balance_ps(p, 0, shards)
         assign_packs(p, pack_bytes)
+        if options.allreduce_algorithm in (None, "auto"):
+            cost_model.choose_algorithms(p, topology, model)
         predicted = cost_model.predict(p, topology, model)
         p.cost = {"model": model.to_dict(), "topology": dataclasses.asdict(topology),
                   "choice": mode, "predicted": predicted}
@@ -316,8 +345,9 @@ def assign_packs(plan, bytes_per_pack):
     """Groups allreduced cuts into same-dtype packs of at most ``bytes_per_pack`` bytes
     (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
     first are issued first, so communication overlaps the rest of backprop. A pack made
-    again with the same gradients keeps the communication a (given) plan chose for it."""
-    chosen = {tuple(p.cuts): p.communication for p in plan.packs if p.communication is not None}
+    again with the same gradients keeps the communication and algorithm a (given) plan
+    chose for it."""
+    chosen = {tuple(p.cuts): (p.communication, p.algorithm) for p in plan.packs}
     plan.packs = []
     plan.bytes_per_pack = bytes_per_pack
     open_pack = {}
@@ -339,7 +369,7 @@ def assign_packs(plan, bytes_per_pack):
         p.bytes += size or 0
         c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)
     for p in plan.packs:
-        p.communication = chosen.get(tuple(p.cuts))
+        p.communication, p.algorithm = chosen.get(tuple(p.cuts), (None, None))
 
 
 def check_plan(plan, analysis, options, num_replicas):

@@ -83,7 +83,8 @@ class PlanView:
             raise UsageError(f"{source}: not a graph_rewriter plan (expected \"format\": \"{PLAN_FORMAT}\")")
         try:
             self.data = data
-            self.packs = [types.SimpleNamespace(bytes=p["bytes"]) for p in data["packs"]]
+            self.packs = [types.SimpleNamespace(bytes=p["bytes"], algorithm=p.get("algorithm"))
+                          for p in data["packs"]]
             self.cuts = [types.SimpleNamespace(**{**self.CUT_DEFAULTS, **c}) for c in data["cuts"]]
             self._variables = {v["name"]: types.SimpleNamespace(**{**self.VARIABLE_DEFAULTS, **v})
                                for v in data["variables"]}
@@ -303,13 +304,23 @@ class Cluster(cost_model.Topology):
                    ps_tasks=ps_tasks, gpus=gpus)
 
 
-def simulate(plan, gpus_list, devices_per_worker, ps_tasks, model):
-    """cost_model.predict for every GPU count: a list of its dicts, each with "gpus"."""
+def simulate(plan, gpus_list, devices_per_worker, ps_tasks, model, algorithm=None):
+    """cost_model.predict for every GPU count: a list of its dicts, each with "gpus" and
+    "hierarchical_packs". ``algorithm`` ("flat", "hierarchical", "auto"; None: the
+    plan's own) sets every pack's all-reduce for each GPU count; the two-level one
+    applies where the cluster has two levels (several machines of several GPUs)."""
     plan = PlanView(remap_ps(plan.data, ps_tasks), "plan") if ps_tasks and ps_tasks != plan.num_ps else plan
     rows = []
     for gpus in gpus_list:
         topo = Cluster.for_gpus(gpus, devices_per_worker, ps_tasks)
-        rows.append({"gpus": gpus, **cost_model.predict(plan, topo, model)})
+        two_levels = topo.workers > 1 and topo.devices_per_worker > 1
+        if algorithm == "auto":
+            cost_model.choose_algorithms(plan, topo, model)
+        elif algorithm is not None:
+            for p in plan.packs:
+                p.algorithm = "hierarchical" if algorithm == "hierarchical" and two_levels else None
+        rows.append({"gpus": gpus, **cost_model.predict(plan, topo, model),
+                     "hierarchical_packs": sum(p.algorithm == "hierarchical" for p in plan.packs)})
     return rows
 
 
@@ -412,22 +423,23 @@ def validation_graph(seed):
     return g.as_graph_def()
 
 
-def baseline_graph(graph_def, workers):
-    """``workers`` copies of the single-device graph, copy i on worker i with names
-    "r<i>/...": the per-replica computation of the rewritten graph on the same servers,
-    at the same time (so with the same contention for the cores), without communication."""
+def baseline_graph(graph_def, workers, devices_per_worker=1):
+    """A copy of the single-device graph per replica, copy i on worker i // d's CPU:i % d
+    with names "r<i>/...": the per-replica computation of the rewritten graph on the same
+    servers, at the same time (so with the same contention for the cores), without
+    communication."""
     tf = _quiet_tf()
     gd = type(graph_def)()
     gd.CopyFrom(graph_def)
     g = tf.Graph()
     with g.as_default():
-        for i in range(workers):
+        for i in range(workers * devices_per_worker):
             copy_i = type(graph_def)()
             copy_i.CopyFrom(gd)
             for node in copy_i.node:      # resource names are per server: keep the copies apart
                 if node.attr["shared_name"].s:
                     node.attr["shared_name"].s = f"r{i}/".encode() + node.attr["shared_name"].s
-            with tf.device(f"/job:worker/task:{i}/device:CPU:0"):
+            with tf.device(f"/job:worker/task:{i // devices_per_worker}/device:CPU:{i % devices_per_worker}"):
                 tf.compat.v1.import_graph_def(copy_i, name=f"r{i}")
     return g
 
@@ -523,25 +535,28 @@ def calibrate(cluster, steps, rounds, warmup, timeout):
             "duplex_factor": out["big_both_ways"] / out["big_one_way"]}
 
 
-def measure_case(strategy, workers, ps, seed, models, args):
+def measure_case(strategy, workers, ps, seed, models, args, devices_per_worker=1, algorithm=None):
     """One validation case on a cluster of its own: the rewritten graph's median step
     against the median step of the same replicas without communication, and the
-    predictions for the rewrite's plan under each calibrated CostModel."""
+    predictions for the rewrite's plan under each calibrated CostModel. With
+    ``devices_per_worker`` > 1, ``algorithm`` ("flat", "hierarchical") is the packs'
+    all-reduce."""
     tf = _quiet_tf()
     import numpy as np
 
     import graph_rewriter as gr
     from graph_rewriter.local_cluster import LocalCluster
     gd = validation_graph(seed)
-    n = workers
+    n = workers * devices_per_worker
     rng = np.random.default_rng(seed)
     xs = rng.normal(size=(n * PER_REPLICA_BATCH, 1024)).astype(np.float32)
     ys = rng.normal(size=(n * PER_REPLICA_BATCH, 1)).astype(np.float32)
     opts = _options(tf, args.call_timeout)
-    with LocalCluster(workers=workers, ps=ps, device_type="CPU", start_timeout=args.start_timeout) as c:
-        result = gr.rewrite(gd, c.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
-                            timeout_seconds=args.call_timeout)
-        base = baseline_graph(gd, n)
+    with LocalCluster(workers=workers, ps=ps, device_type="CPU", devices_per_worker=devices_per_worker,
+                      start_timeout=args.start_timeout) as c:
+        result = gr.rewrite(gd, c.spec, strategy=strategy, device_type="CPU", devices_per_worker=devices_per_worker,
+                            timeout_seconds=args.call_timeout, allreduce_algorithm=algorithm)
+        base = baseline_graph(gd, workers, devices_per_worker)
         feeds = {}
         for i in range(n):
             feeds[f"r{i}/x:0"] = xs[i * PER_REPLICA_BATCH:(i + 1) * PER_REPLICA_BATCH]
@@ -556,9 +571,11 @@ def measure_case(strategy, workers, ps, seed, models, args):
                 lambda: sr.run("train_op", {"x:0": xs, "y:0": ys}, options=opts),
                 lambda: sb.run(base_ops, feeds, options=opts), args.steps, args.rounds, args.warmup)
         plan = PlanView(result.plan.to_dict(), "rewrite")
-    topo = cost_model.Topology(workers=n, devices_per_worker=1, ps_tasks=ps)
-    row = {"case": f"{strategy}, {n} workers" + (f" + {ps} ps" if ps else ""), "strategy": strategy,
-           "workers": n, "ps": ps, "step_s": step, "no_comm_s": no_comm, "measured_s": step - no_comm,
+    topo = cost_model.Topology(workers=workers, devices_per_worker=devices_per_worker, ps_tasks=ps)
+    row = {"case": f"{strategy}, {workers} workers" + (f" x {devices_per_worker} CPUs, {algorithm}" if algorithm else "")
+           + (f" + {ps} ps" if ps else ""), "strategy": strategy,
+           "workers": workers, "devices_per_worker": devices_per_worker, "algorithm": algorithm,
+           "ps": ps, "step_s": step, "no_comm_s": no_comm, "measured_s": step - no_comm,
            "measured_per_round_s": [a - b for a, b in per_round],
            "gradient_bytes": sum(cut.bytes or 0 for cut in plan.cuts),
            "packs": [p.bytes for p in plan.packs]}
@@ -590,9 +607,11 @@ def _guard(what, measure):
 def validate(args):
     """Calibrates the loopback link, then measures each case; returns the report dict."""
     from graph_rewriter.local_cluster import LocalCluster
-    cases = [("allreduce", w, 0) for w in args.validate_workers]
+    cases = [("allreduce", w, 0, 1, None) for w in args.validate_workers]
     if 2 in args.validate_workers:
-        cases.append(("ps", 2, 1))
+        cases.append(("ps", 2, 1, 1, None))
+    if args.validate_hierarchical:   # the same 2 x 2 replicas, one ring against two levels
+        cases += [("allreduce", 2, 0, 2, "flat"), ("allreduce", 2, 0, 2, "hierarchical")]
     report = {"cores": os.cpu_count(), "per_replica_batch": PER_REPLICA_BATCH, "steps": args.steps,
               "rounds": args.rounds, "cases": []}
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
@@ -614,13 +633,15 @@ def validate(args):
                                 batch_size=PER_REPLICA_BATCH)
     coll = cost_model.CostModel(inter_bandwidth=cal["collective_bandwidth"],
                                 inter_latency=cal["collective_latency"], batch_size=PER_REPLICA_BATCH)
-    for k, (strategy, workers, ps) in enumerate(cases):
-        say(f"measuring {strategy} on {workers} workers" + (f" + {ps} ps" if ps else "") + " ...")
-        models = {"link": dataclasses.replace(link, batch_size=workers * PER_REPLICA_BATCH),
-                  "collective": dataclasses.replace(coll, batch_size=workers * PER_REPLICA_BATCH)
+    for k, (strategy, workers, ps, dpw, algorithm) in enumerate(cases):
+        say(f"measuring {strategy} on {workers} workers" + (f" x {dpw} CPUs, {algorithm}" if algorithm else "")
+            + (f" + {ps} ps" if ps else "") + " ...")
+        models = {"link": dataclasses.replace(link, batch_size=workers * dpw * PER_REPLICA_BATCH),
+                  "collective": dataclasses.replace(coll, batch_size=workers * dpw * PER_REPLICA_BATCH)
                   if strategy == "allreduce" else None}
         row = _guard(f"{strategy} on {workers} workers",
-                     lambda: measure_case(strategy, workers, ps, seed=101 + k, models=models, args=args))
+                     lambda: measure_case(strategy, workers, ps, seed=101 + k, models=models, args=args,
+                                          devices_per_worker=dpw, algorithm=algorithm))
         report["cases"].append(row)
         say(f"  step {row['step_s'] * 1e3:.1f} ms, without communication {row['no_comm_s'] * 1e3:.1f} ms; "
             f"per round: " + ", ".join(f"{x * 1e3:.0f}" for x in row["measured_per_round_s"]) + " ms")
@@ -688,6 +709,10 @@ def parser():
     p.add_argument("--ps-shard-bytes", type=int, metavar="BYTES",
                    help=f"with --model: ps variables above this are split across the ps tasks "
                         f"(default {DEFAULT_PS_SHARD_BYTES}; 0: never)")
+    p.add_argument("--allreduce-algorithm", choices=("flat", "hierarchical", "auto"),
+                   help="every pack's all-reduce: one ring, two levels (within each machine, across "
+                        "one GPU per machine, back), or the cost model's choice per pack and GPU count "
+                        "(default: the plan's own, flat for --model)")
     p.add_argument("--devices-per-worker", type=int, default=8, metavar="N", help="GPUs per machine (default 8)")
     p.add_argument("--ps", type=int, metavar="N",
                    help="parameter-server tasks (default: the plan's count when it keeps variables there, "
@@ -706,6 +731,8 @@ def parser():
     v.add_argument("--validate", action="store_true", help="measure what the model predicts on this machine")
     v.add_argument("--validate-workers", default="2,3", metavar="LIST",
                    help="allreduce cases' worker counts (default 2,3); 2 adds the case 2 workers + 1 ps")
+    v.add_argument("--validate-hierarchical", action="store_true",
+                   help="also 2 workers x 2 CPU devices with flat and with hierarchical packs")
     v.add_argument("--steps", type=int, default=20, help="steps per round and figure (default 20)")
     v.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     v.add_argument("--warmup", type=int, default=5, help="warm-up steps (default 5)")
@@ -719,9 +746,9 @@ def parser():
 def _check(args):
     """Flag combinations and values argparse cannot check; raises UsageError."""
     if args.validate:
-        for flag in ("plan", "model", "strategy", "png"):
+        for flag in ("plan", "model", "strategy", "png", "allreduce_algorithm"):
             if getattr(args, flag) is not None:
-                name = "FILE" if flag == "plan" else f"--{flag}"
+                name = "FILE" if flag == "plan" else f"--{flag.replace('_', '-')}"
                 raise UsageError(f"--validate measures its own model and prints a table: {name} does not apply")
         args.validate_workers = _positive_list(args.validate_workers, "--validate-workers")
         if any(w < 2 for w in args.validate_workers):
@@ -779,15 +806,18 @@ def run(args):
         raise UsageError(f"--ps 0: the plan keeps {len(plan.ps_variables())} variable(s) on parameter servers, and "
                          f"{multi[0]} GPUs at --devices-per-worker {args.devices_per_worker} are several machines: "
                          f"give --ps N (N >= 1)")
-    rows = simulate(plan, args.gpus, args.devices_per_worker, ps, model)
-    header = (f"plan: {source} ({plan.describe()}); cluster: {args.devices_per_worker} GPUs per worker, "
+    rows = simulate(plan, args.gpus, args.devices_per_worker, ps, model, args.allreduce_algorithm)
+    header = (f"plan: {source} ({plan.describe()}"
+              + (f", all-reduce {args.allreduce_algorithm}" if args.allreduce_algorithm else "")
+              + f"); cluster: {args.devices_per_worker} GPUs per worker, "
               f"{ps} ps task(s); links: intra {model.intra_bandwidth / 1e9:g} GB/s {model.intra_latency * 1e6:g} us, "
               f"inter {model.inter_bandwidth / 1e9:g} GB/s {model.inter_latency * 1e6:g} us; "
               f"global batch {model.batch_size}")
     if args.png:
         write_png(rows, args.png, header if len(header) < 140 else header.replace("; cluster", ";\ncluster", 1))
     if args.json:
-        print(json.dumps({"plan": source, "strategy": plan.strategy, "devices_per_worker": args.devices_per_worker,
+        print(json.dumps({"plan": source, "strategy": plan.strategy, "allreduce_algorithm": args.allreduce_algorithm,
+                          "devices_per_worker": args.devices_per_worker,
                           "ps_tasks": ps, "cost_model": model.to_dict(), "rows": rows}, indent=1))
     else:
         print(f"# {args.command}")

@@ -10,6 +10,16 @@ backprop produces them):
 
 Each pack's collective waits for the previous pack's, so every replica issues them in
 the same order (NCCL requires it), while later packs' gradients are still computed.
+
+A pack the plan makes "hierarchical" is averaged in two levels instead of one ring:
+
+    packed ─> CollectiveReduceV2 within the worker (mean of its d replicas)
+      worker's first replica: ─> CollectiveReduceV2 across the workers' first replicas
+                                 (mean of the means) ─> CollectiveBcastSendV2 within the worker
+      the others:              ─> CollectiveBcastRecvV2 within the worker
+
+so only one replica per machine talks across machines. Every worker has the same number
+of replicas, so the mean of the workers' means is the mean over every replica.
 Sparse gradients planned as "allreduce" (sparse_as_dense) are first scattered into a
 dense tensor of the variable's shape and handed back as (every row, row ids).
 BatchNorm moving statistics and other batch-dependent state updates are packed and
@@ -18,7 +28,8 @@ averaged the same way.
 
 from graph_rewriter import dtypes
 from graph_rewriter.analysis import variable_of
-from graph_rewriter.collectives import all_reduce_mean, dense_instance_key, group_key
+from graph_rewriter.collectives import (all_reduce_mean, broadcast_recv, broadcast_send, dense_instance_key,
+                                        group_key, hierarchical_instance_keys, worker_groups)
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, FUNCTION_CALLS
@@ -90,8 +101,13 @@ class AllReducePass(Pass):
             packed = make_op(graph, "Cast", f"{scope}/compress", [packed],
                              attrs={"DstT": dtypes.as_dtype(_COMPRESS[ctx.options.compression])},
                              device=device).output(0)
-        reduced = all_reduce_mean(graph, scope, packed, rm.group_size, gkey, ikey, device,
-                                  control_inputs=[previous] if previous is not None else [])
+        controls = [previous] if previous is not None else []
+        if ctx.plan.packs[p].algorithm == "hierarchical":
+            wire_dtype = dtypes.as_dtype(_COMPRESS[ctx.options.compression]) if compressed else wire
+            reduced = _two_level_mean(graph, ctx, i, p, scope, packed, sum(sizes), wire_dtype, device, controls)
+        else:
+            reduced = all_reduce_mean(graph, scope, packed, rm.group_size, gkey, ikey, device,
+                                      control_inputs=controls)
         out = reduced.output(0)
         if compressed:
             out = make_op(graph, "Cast", f"{scope}/decompress", [out], attrs={"DstT": wire},
@@ -128,6 +144,25 @@ class AllReducePass(Pass):
         return make_op(graph, "UnsortedSegmentSum", f"{scope}/densify",
                        [values, indices, const(graph, f"{scope}/num_rows", cut.shape[0], "int64", device)],
                        device=device).output(0)
+
+
+def _two_level_mean(graph, ctx, i, p, scope, packed, size, dtype, device, controls):
+    """The hierarchical pack's mean on local replica ``i`` (module doc): the node whose
+    output 0 is the mean over every replica."""
+    rm, plan = ctx.replicas, ctx.plan
+    d = plan.devices_per_worker
+    within, leaders = worker_groups(rm.group_devices, d)
+    rank = rm.first_replica + i
+    local = within[rank // d]
+    reduce_key, broadcast_key = hierarchical_instance_keys(plan, p)
+    local_mean = all_reduce_mean(graph, f"{scope}/within", packed, d, group_key(local), reduce_key, device,
+                                 control_inputs=controls)
+    if rank % d:
+        return broadcast_recv(graph, f"{scope}/back", [size], dtype, d, group_key(local), broadcast_key, device,
+                              control_inputs=[local_mean])
+    mean = all_reduce_mean(graph, f"{scope}/across", local_mean.output(0), len(leaders), group_key(leaders),
+                           dense_instance_key(plan, p), device)
+    return broadcast_send(graph, f"{scope}/back", mean.output(0), d, group_key(local), broadcast_key, device)
 
 
 class _Memo:

@@ -20,7 +20,7 @@ gradients' all-gathers follow the rewrite's option. Every replica of a group mus
 the same implementation; they do, as every worker rewrites with the same plan.
 """
 
-from graph_rewriter.collectives import dense_instance_key, key_of
+from graph_rewriter.collectives import dense_instance_key, hierarchical_instance_keys, key_of
 from graph_rewriter.pass_manager import Pass
 
 
@@ -38,6 +38,9 @@ class CommunicationPass(Pass):
         plan, default = ctx.plan, ctx.options.communication
         by_key = {dense_instance_key(plan, i): pack.communication or default
                   for i, pack in enumerate(plan.packs)}
+        for i, pack in enumerate(plan.packs):   # a hierarchical pack's reduce within the worker
+            if pack.algorithm == "hierarchical":
+                by_key[hierarchical_instance_keys(plan, i)[0]] = pack.communication or default
         changed = False
         for n in graph.nodes:
             if n.op == "CollectiveReduceV2":

@@ -113,9 +113,15 @@ def use_template(ctx, rm):
     (with two there is nothing to save), and no parameter-server variable (the
     accumulate and sync_queues passes build per-replica ops around each ps variable's
     single update; they build every replica). Between-graph, only the chief's replica 0
-    differs in role (it broadcasts the initial values); it is built either way."""
+    differs in role (it broadcasts the initial values); it is built either way. A
+    hierarchical all-reduce gives each worker's first replica a role of its own (it
+    talks across machines): fine between-graph, where that is replica 0, but in-graph
+    over several workers those replicas are among 1..R-1."""
     plan = ctx.plan
+    leaders_among_others = (any(p.algorithm == "hierarchical" for p in plan.packs)
+                            and rm.num_local > plan.devices_per_worker)
     return (not ctx.options.materialize_replicas
+            and not leaders_among_others
             and rm.num_local >= 3
             and not any(v.placement == "ps" for v in plan.variables)
             and not any(c.sync == "accumulate" for c in plan.cuts))

@@ -398,6 +398,9 @@ CASES = [
     ("allreduce", "embedding", "adam", "in", 2, 0, {}),
     ("allreduce", "embedding", "adagrad", "between", 2, 0, {}),
     ("allreduce", "mlp", "sgd", "between", 1, 0, {}),
+    # two-level: within each worker's 2 devices, across the workers' first replicas
+    ("allreduce", "mlp", "adam", "in", 2, 0, {"allreduce_algorithm": "hierarchical"}),
+    ("allreduce", "embedding", "adagrad", "between", 2, 0, {"allreduce_algorithm": "hierarchical"}),
     # one ps
     ("ps", "mlp", "adam", "in", 2, 1, {}),
     ("ps", "embedding", "adam", "in", 2, 1, {}),
@@ -418,7 +421,8 @@ CASES = [
 
 def _case_id(case):
     strategy, model, optimizer, mode, dpw, ps, options = case
-    extra = "-sharded" if options.get("ps_shard_bytes") else ""
+    extra = ("-sharded" if options.get("ps_shard_bytes") else "") + (
+        "-hierarchical" if options.get("allreduce_algorithm") == "hierarchical" else "")
     return f"{strategy}-{model}-{optimizer}-{mode}-2x{dpw}dev-{ps}ps{extra}"
 
 
@@ -463,6 +467,9 @@ def test_cluster_training_equals_one_device(case, pool, procs, tmp_path):
             if COUNTER_READ in o["reads"]:
                 assert int(o["reads"][COUNTER_READ]) == STEPS, \
                     f"{what}: worker {k} sees {o['reads'][COUNTER_READ]} applied steps, not {STEPS}"
+    if options.get("allreduce_algorithm") == "hierarchical":
+        assert all(any("/across/" in n.name for n in r.graph_def.node) for r in results), \
+            f"{what}: no all-reduce across the workers' first replicas"
     if strategy in ("ps", "hybrid"):
         assert all(_ps_tasks_holding_variables(r.graph_def) for r in results), \
             f"{what}: no variable is on a ps task"

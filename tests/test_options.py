@@ -55,7 +55,7 @@ def test_every_option_is_a_documented_keyword_and_a_flag(field, spec):
 
 def test_the_parsers_have_no_option_flag_the_schema_does_not_know():
     known = {flag.name for _, spec in SPECS for flag in spec.cli}
-    own = {"-h", "--help", "--cluster", "-v", "--verbose", "--plan"}   # not rewrite options
+    own = {"-h", "--help", "--version", "--cluster", "-v", "--verbose", "--plan"}   # not rewrite options
     assert _parser_flags(cli._rewrite_parser()) - own == known
     assert _parser_flags(cli._plan_parser()) - own == {
         flag.name for _, spec in SPECS for flag in spec.cli if "plan" in flag.commands}

@@ -368,3 +368,21 @@ def test_validate_on_two_workers_agrees_within_a_generous_factor():
     assert 0.5 <= ar["measured_s"] / ar["predicted_link_s"] <= 15, ar
     assert 1 / 3 <= ar["measured_s"] / ar["predicted_collective_s"] <= 3, ar
     assert ar["gradient_bytes"] == 3 * 16 * 2 ** 20 + 4096 * 4
+
+
+def test_two_level_all_reduce_shortens_resnet50_at_1024_gpus():
+    """--allreduce-algorithm: the flat ring's 2 (1024 - 1) messages per pack against
+    2 (128 - 1) across machines plus the machines' own rings and broadcasts; one machine
+    (8 GPUs) has one level, so both agree there."""
+    rows = {}
+    for algorithm in ("flat", "hierarchical", "auto"):
+        proc = run_tool("--model", "resnet50", "--gpus", "8,1024", "--allreduce-algorithm", algorithm, "--json")
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(proc.stdout)
+        assert data["allreduce_algorithm"] == algorithm
+        rows[algorithm] = {r["gpus"]: r for r in data["rows"]}
+    flat, two = rows["flat"], rows["hierarchical"]
+    assert two[8]["seconds"] == flat[8]["seconds"] and two[8]["hierarchical_packs"] == 0
+    assert two[1024]["hierarchical_packs"] > 0 and flat[1024]["hierarchical_packs"] == 0
+    assert two[1024]["seconds"] < flat[1024]["seconds"] / 2
+    assert rows["auto"][1024]["seconds"] <= two[1024]["seconds"]

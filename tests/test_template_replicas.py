@@ -39,6 +39,11 @@ CONFIGS = {
     # another worker's (every replica receives them)
     "chief_of_2_gpu4": dict(cluster_spec=_cluster(2), task="worker:0", devices_per_worker=4, device_type="GPU"),
     "worker1_of_3_cpu3": dict(cluster_spec=_cluster(3), task="worker:1", devices_per_worker=3, device_type="CPU"),
+    # hierarchical packs: each worker's replica 0 leads it (the template others receive)
+    "chief_of_2_gpu4_hierarchical": dict(cluster_spec=_cluster(2), task="worker:0", devices_per_worker=4,
+                                         device_type="GPU", allreduce_algorithm="hierarchical"),
+    "worker1_of_2_cpu3_hierarchical": dict(cluster_spec=_cluster(2), task="worker:1", devices_per_worker=3,
+                                           device_type="CPU", allreduce_algorithm="hierarchical"),
 }
 
 

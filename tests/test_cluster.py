@@ -409,6 +409,7 @@ CASES = [
     ("ps", "mlp", "sgd", "between", 1, 1, {}),
     ("hybrid", "embedding", "adagrad", "in", 2, 1, {}),
     ("hybrid", "embedding", "adam", "between", 2, 1, {}),
+    ("hybrid", "embedding", "adam", "between", 2, 1, {"allreduce_algorithm": "hierarchical"}),
     # two ps: variables spread over both
     ("ps", "mlp", "adagrad", "in", 1, 2, {}),
     ("ps", "embedding", "adam", "between", 2, 2, {}),

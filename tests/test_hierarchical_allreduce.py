@@ -185,3 +185,12 @@ def test_the_communication_option_reaches_both_reduces(mlp):
     hints = {n.name: n.attr["communication_hint"].s.decode() for n in result.graph_def.node
              if n.op == "CollectiveReduceV2" and "/pack_0/" in n.name}
     assert hints and set(hints.values()) == {"ring"}
+
+
+def test_compressed_packs_travel_compressed_through_both_levels(mlp):
+    result = gr.rewrite(mlp, workers(2), devices_per_worker=2, device_type="CPU", task=("worker", 1),
+                        allreduce_algorithm="hierarchical", compression="fp16")
+    half = 19   # DT_HALF
+    collectives = [n for n in result.graph_def.node if "/pack_0/" in n.name and n.op.startswith("Collective")]
+    assert len(collectives) == 5   # within x 2, across, broadcast, receive
+    assert all(n.attr["T"].type == half for n in collectives), [(n.name, n.attr["T"].type) for n in collectives]

@@ -106,8 +106,9 @@ def require_op_def(node):
             f"{node.graph.source}: node '{node.name}' uses op '{node.op}', which "
             f"{'this TensorFlow' if protos.USING_TENSORFLOW else 'TensorFlow (the op table shipped with graph_rewriter)'} "
             f"does not know and the graph's function library does not define",
-            hint="import TensorFlow and load the library that registers the op (tf.load_op_library) "
-                 "before rewriting in Python, or check that the graph was written by a compatible TensorFlow")
+            hint="in Python, import TensorFlow and load the library that registers the op "
+                 "(tf.load_op_library) before graph_rewriter's first rewrite in the process; or check "
+                 "that the graph was written by a compatible TensorFlow")
     return od
 
 

@@ -472,7 +472,7 @@ def _options(tf, timeout):
     return tf.compat.v1.RunOptions(timeout_in_ms=int(timeout * 1000))
 
 
-def calibrate(cluster, steps, rounds, warmup, timeout):
+def calibrate(cluster, steps, rounds, warmup, timeout, devices=None):
     """The loopback link between worker 0 and worker 1, and TensorFlow's collective over it.
 
     Link: a 64 MiB and a 4 B tensor read on worker 1 from a variable on worker 0, each
@@ -481,11 +481,13 @@ def calibrate(cluster, steps, rounds, warmup, timeout):
     Also 64 MiB both ways at once (how a ring uses a link), and a 2-worker
     CollectiveReduceV2 of 32 MiB (the default pack size) and of 4 B: its ring sends the
     whole tensor in two messages per worker, which gives the collective's own
-    effective bandwidth and latency per message.
+    effective bandwidth and latency per message. ``devices``: the two ends (default: CPU:0
+    of worker 0 and of worker 1; two CPU devices of one worker calibrate the link within
+    a machine).
     """
     tf = _quiet_tf()
     g = tf.Graph()
-    dev = [f"/job:worker/task:{i}/device:CPU:0" for i in range(2)]
+    dev = devices or [f"/job:worker/task:{i}/device:CPU:0" for i in range(2)]
     fetch = {}
 
     def first(t, on):
@@ -633,11 +635,32 @@ def validate(args):
                                 batch_size=PER_REPLICA_BATCH)
     coll = cost_model.CostModel(inter_bandwidth=cal["collective_bandwidth"],
                                 inter_latency=cal["collective_latency"], batch_size=PER_REPLICA_BATCH)
+    if args.validate_hierarchical:
+        # the 2 x 2 cases also move data within a worker: its link, calibrated the same way
+        # between two CPU devices of one server
+        say("calibrating the link within a worker (CPU:0 and CPU:1 of one server) ...")
+
+        def within_calibration():
+            with LocalCluster(workers=1, device_type="CPU", devices_per_worker=2,
+                              start_timeout=args.start_timeout) as c:
+                return calibrate(c, args.steps, args.rounds, args.warmup, args.call_timeout,
+                                 devices=["/job:worker/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:1"])
+        within = _guard("calibration within a worker", within_calibration)
+        report["calibration_within"] = within
+        copy = ("no copy (one process: the tensor is handed over)" if within["bandwidth"] > 1e12
+                else f"{within['bandwidth'] / 1e9:.2f} GB/s")
+        say(f"  one way: link {copy}, latency {within['latency'] * 1e6:.0f} us; "
+            f"CollectiveReduceV2: {within['collective_bandwidth'] / 1e9:.2f} GB/s, "
+            f"{within['collective_latency'] * 1e6:.0f} us per message")
+        link_2x2 = dataclasses.replace(link, intra_bandwidth=within["bandwidth"], intra_latency=within["latency"])
+        coll_2x2 = dataclasses.replace(coll, intra_bandwidth=within["collective_bandwidth"],
+                                       intra_latency=within["collective_latency"])
     for k, (strategy, workers, ps, dpw, algorithm) in enumerate(cases):
         say(f"measuring {strategy} on {workers} workers" + (f" x {dpw} CPUs, {algorithm}" if algorithm else "")
             + (f" + {ps} ps" if ps else "") + " ...")
-        models = {"link": dataclasses.replace(link, batch_size=workers * dpw * PER_REPLICA_BATCH),
-                  "collective": dataclasses.replace(coll, batch_size=workers * dpw * PER_REPLICA_BATCH)
+        base_link, base_coll = (link_2x2, coll_2x2) if dpw > 1 else (link, coll)
+        models = {"link": dataclasses.replace(base_link, batch_size=workers * dpw * PER_REPLICA_BATCH),
+                  "collective": dataclasses.replace(base_coll, batch_size=workers * dpw * PER_REPLICA_BATCH)
                   if strategy == "allreduce" else None}
         row = _guard(f"{strategy} on {workers} workers",
                      lambda: measure_case(strategy, workers, ps, seed=101 + k, models=models, args=args,

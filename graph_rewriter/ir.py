@@ -371,6 +371,19 @@ class GraphItem:
         except GraphRewriteError:
             self._order_ok = False
 
+    def topological_nodes(self):
+        """Every node, producers first (loop back-edges aside). The IR keeps a
+        topological order on every new edge, so while it holds this is that order, read
+        off the nodes' positions (a sort of numbers, not of the graph); when an edge
+        broke it, a full sort becomes the order again, which raises naming the cycle if
+        there is one."""
+        if self._order_ok:
+            return sorted(self._nodes.values(), key=_position)
+        from graph_rewriter.traversal import any_topological_order
+        order = any_topological_order(self)
+        self.reset_order(order)
+        return order
+
     def clean(self):
         """Forgets the changes so far (the verifier has checked them)."""
         self._dirty_edges = {}
@@ -727,6 +740,10 @@ def _predecessors(n):
 
 _MERGES = frozenset(("Merge", "RefMerge"))
 _NEXT_ITERATIONS = frozenset(("NextIteration", "RefNextIteration"))
+
+
+def _position(node):
+    return node._ord
 
 
 def _replica_from_producers(node):

@@ -46,7 +46,7 @@ def write_replicated_nodes(item, rm, out, nodes_bytes):
             fan_in.append(n)
         else:
             plain.append(n)
-    attr_bytes = {}   # shared: a template node shares its attribute proto with its original
+    attr_bytes = item.attr_bytes_cache()   # a template node shares its attribute proto with its original
     nodes_bytes(plain, out, attr_bytes)
     replicas = range(1, rm.num_local)
     for n in fan_in:

@@ -248,7 +248,7 @@ def graph_def_bytes(item, replicas=None):
     if replicas is not None and replicas.template:
         write_replicated_nodes(item, replicas, out, nodes_bytes)
     else:
-        nodes_bytes(item.nodes, out)
+        nodes_bytes(item.nodes, out, item.attr_bytes_cache())
     if item.library is not None:
         lib = item.library.SerializeToString(deterministic=True)
         out += b"\x12" + varint(len(lib)) + lib

@@ -95,6 +95,8 @@ class Node:
 
     def _own_def(self):
         self.arg_info = None
+        if not self._shared_def:   # about to change in place: its serialized form goes
+            self.graph._attr_bytes.pop(id(self._def), None)
         if self._shared_def:
             own = type(self._def)()
             own.CopyFrom(self._def)
@@ -260,6 +262,10 @@ class GraphItem:
         self.version = 0             # bumped by every mutation; keys cached analyses
         self._cache = {}
         self._suffixes = {}          # unique_name's last suffix per base name
+        # id(attr proto) -> (its serialized attributes, the proto kept alive), for every
+        # export of this graph (the plan's fingerprint, then the output): protos change
+        # only through Node._own_def, which drops their entry
+        self._attr_bytes = {}
         # Incremental verification: nodes changed since the verifier last ran (edges, or
         # attributes/devices/colocation), and a topological order kept valid on every
         # new edge (Node._ord), so "no new cycle" costs the edges added, not the graph.
@@ -370,6 +376,19 @@ class GraphItem:
         except GraphRewriteError:
             self._order_ok = False
 
+    def topological_nodes(self):
+        """Every node, producers first (loop back-edges aside). The IR keeps a
+        topological order on every new edge, so while it holds this is that order, read
+        off the nodes' positions (a sort of numbers, not of the graph); when an edge
+        broke it, a full sort becomes the order again, which raises naming the cycle if
+        there is one."""
+        if self._order_ok:
+            return sorted(self._nodes.values(), key=_position)
+        from graph_rewriter.traversal import any_topological_order
+        order = any_topological_order(self)
+        self.reset_order(order)
+        return order
+
     def clean(self):
         """Forgets the changes so far (the verifier has checked them)."""
         self._dirty_edges = {}
@@ -399,6 +418,12 @@ class GraphItem:
     def nodes(self):
         """All nodes in export order (a snapshot list)."""
         return list(self._nodes.values())
+
+    def attr_bytes_cache(self):
+        """The export's cache of serialized attribute protos (see __init__), shared by
+        every export of this graph: most protos do not change between the fingerprint of
+        the single-device graph and the output."""
+        return self._attr_bytes
 
     def table(self):
         """The name -> Node table, read-only (a live view until the next rename or removal,
@@ -726,6 +751,10 @@ def _predecessors(n):
 
 _MERGES = frozenset(("Merge", "RefMerge"))
 _NEXT_ITERATIONS = frozenset(("NextIteration", "RefNextIteration"))
+
+
+def _position(node):
+    return node._ord
 
 
 def _replica_from_producers(node):

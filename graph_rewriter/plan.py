@@ -91,14 +91,26 @@ class InputPlan:
 
 def _plain(value):
     """``dataclasses.asdict`` without its deep copy of every leaf (a plan's leaves are
-    JSON scalars; asdict's copying was 4% of a profiled 16-replica rewrite)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    JSON scalars; asdict's copying was 4% of a profiled 16-replica rewrite). Scalars
+    return first and each dataclass's field names are looked up once: a ResNet50 plan
+    has about 15,000 values."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    names = _FIELD_NAMES.get(kind)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+_FIELD_NAMES = {}   # dataclass -> its field names, in order
 
 
 @dataclasses.dataclass

@@ -46,7 +46,7 @@ def write_replicated_nodes(item, rm, out, nodes_bytes):
             fan_in.append(n)
         else:
             plain.append(n)
-    attr_bytes = {}   # shared: a template node shares its attribute proto with its original
+    attr_bytes = item.attr_bytes_cache()   # a template node shares its attribute proto with its original
     nodes_bytes(plain, out, attr_bytes)
     replicas = range(1, rm.num_local)
     for n in fan_in:
@@ -164,6 +164,9 @@ class _TemplateRenderer:
         self.indexed = frozenset(rm.per_replica_outputs)
         self._attrs = attr_bytes   # id(attr proto) -> (serialized attrs, proto), as graph_io's
         self._literal = {}   # input or control string -> its serialized field
+        self._ops = {}       # op type -> its serialized field
+        self._devices = {}   # a device no hole substitutes -> its serialized field
+        self._marker = self.prefix.encode()
 
     def value(self, kind, k):
         rm = self.rm
@@ -182,6 +185,11 @@ class _TemplateRenderer:
         blocks = [(bytearray(), {kind: array.array("q") for kind in (PREFIX, INDEX, DEVICE, HOST)})
                   for _ in replicas]
         for n in template:
+            if self._is_simple(n):
+                # most nodes: written directly, no recipe (the same bytes and holes)
+                for (out, holes), vals in zip(blocks, values):
+                    self._append_simple(n, vals, out, holes)
+                continue
             recipe = self._recipe(n)
             for (out, holes), vals in zip(blocks, values):
                 data, local = _evaluate(recipe, vals)
@@ -192,6 +200,136 @@ class _TemplateRenderer:
                 out += head
                 out += data
         return blocks
+
+    def _is_simple(self, n):
+        """Whether no attribute of a node was renamed per replica (``shared_name``, v1
+        ``frame_name``): those are written from a recipe."""
+        attr = n.node_def.attr
+        marker = self._marker
+        for key in _RENAMED_ATTRS:
+            if key in attr and marker in attr[key].s:
+                return False
+        return True
+
+    def _append_simple(self, n, vals, out, holes):
+        """Appends a simple node (``_is_simple``) as the replica of ``vals`` to ``out``,
+        noting its holes in ``holes``: what ``_recipe`` then ``_evaluate`` give for it,
+        without building the recipe (the export's hot path)."""
+        prefix, cut = self.prefix, len(self.prefix)
+        value = vals[PREFIX]
+        local = []   # (kind, offset in the node's body)
+        tail = n.name[cut:].encode()
+        length = varint(len(value) + len(tail))
+        local.append((PREFIX, 1 + len(length)))
+        body = [b"\x0a", length, value, tail, self._op_field(n.op)]
+        size = 1 + len(length) + len(value) + len(tail) + len(body[-1])
+        for t in n.inputs:
+            name = t.node.name
+            if name.startswith(prefix):
+                data = (name[cut:] + (f":{t.index}" if t.index else "")).encode()
+                length = varint(len(value) + len(data))
+                local.append((PREFIX, size + 1 + len(length)))
+                body += (b"\x1a", length, value, data)
+                size += 1 + len(length) + len(value) + len(data)
+            elif name in self.indexed:
+                if t.index != 1:
+                    raise GraphRewriteError(
+                        f"internal: template node '{n.name}' reads output {t.index} of the "
+                        f"per-replica output '{name}', expected output 1 (replica 1's)",
+                        hint="rewrite with materialize_replicas=True")
+                lead, index = f"{name}:".encode(), vals[INDEX]
+                length = varint(len(lead) + len(index))
+                local.append((INDEX, size + 1 + len(length) + len(lead)))
+                body += (b"\x1a", length, lead, index)
+                size += 1 + len(length) + len(lead) + len(index)
+            else:
+                field = self._field(name if t.index == 0 else f"{name}:{t.index}")
+                body.append(field)
+                size += len(field)
+        for c in n.control_inputs:
+            if c.name.startswith(prefix):
+                data = c.name[cut:].encode()
+                length = varint(1 + len(value) + len(data))
+                local.append((PREFIX, size + 2 + len(length)))
+                body += (b"\x1a", length, b"^", value, data)
+                size += 2 + len(length) + len(value) + len(data)
+            else:
+                field = self._field("^" + c.name)
+                body.append(field)
+                size += len(field)
+        device = n.device
+        if device:
+            replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
+            kind = None
+            if replica == 1 and device == self.rm.devices[1]:
+                kind = DEVICE
+            elif replica == 1 and device == self.rm.hosts[1]:
+                kind = HOST
+            if kind is None:
+                field = self._device_field(device)
+                body.append(field)
+                size += len(field)
+            else:
+                data = vals[kind]
+                length = varint(len(data))
+                local.append((kind, size + 1 + len(length)))
+                body += (b"\x22", length, data)
+                size += 1 + len(length) + len(data)
+        d = n.node_def
+        cached = self._attrs.get(id(d))
+        if cached is None or cached[1] is not d:
+            cached = self._attrs[id(d)] = (attrs_bytes(d), d)
+        body.append(cached[0])
+        size += len(cached[0])
+        if n.colocate_with:
+            names = [t.name if isinstance(t, Node) else t for t in n.colocate_with]
+            if any(name.startswith(prefix) for name in names):
+                self._append_colocation(names, value, size, body, local)
+            else:
+                body.append(colocation_entry(names))
+        data = b"".join(body)
+        head = b"\x0a" + varint(len(data))
+        base = len(out) + len(head)
+        for kind, offset in local:
+            holes[kind].append(base + offset)
+        out += head
+        out += data
+
+    def _append_colocation(self, names, value, size, body, local):
+        """The ``_class`` attr entry (what ``_colocation`` makes a recipe of) appended to
+        ``body`` at offset ``size``, a hole at each template target's prefix."""
+        prefix, cut = self.prefix, len(self.prefix)
+        parts, holes, listed = [], [], 0   # the AttrValue's list: one "loc:@name" each
+        for name in names:
+            if name.startswith(prefix):
+                data = name[cut:].encode()
+                length = varint(5 + len(value) + len(data))
+                holes.append(listed + 1 + len(length) + 5)
+                parts += (b"\x12", length, b"loc:@", value, data)
+                listed += 1 + len(length) + 5 + len(value) + len(data)
+            else:
+                field = string_field(b"\x12", "loc:@" + name)
+                parts.append(field)
+                listed += len(field)
+        list_head = b"\x0a" + varint(listed)                        # AttrValue.list
+        lead = _CLASS_KEY + b"\x12" + varint(len(list_head) + listed) + list_head   # entry's key, value
+        head = b"\x2a" + varint(len(lead) + listed)                  # NodeDef.attr entry
+        start = size + len(head) + len(lead)
+        local.extend((PREFIX, start + offset) for offset in holes)
+        body += (head, lead)
+        body += parts
+
+    def _op_field(self, op):
+        field = self._ops.get(op)
+        if field is None:
+            field = self._ops[op] = string_field(b"\x12", op)
+        return field
+
+    def _device_field(self, device):
+        field = self._devices.get(device)
+        if field is None:
+            field = self._devices[device] = string_field(b"\x22", device)
+        return field
 
     def _recipe(self, n):
         prefix, cut = self.prefix, len(self.prefix)
@@ -276,6 +414,7 @@ class _TemplateRenderer:
         items.append((_NESTED, b"\x2a", entry))
 
 
+_CLASS_KEY = string_field(b"\x0a", COLOCATION_ATTR)   # the colocation attr entry's key field
 _NESTED, _JOINED = 4, 5   # recipe items beside the hole kinds: a message field, a joined string
 
 

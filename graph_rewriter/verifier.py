@@ -17,7 +17,6 @@ from graph_rewriter.collectives import key_of
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Node
 from graph_rewriter.op_vocabulary import COLLECTIVES
-from graph_rewriter.traversal import any_topological_order, topological_order
 
 _DEVICE = re.compile(
     r"^(?:/job:(?P<job>[A-Za-z0-9_]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?"
@@ -30,10 +29,13 @@ SHARED_RESOURCE_OPS = frozenset(("VarHandleOp", "VariableV2", "HashTableV2", "Mu
 
 def verify(graph, ctx=None):
     """Checks the whole graph. Raises GraphRewriteError naming the first broken
-    invariant; returns the topological order."""
+    invariant; returns a topological order.
+
+    "No cycle" is the topological order the IR keeps on every new edge (the loader
+    sorted the whole graph, and every edge added since kept the order or was
+    checked), so it is read off the IR; a full sort runs when an edge broke it."""
     _check_edges(graph, graph.nodes)
-    order = topological_order(graph)
-    graph.reset_order(order)
+    order = graph.topological_nodes()
     cluster = ctx.cluster if ctx is not None else None
     options = ctx.options if ctx is not None else None
     _check_devices(graph, graph.nodes, cluster, options)
@@ -52,7 +54,7 @@ def verify_changes(graph, ctx=None):
     edged, attred, bulk, order_ok = graph.pending_changes()
     _check_edges(graph, edged)
     if not order_ok:
-        graph.reset_order(any_topological_order(graph))   # raises, naming the cycle, if there is one
+        graph.topological_nodes()   # a full sort: raises, naming the cycle, if there is one
     cluster = ctx.cluster if ctx is not None else None
     options = ctx.options if ctx is not None else None
     _check_devices(graph, attred, cluster, options)
@@ -206,7 +208,7 @@ def check_collectives_run(graph, ctx=None):
     # reached[n]: the roots whose run runs n. Consumers come first in reverse order, so
     # each node's set is complete when it passes it on to what it reads.
     reached = dict(bit)
-    for n in reversed(any_topological_order(graph)):
+    for n in reversed(graph.topological_nodes()):
         r = reached.get(n, 0)
         if r:
             for t in n.inputs:

@@ -28,6 +28,10 @@ that finishes its step cleans that id up on every task it used: on the ps it wou
 abort whatever of the other worker's step is still waiting there ("Aborted: Cleanup
 <step id>"). After the barrier nobody has anything left on the ps. (A replica's copy
 of the init op runs inside replica 0's, before that barrier, and has none of its own.)
+
+With template replicas (ReplicaMap.template) the pass sees replicas 0 and 1 only: the
+token wait waits for replica 1's "gradients applied" marker, which the export expands to
+every replica's; the token and queue counts are the workers', not the replicas'.
 """
 
 from graph_rewriter import dtypes
@@ -197,7 +201,7 @@ class SyncQueuesPass(Pass):
             graph.mark_new_global(before)
             return True
         queues = [_scalar_queue(graph, f"{TOKENS}/worker_{k}", fp, f"tokens/{k}", ps0) for k in range(len(workers))]
-        applies = [rm.node(graph, i, APPLIED) for i in range(rm.num_local)]
+        applies = [rm.node(graph, i, APPLIED) for i in rm.built]
         if f"{WORKER_STEP}/increment" in graph:
             applies.append(graph.node(f"{WORKER_STEP}/increment"))
         graph.mark_new_global(before)

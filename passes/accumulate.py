@@ -124,8 +124,7 @@ class AccumulatePass(Pass):
                 reader.add_control_input(increment)
         # The train op (a root after the updates) keeps its name and now also waits for
         # the bump.
-        for root in roots:
-            run_after(graph, root, [increment])
+        run_after(graph, roots, [increment])
         graph.mark_new_global(before)
         return True
 

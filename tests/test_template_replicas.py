@@ -108,6 +108,22 @@ def test_template_output_equals_every_replica_built(model, config):
             assert f"replica_{k}/{name}" in template
 
 
+@pytest.mark.parametrize("config", ["2workers_gpu2", "3workers_cpu2", "chief_of_2_gpu4"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_template_keeps_a_global_colocation_targets_device(strategy, config):
+    """A v1 cond's Switch is colocated with what it switches, here a placeholder (global):
+    every replica's Switch sits on the global device, which in-graph is also the host of
+    replica 1 (on the first worker). Placement records it (ReplicaMap.fixed_devices), so
+    replica 3 does not get its own host there."""
+    kw = dict(CONFIGS[config])
+    if strategy == "ps":
+        kw["cluster_spec"] = dict(kw["cluster_spec"], ps=["localhost:2230"])
+    example = models.build("cond", "sgd", control_flow="v1")
+    built, template, lines, _ = _rewrite_both(example.graph_def, strategy=strategy, **kw)
+    assert _used_template(lines)
+    _assert_same_graph(built, template)
+
+
 @pytest.mark.parametrize("options", [
     dict(accumulation_steps=2),
     dict(compression="fp16"),

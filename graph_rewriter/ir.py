@@ -603,14 +603,25 @@ class GraphItem:
         return mapping
 
     def rename_node(self, node, new_name):
-        if new_name == node.name:
+        self.rename_nodes({node: new_name})
+
+    def rename_nodes(self, renames):
+        """Gives each node of ``{node: new name}`` its new name, in its place in the export
+        order: one rebuild of the name table for all of them (a dict cannot rename a key
+        in place). The new names must be free."""
+        renames = {n: new for n, new in renames.items() if new != n.name}
+        if not renames:
             return
-        if new_name in self._nodes:
-            raise GraphRewriteError(f"{self.source}: a node named '{new_name}' already exists")
-        # Keep export order: rebuild the dict with the new key in the same place.
-        self._nodes = {(new_name if k == node.name else k): v for k, v in self._nodes.items()}
-        node.name = new_name
-        self._touch(node, edges=True)
+        for new in renames.values():
+            if new in self._nodes:
+                raise GraphRewriteError(f"{self.source}: a node named '{new}' already exists")
+        if len(set(renames.values())) != len(renames):
+            raise GraphRewriteError(f"{self.source}: two nodes would be renamed to one name")
+        by_old = {n.name: new for n, new in renames.items()}
+        self._nodes = {by_old.get(k, k): v for k, v in self._nodes.items()}
+        for n, new in renames.items():
+            n.name = new
+            self._touch(n, edges=True)
 
     def remove_node(self, node):
         """Removes a node that nothing reads any more (data or control)."""

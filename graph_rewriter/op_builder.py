@@ -169,18 +169,24 @@ def const(graph, name, value, dtype, device="", replica=None):
     return Tensor(node, 0)
 
 
-def run_after(graph, root, ops):
-    """Running ``root`` by its name (a train op: nothing reads it) also runs ``ops``, after
-    it: the original moves to ``<name>/before_sync`` and ``<name>`` becomes a NoOp (or, if
-    it had an output, an Identity of it) waiting for both. Returns the new node."""
-    name = root.name
-    graph.rename_node(root, graph.unique_name(f"{name}/before_sync"))
-    if opdefs.num_outputs(root):
-        node = make_op(graph, "Identity", name, [root.output(0)], control_inputs=list(ops))
-    else:
-        node = graph.add_node(name, "NoOp", control_inputs=[root] + list(ops))
-    node.device = root.device
-    return node
+def run_after(graph, roots, ops):
+    """Running each of ``roots`` by its name (a train op: nothing reads it) also runs
+    ``ops``, after it: the original moves to ``<name>/before_sync`` and ``<name>`` becomes
+    a NoOp (or, if it had an output, an Identity of it) waiting for both. Returns the new
+    nodes. (The roots are renamed in one go: a model's BatchNorm layers leave hundreds of
+    such roots, and each rename rebuilds the graph's name table.)"""
+    roots = list(roots)
+    names = [root.name for root in roots]
+    graph.rename_nodes({root: graph.unique_name(f"{root.name}/before_sync") for root in roots})
+    out = []
+    for root, name in zip(roots, names):
+        if opdefs.num_outputs(root):
+            node = make_op(graph, "Identity", name, [root.output(0)], control_inputs=list(ops))
+        else:
+            node = graph.add_node(name, "NoOp", control_inputs=[root] + list(ops))
+        node.device = root.device
+        out.append(node)
+    return out
 
 
 def own_op(var, suffix, op_type):

@@ -159,12 +159,14 @@ class Plan:
         "mirrored", and its gradient to the matching synchronisation."""
         if placement not in ("ps", "mirrored"):
             raise GraphRewriteError(f"placement for '{name}' is {placement!r}", hint="use ps or mirrored")
-        for v in self.group(name):
+        group = self.group(name)
+        for v in group:
             v.placement = placement
             v.ps_task = (ps_task or 0) if placement == "ps" else None
             v.shards = None
+        names = {v.name for v in group}
         for c in self.cuts:
-            if c.variable in {v.name for v in self.group(name)}:
+            if c.variable in names:
                 c.sync = "accumulate" if placement == "ps" else (
                     "allreduce" if c.kind == "dense" else "allgather")
         return self

@@ -6,7 +6,8 @@ Replica k's copy of a template node differs from replica 1's in exactly these pl
 - every string that names a template node starts with replica k's prefix instead of
   replica 1's: the node's name, its inputs and control inputs, its colocation targets,
   and the ``shared_name`` and v1 ``frame_name`` the replicate pass made per replica;
-- its device, where it is replica 1's device or host, is replica k's;
+- its device, where it is replica 1's device or host, is replica k's (unless placement
+  put it there because a global node is there: ``ReplicaMap.fixed_devices``);
 - an input from a per-replica output (the batch split's output 1) reads output k.
 
 A single node that refers to template nodes refers to every replica's copy (the fan-in
@@ -162,6 +163,7 @@ class _TemplateRenderer:
         self.rm = rm
         self.prefix = rm.prefixes[1]
         self.indexed = frozenset(rm.per_replica_outputs)
+        self.fixed = frozenset(rm.fixed_devices)
         self._attrs = attr_bytes   # id(attr proto) -> (serialized attrs, proto), as graph_io's
         self._literal = {}   # input or control string -> its serialized field
         self._ops = {}       # op type -> its serialized field
@@ -354,6 +356,8 @@ class _TemplateRenderer:
                 items.append(self._field("^" + c.name))
         device = n.device
         replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
+        if replica == 1 and n.name in self.fixed:
+            replica = None   # on a global node's device (placement said so): written as it is
         if device and replica == 1 and device == self.rm.devices[1]:
             items.append((DEVICE, b"\x22", b"", b""))
         elif device and replica == 1 and device == self.rm.hosts[1]:

@@ -46,6 +46,10 @@ class ReplicaMap:
     # names of single nodes whose output i is read by replica i (the batch split): a
     # template reader of output 1 reads output k in replica k
     per_replica_outputs: list = dataclasses.field(default_factory=list)
+    # names of template nodes on replica 1's device or host because a global node is
+    # there (placement says which): the export writes their device as it is, not per
+    # replica
+    fixed_devices: list = dataclasses.field(default_factory=list)
     # original op name -> the name replica 0's node took when merge_outputs gave the
     # original name to the merge of every replica's value
     merged: dict = dataclasses.field(default_factory=dict)

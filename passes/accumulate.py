@@ -35,6 +35,12 @@ the R gradients of one step.
 Each replica's applies are joined in one marker node (``<prefix>graph_rewriter/
 gradients_applied``), which the sync_queues pass makes the worker wait for. Asynchronous
 training (sync=False) uses no accumulator: each replica applies its own gradient.
+
+With template replicas (ReplicaMap.template) the pass builds the applies of replicas 0
+and 1 only; every node of replica 1's apply (its constants on the ps too) belongs to
+replica 1, so the export writes a copy per replica, and the take's control edge on
+replica 1's apply becomes one on every replica's. The take's ``num_required`` is the
+whole group's size either way.
 """
 
 from graph_rewriter import dtypes
@@ -78,12 +84,15 @@ class AccumulatePass(Pass):
             st.take_slot = _slot(graph, f"{COUNTER}/slot", applied, st.slots, ps0)
         else:
             st.tag = applied
-        per_replica = [[] for _ in range(rm.num_local)]
+        per_replica = [[] for _ in rm.built]
         takes = []
         for cut in cuts:
             accs = self._accumulators(graph, ctx, st, cut, inits)
-            for i in range(rm.num_local):
-                per_replica[i].append(self._apply(graph, ctx, st, cut, accs, i))
+            for i in rm.built:
+                # Everything the apply builds is replica i's, its constants on the ps
+                # included: a template replica's copies are then written per replica.
+                with graph.adding_to_replica(i):
+                    per_replica[i].append(self._apply(graph, ctx, st, cut, accs, i))
             takes.append(self._take(graph, ctx, st, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
         markers = [graph.add_node(graph.unique_name(rm.prefixes[i] + APPLIED), "NoOp", control_inputs=done)
                    for i, done in enumerate(per_replica)]
@@ -115,8 +124,7 @@ class AccumulatePass(Pass):
                 reader.add_control_input(increment)
         # The train op (a root after the updates) keeps its name and now also waits for
         # the bump.
-        for root in roots:
-            run_after(graph, root, [increment])
+        run_after(graph, roots, [increment])
         graph.mark_new_global(before)
         return True
 

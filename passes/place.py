@@ -96,6 +96,9 @@ class PlacePass(Pass):
                 positions = positions_of[key] = opdefs.resource_positions(n)
             if positions:
                 groups.setdefault(_resource_root(n.inputs[positions[0]]), []).append(n)
+        # Nodes whose device is a global node's (a global resource's, a global colocation
+        # target's), though they belong to a replica: see the end.
+        global_derived = set()
         for root, users in groups.items():
             members = [root] + users
             if root in pinned:
@@ -107,13 +110,28 @@ class PlacePass(Pass):
             for m in members:
                 if m not in pinned or m is root:
                     placed[m] = target
+                    if replica(root) < 0:
+                        global_derived.add(m)
         users = {m for members in groups.values() for m in members}
         # Colocation (_class) follows its target (twice: a target may itself follow one).
         colocated = [n for n in nodes if n.colocate_with and not isinstance(n.colocate_with[0], str)
                      and n not in pinned and n not in groups and n not in users]
         for _ in range(2):
             for n in colocated:
-                placed[n] = placed.get(n.colocate_with[0], placed[n])
+                target = n.colocate_with[0]
+                if target in placed:
+                    placed[n] = placed[target]
+                    if replica(target) < 0 or target in global_derived:
+                        global_derived.add(n)
+                    else:
+                        global_derived.discard(n)
+        if rm.template:
+            # A template node's device is written per replica where it is replica 1's
+            # device or host; one that is there because a global node is (a v1 cond's
+            # Switch colocated with a placeholder, on a machine whose host CPU is the
+            # global device) keeps it in every replica.
+            rm.fixed_devices = sorted(n.name for n in global_derived if replica(n) == 1
+                                      and placed[n] in (devices[1], hosts[1]))
         changed = bool(graph.set_devices(placed))
         for n in [n for n in nodes if n.colocate_with]:
             # TensorFlow's placer treats colocation as a hard constraint. Where a resource

@@ -110,21 +110,19 @@ def _read_only_by_global(cloned, global_nodes):
 
 def use_template(ctx, rm):
     """Whether replica 1 can stand for replicas 1..R-1: three or more local replicas
-    (with two there is nothing to save), and no parameter-server variable (the
-    accumulate and sync_queues passes build per-replica ops around each ps variable's
-    single update; they build every replica). Between-graph, only the chief's replica 0
-    differs in role (it broadcasts the initial values); it is built either way. A
-    hierarchical all-reduce gives each worker's first replica a role of its own (it
-    talks across machines): fine between-graph, where that is replica 0, but in-graph
-    over several workers those replicas are among 1..R-1."""
+    (with two there is nothing to save), whatever the strategy. Between-graph, only the
+    chief's replica 0 differs in role (it broadcasts the initial values); it is built
+    either way. Under ps and hybrid, replica 1's accumulator applies and its "gradients
+    applied" marker are template nodes like any other (on the ps device, which is no
+    replica's), and the single nodes waiting for them (the takes, the token wait) wait
+    for every replica's copy in the export. A hierarchical all-reduce gives each
+    worker's first replica a role of its own (it talks across machines): fine
+    between-graph, where that is replica 0, but in-graph over several workers those
+    replicas are among 1..R-1."""
     plan = ctx.plan
     leaders_among_others = (any(p.algorithm == "hierarchical" for p in plan.packs)
                             and rm.num_local > plan.devices_per_worker)
-    return (not ctx.options.materialize_replicas
-            and not leaders_among_others
-            and rm.num_local >= 3
-            and not any(v.placement == "ps" for v in plan.variables)
-            and not any(c.sync == "accumulate" for c in plan.cuts))
+    return not ctx.options.materialize_replicas and not leaders_among_others and rm.num_local >= 3
 
 
 def _global_nodes(graph, analysis, plan):

@@ -26,7 +26,12 @@ TensorFlow numbers the steps of graphs with collectives from one sequence shared
 workers, so the chief's step and another worker's step carry the same id, and a master
 that finishes its step cleans that id up on every task it used: on the ps it would
 abort whatever of the other worker's step is still waiting there ("Aborted: Cleanup
-<step id>"). After the barrier nobody has anything left on the ps.
+<step id>"). After the barrier nobody has anything left on the ps. (A replica's copy
+of the init op runs inside replica 0's, before that barrier, and has none of its own.)
+
+With template replicas (ReplicaMap.template) the pass sees replicas 0 and 1 only: the
+token wait waits for replica 1's "gradients applied" marker, which the export expands to
+every replica's; the token and queue counts are the workers', not the replicas'.
 """
 
 from graph_rewriter import dtypes
@@ -183,13 +188,20 @@ class SyncQueuesPass(Pass):
                         op.remove_control_input(init)
                 op.add_control_input(wait)
         barrier = self._barrier_maker(graph, ctx)
+        # The barrier ends the init ops a user runs: replica 0's (whose control edges run
+        # every replica's copy in the same step, before its barrier) and the restore op.
+        # A replica's copy needs none of its own, and one per copy would make the copies
+        # differ by more than their replica's names (a template replica could not stand
+        # for them).
+        ended = sorted((op for op in init_ops if rm.replica_of(graph, op.name) in (None, 0)),
+                       key=lambda n: n.name)
         if not plan.sync or INCREMENT not in graph:
-            for k, op in enumerate(sorted(init_ops, key=lambda n: n.name)):
+            for k, op in enumerate(ended):
                 barrier(op, "init", k)
             graph.mark_new_global(before)
             return True
         queues = [_scalar_queue(graph, f"{TOKENS}/worker_{k}", fp, f"tokens/{k}", ps0) for k in range(len(workers))]
-        applies = [rm.node(graph, i, APPLIED) for i in range(rm.num_local)]
+        applies = [rm.node(graph, i, APPLIED) for i in rm.built]
         if f"{WORKER_STEP}/increment" in graph:
             applies.append(graph.node(f"{WORKER_STEP}/increment"))
         graph.mark_new_global(before)
@@ -234,7 +246,7 @@ class SyncQueuesPass(Pass):
             else:  # a non-chief's train op: it now applies gradients and waits
                 graph.add_node(root.name, "NoOp", control_inputs=[wait] + [
                     c for c in dropped.get(root.name, []) if c.name in graph])
-        for k, op in enumerate(sorted(init_ops, key=lambda n: n.name)):
+        for k, op in enumerate(ended):
             barrier(op, "init", k)
         for k, root in enumerate(sorted(roots, key=lambda n: n.name)):
             barrier(graph.node(root.name), "step", k)

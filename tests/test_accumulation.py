@@ -23,8 +23,8 @@ What is held, against the single-device run of the same graph (never a constant)
 Cases: every v1 optimizer on "mlp" (dense) and "embedding" (sparse gradient with
 duplicate ids) and every Keras legacy optimizer on "keras" (dense) and "keras_embedding"
 (dense and sparse gradients), all with strategy allreduce, 2 CPU replicas, k=2; a smaller
-set for strategies ps and hybrid, for one replica, for ref variables, and for k=3 and
-k=4. BatchNorm is left out: its moving statistics are not gradients and update on every
+set for strategies ps and hybrid, for one replica, for four (ps and hybrid with a
+template replica), for ref variables, and for k=3 and k=4. BatchNorm is left out: its moving statistics are not gradients and update on every
 micro-batch (a documented limitation).
 """
 
@@ -198,6 +198,9 @@ OTHER_CASES = [
     ("embedding", "adam", True, "allreduce", 2, 4),
     ("embedding", "adam", True, "hybrid", 2, 3),
     ("mlp", "rmsprop_momentum", True, "ps", 2, 4),
+    # four replicas: replica 1 is the template of replicas 2 and 3 (test_template_replicas.py)
+    ("embedding", "adam", True, "ps", 4, 2),
+    ("keras_embedding", "keras_adagrad", True, "hybrid", 4, 2),
 ]
 
 

@@ -793,6 +793,22 @@ def test_rename_keeps_export_order_and_updates_printed_references():
     assert_consistent(g)
 
 
+def test_rename_nodes_renames_many_in_place_at_once():
+    g, a, b, c, d = _chain()
+    before = [n.name for n in graph_io.to_graph_def(g).node]
+    g.rename_nodes({a: "x/a", c: "x/c", b: "b"})   # b keeps its name
+    assert [n.name for n in graph_io.to_graph_def(g).node] == [
+        {"a": "x/a", "c": "x/c"}.get(x, x) for x in before]
+    assert g.node("x/a") is a and g.node("x/c") is c and "a" not in g and "c" not in g
+    assert list({n.name: n for n in graph_io.to_graph_def(g).node}["x/c"].input) == ["b", "^x/a"]
+    with pytest.raises(GraphRewriteError, match="already exists"):
+        g.rename_nodes({a: "y", b: "d"})
+    with pytest.raises(GraphRewriteError, match="two nodes"):
+        g.rename_nodes({a: "y", b: "y"})
+    assert "y" not in g and g.node("x/a") is a   # a refused batch renames nothing
+    assert_consistent(g)
+
+
 def test_clone_shares_attrs_until_one_side_writes():
     g, a, b, c, d = _chain()
     value = a.attr["value"].SerializeToString()

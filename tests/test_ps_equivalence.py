@@ -24,7 +24,10 @@ Cost: the single-device references are shared with tests/test_equivalence.py (sa
 cache when both run in one session). Every case runs by default (about two minutes on
 two cores): every v1 optimizer on "mlp" and "embedding" for both strategies at R=2
 (resource and ref variables), R in {1, 4} for sgd/adam/adagrad/ftrl (resource and ref),
-the Keras legacy optimizers at R=2, and the other models with adam at R=2 under "ps".
+the Keras legacy optimizers at R=2, and the other models with adam at R=2 under "ps"
+and at R=4 under "ps" (and "hybrid" for keras_embedding). From R=3 on, the rewrite
+builds replica 1 as the template of replicas 1..R-1 (tests/test_template_replicas.py):
+those cases check that it does and train the template graphs.
 """
 
 import numpy as np
@@ -85,9 +88,12 @@ def check_ps_equivalence(model, optimizer, resource, strategy, replicas, **optio
     moved = [n for n in final if not np.array_equal(final[n], initial[n])]
     assert len(moved) >= 2, f"single-device run of {model}/{optimizer} changed only {moved}"
 
+    lines = []
     result = gr.rewrite(ex.graph_def, strategy=strategy, devices_per_worker=replicas,
-                        device_type=device)
+                        device_type=device, log=lines.append)
     assert result.num_replicas == replicas
+    templated = any(line.startswith("replicate:") and "the template of the others" in line for line in lines)
+    assert templated == (replicas >= 3), "replica 1 is the template of the others from R=3 on"
     plan = result.plan
     assert plan.strategy == strategy
     assert {v.name for v in plan.variables} == set(ex.variables)
@@ -155,6 +161,14 @@ def test_keras_optimizer(model, optimizer, resource, strategy, replicas):
 @pytest.mark.parametrize("model", ["lstm_v1", "lstm_v2", "cond", "lr_schedule", "iterator"])
 def test_model(model):
     check_ps_equivalence(model, "adam", True, "ps", 2)
+
+
+@pytest.mark.parametrize("model,optimizer,strategy", [
+    ("lstm_v1", "adam", "ps"), ("cond", "adam", "ps"), ("iterator", "adam", "ps"),
+    ("keras_embedding", "keras_adam", "ps"), ("keras_embedding", "keras_adam", "hybrid")])
+def test_template_replicas(model, optimizer, strategy):
+    """Four replicas: replicas 2 and 3 exist only as the export's copies of replica 1."""
+    check_ps_equivalence(model, optimizer, True, strategy, 4)
 
 
 # ----- BatchNorm: what tests/test_equivalence.py asserts for it ---------------------------

@@ -9,7 +9,15 @@ crosses ten replicas, so prefixes and indices change length), on in-graph multi-
 clusters (hosts differ per replica; with CPU replicas a host equals another replica's
 device), on between-graph workers' graphs (the chief's and another's), and with the options that add per-replica ops (accumulation, compression,
 sparse_as_dense, many packs) or single nodes reading every replica (summaries). The
-numeric equivalence tests (test_equivalence.py, R=4) run template graphs as well.
+numeric equivalence tests (test_equivalence.py and test_ps_equivalence.py at R=4,
+test_accumulation.py at R=3) run template graphs as well.
+
+The parameter-server strategies ("ps", "hybrid") are compared the same way, for every
+example model, on clusters with one or two ps tasks and one or two workers of 2 to 11
+replicas, in-graph and between-graph, and with the options that change their
+per-replica work: asynchronous training, accumulation_steps, staleness and sharded ps
+variables. A combination the rewrite refuses (a plan error, or a graph the ps passes
+cannot build yet) must be refused with the same message either way.
 """
 
 import json
@@ -105,6 +113,22 @@ def test_template_output_equals_every_replica_built(model, config):
             assert f"replica_{k}/{name}" in template
 
 
+@pytest.mark.parametrize("config", ["2workers_gpu2", "3workers_cpu2", "chief_of_2_gpu4"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_template_keeps_a_global_colocation_targets_device(strategy, config):
+    """A v1 cond's Switch is colocated with what it switches, here a placeholder (global):
+    every replica's Switch sits on the global device, which in-graph is also the host of
+    replica 1 (on the first worker). Placement records it (ReplicaMap.fixed_devices), so
+    replica 3 does not get its own host there."""
+    kw = dict(CONFIGS[config])
+    if strategy == "ps":
+        kw["cluster_spec"] = dict(kw["cluster_spec"], ps=["localhost:2230"])
+    example = models.build("cond", "sgd", control_flow="v1")
+    built, template, lines, _ = _rewrite_both(example.graph_def, strategy=strategy, **kw)
+    assert _used_template(lines)
+    _assert_same_graph(built, template)
+
+
 @pytest.mark.parametrize("options", [
     dict(accumulation_steps=2),
     dict(compression="fp16"),
@@ -167,7 +191,7 @@ def test_template_expands_single_nodes_reading_every_replica():
 
 @pytest.mark.parametrize("kw", [
     dict(devices_per_worker=2, device_type="CPU"),                 # two replicas: nothing to save
-    dict(devices_per_worker=4, device_type="CPU", strategy="ps"),  # per-replica ps accumulation
+    dict(devices_per_worker=2, device_type="CPU", strategy="ps"),
     dict(devices_per_worker=4, device_type="CPU", materialize_replicas=True),
     dict(cluster_spec=_cluster(3), task="worker:1", devices_per_worker=2, device_type="CPU"),
 ])
@@ -176,6 +200,100 @@ def test_every_replica_is_built_where_a_template_does_not_apply(kw):
     gr.rewrite(models.build("mlp", "sgd").graph_def, log=lines.append, **kw)
     assert any(line.startswith("replicate:") for line in lines)
     assert not _used_template(lines)
+
+
+def _ps_cluster(ps, workers):
+    return {"ps": [f"localhost:{2230 + i}" for i in range(ps)],
+            "worker": [f"localhost:{2220 + i}" for i in range(workers)]}
+
+
+PS_CONFIGS = {
+    # no cluster: the ps is the host CPU, which is every replica's host too
+    "cpu4": dict(devices_per_worker=4, device_type="CPU"),
+    # prefixes and indices change length at replica 10
+    "1ps_1worker_gpu11": dict(cluster_spec=_ps_cluster(1, 1), devices_per_worker=11, device_type="GPU"),
+    # in-graph over two workers: replica 1's host is the global device and, with CPU
+    # replicas, replica 0's device
+    "2ps_2workers_cpu2": dict(cluster_spec=_ps_cluster(2, 2), devices_per_worker=2, device_type="CPU"),
+    # between-graph: the chief's graph (it takes the gradients and releases the tokens)
+    # and another worker's (it only applies its gradients and waits)
+    "chief_2ps_2workers_gpu4": dict(cluster_spec=_ps_cluster(2, 2), task="worker:0", devices_per_worker=4,
+                                    device_type="GPU"),
+    "worker1_1ps_2workers_cpu3": dict(cluster_spec=_ps_cluster(1, 2), task="worker:1", devices_per_worker=3,
+                                      device_type="CPU"),
+}
+
+# (option set, config): the options that change the ps passes' per-replica work, each
+# where the plan accepts it (staleness only between-graph)
+PS_OPTIONS = [
+    ("async", dict(sync=False), "2ps_2workers_cpu2"),
+    ("async", dict(sync=False), "chief_2ps_2workers_gpu4"),
+    ("accumulation_steps=2", dict(accumulation_steps=2), "cpu4"),
+    ("accumulation_steps=2", dict(accumulation_steps=2), "worker1_1ps_2workers_cpu3"),
+    ("staleness=1", dict(staleness=1), "chief_2ps_2workers_gpu4"),
+    ("staleness=1,accumulation_steps=2", dict(staleness=1, accumulation_steps=2), "worker1_1ps_2workers_cpu3"),
+    ("ps_shard_bytes=64", dict(ps_shard_bytes=64), "2ps_2workers_cpu2"),
+    ("ps_shard_bytes=64", dict(ps_shard_bytes=64), "chief_2ps_2workers_gpu4"),
+]
+
+
+def _check_ps_template(model, **kw):
+    """The template output equals every replica built; or both refuse alike."""
+    example = models.build(model, _optimizer(model))
+    try:
+        built = gr.rewrite(example.graph_def, materialize_replicas=True, **kw)
+    except gr.GraphRewriteError as refused:
+        with pytest.raises(gr.GraphRewriteError) as again:
+            gr.rewrite(example.graph_def, **kw)
+        assert str(again.value) == str(refused)
+        return
+    lines = []
+    template = gr.rewrite(example.graph_def, log=lines.append, **kw)
+    assert _used_template(lines), lines
+    _assert_same_graph(_nodes(built), _nodes(template))
+
+
+# every model under "ps"; "hybrid" puts only sparse gradients' variables on the ps, and
+# only the embedding models have any (on the others it is allreduce)
+PS_MODELS = ([(m, "ps") for m in models.MODELS]
+             + [(m, "hybrid") for m in ("embedding", "keras_embedding")])
+
+
+@pytest.mark.parametrize("config", sorted(PS_CONFIGS))
+@pytest.mark.parametrize("model,strategy", PS_MODELS)
+def test_ps_template_output_equals_every_replica_built(model, strategy, config):
+    _check_ps_template(model, strategy=strategy, **PS_CONFIGS[config])
+
+
+@pytest.mark.parametrize("options,config", [(o, c) for _, o, c in PS_OPTIONS],
+                         ids=[f"{name}-{c}" for name, _, c in PS_OPTIONS])
+@pytest.mark.parametrize("model,strategy", PS_MODELS)
+def test_ps_template_with_options(model, strategy, options, config):
+    _check_ps_template(model, strategy=strategy, **PS_CONFIGS[config], **options)
+
+
+def test_ps_template_writes_every_replicas_accumulator_apply():
+    """The single nodes that wait for replica 1's work wait for every replica's: the take
+    for every apply, the token wait for every replica's 'gradients applied' marker; the
+    accumulator still needs all R gradients."""
+    lines = []
+    result = gr.rewrite(models.build("embedding", "adam").graph_def, strategy="ps", log=lines.append,
+                        **PS_CONFIGS["chief_2ps_2workers_gpu4"])
+    assert _used_template(lines)
+    nodes = _nodes(result)
+    prefixes = [""] + [f"replica_{k}/" for k in range(1, 4)]
+    take = nodes["graph_rewriter/accumulators/embedding/take"]
+    applies = [f"^{p}graph_rewriter/accumulators/embedding/apply" for p in prefixes]
+    assert [i for i in take.input if i.startswith("^")] == applies
+    num_required = nodes[take.input[1]]
+    assert num_required.attr["value"].tensor.int_val == [8]   # two workers' four replicas
+    wait = nodes["graph_rewriter/tokens/wait"]
+    assert [f"^{p}graph_rewriter/gradients_applied" for p in prefixes] == [
+        i for i in wait.input if i.endswith("gradients_applied")]
+    for k in range(1, 4):
+        apply = nodes[f"replica_{k}/graph_rewriter/accumulators/embedding/apply"]
+        assert apply.device == "/job:ps/replica:0/task:0/device:CPU:0"
+        assert any(i.startswith(f"replica_{k}/") for i in apply.input)
 
 
 def test_materialize_replicas_must_be_a_bool():

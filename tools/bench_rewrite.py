@@ -2,13 +2,16 @@
 
     python tools/bench_rewrite.py [--models resnet50,densenet121,nasnetmobile]
                                   [--replicas 2,4,8,16,64] [--peer-replicas 16] [--repeat 3]
+                                  [--strategy allreduce] [--ps 0]
 
 For each tf_keras model's training graph (built once, cached in --cache-dir) and each
 replica count R, prints (medians over --repeat runs, each in a fresh process):
 
 - floor: copying the input's nodes R times into one GraphDef and serializing it;
-- ours: graph_rewriter.rewrite(serialized input, devices_per_worker=R, GPU, allreduce)
-  end to end (parse, passes, verifier, export) plus serializing the result;
+- ours: graph_rewriter.rewrite(serialized input, devices_per_worker=R, GPU, --strategy)
+  end to end (parse, passes, verifier, export) plus serializing the result; with
+  ``--ps N`` on a cluster of N ps tasks and one worker holding the R GPUs (in-graph), as
+  the ps and hybrid strategies need parameter servers;
 - peer: one tf.import_graph_def per replica into a tf.Graph, then serializing it (how
   AutoDist's and Parallax's replicators clone), for R in --peer-replicas only (slow);
 - peak memory: the rewrite process's peak resident size above its size before the
@@ -52,7 +55,14 @@ def build_model(name, path):
         f.write(g.as_graph_def().SerializeToString())
 
 
-def _measure(kind, path, replicas):
+def _cluster(ps):
+    """The rewrite's cluster: None (this machine), or N ps tasks and one worker."""
+    if not ps:
+        return None
+    return {"ps": [f"ps{k}:2222" for k in range(ps)], "worker": ["worker0:2222"]}
+
+
+def _measure(kind, path, replicas, strategy="allreduce", ps=0):
     """Runs in a fresh process; prints one JSON line."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import resource
@@ -83,7 +93,7 @@ def _measure(kind, path, replicas):
                 tf.compat.v1.import_graph_def(gd, name=f"replica_{r}")
         result = graph.as_graph_def().SerializeToString()
     else:
-        res = rewrite(data, devices_per_worker=replicas, device_type="GPU")
+        res = rewrite(data, _cluster(ps), devices_per_worker=replicas, device_type="GPU", strategy=strategy)
         result = res.serialized()   # what save() and the CLI write
         out["nodes_out"] = res.num_nodes
         passes = {}
@@ -96,8 +106,9 @@ def _measure(kind, path, replicas):
     print(json.dumps(out))
 
 
-def _run(kind, path, replicas, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, path, str(replicas)]
+def _run(kind, path, replicas, timeout, strategy="allreduce", ps=0):
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, path, str(replicas),
+           "--strategy", strategy, "--ps", str(ps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if proc.returncode != 0:
@@ -115,6 +126,9 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "graph_rewriter_bench"))
     p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--strategy", default="allreduce", help="the rewrite's strategy (ours only)")
+    p.add_argument("--ps", type=int, default=0,
+                   help="parameter-server tasks: rewrite for N ps tasks and one worker (ours only)")
     p.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--build-model", nargs=2, help=argparse.SUPPRESS)   # NAME PATH, in a fresh process
     args = p.parse_args()
@@ -122,7 +136,7 @@ def main():
         return build_model(*args.build_model)
     if args.measure:
         kind, path, replicas = args.measure
-        return _measure(kind, path, int(replicas))
+        return _measure(kind, path, int(replicas), args.strategy, args.ps)
     os.makedirs(args.cache_dir, exist_ok=True)
     rows = []
     print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
@@ -141,7 +155,7 @@ def main():
             floor, ours, peer = [], [], []
             for k in range(args.repeat):
                 floor.append(_run("floor", path, r, 600))
-                ours.append(_run("ours", path, r, 3600))
+                ours.append(_run("ours", path, r, 3600, args.strategy, args.ps))
                 if with_peer and k < max(1, args.repeat // 3):
                     peer.append(_run("peer", path, r, 3600))
             f_s = statistics.median(m["seconds"] for m in floor)

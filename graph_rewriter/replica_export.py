@@ -262,6 +262,8 @@ class _TemplateRenderer:
         device = n.device
         if device:
             replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
+            if replica == 1 and n.name in self.fixed:
+                replica = None   # on a global node's device (placement said so): written as it is
             kind = None
             if replica == 1 and device == self.rm.devices[1]:
                 kind = DEVICE

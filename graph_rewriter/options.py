@@ -337,7 +337,9 @@ class Options:
         check=_check_accumulation_steps, cli=Flag("--accumulation-steps", metavar="K", type=int))
     bytes_per_pack: typing.Optional[int] = option(
         None, "Dense gradients are all-reduced in packs of same-dtype gradients of at most this "
-        "many bytes (fewer, larger collectives); 0: one pack per dtype.",
+        "many bytes (fewer, larger collectives); 0: one pack per dtype. Unless given, CPU "
+        "replicas of one machine all-reduce each gradient of 1 MiB or more in a pack of its own "
+        "(no concatenation copy).",
         default_text="32 MiB (auto: the cost model's choice)", check=_check_bytes_per_pack,
         cli=Flag("--bytes-per-pack", metavar="BYTES", type=int))
     compression: typing.Optional[str] = option(

@@ -133,6 +133,10 @@ class Plan:
     accumulation_steps: int = 1  # micro-batches whose gradients are summed before each update
     cost: dict = None           # strategy auto: the cost model, topology, pack size, prediction
     bytes_per_pack: int = None  # the pack size the packs were made with
+    # gradients of at least this many bytes were given a pack of their own (no concat
+    # copy): the default for CPU replicas of one machine (planner.alone_bytes_for); None:
+    # every pack filled up to bytes_per_pack, and absent from the JSON
+    alone_bytes: int = None
     # InputPlan per batch input, when any is taken per replica; None when every batch
     # input is split (the plan then says nothing more than batch_inputs does)
     inputs: list = None
@@ -177,6 +181,8 @@ class Plan:
             del d["inputs"]
         if not d["notes"]:
             del d["notes"]
+        if d["alone_bytes"] is None:
+            del d["alone_bytes"]
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]
@@ -210,7 +216,7 @@ class Plan:
                 fingerprint=d.get("fingerprint", ""), sync=d.get("sync", True),
                 staleness=d.get("staleness", 0), num_ps=d.get("num_ps", 0),
                 accumulation_steps=d.get("accumulation_steps", 1), cost=d.get("cost"),
-                bytes_per_pack=d.get("bytes_per_pack"),
+                bytes_per_pack=d.get("bytes_per_pack"), alone_bytes=d.get("alone_bytes"),
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
                 notes=list(d["notes"]) if d.get("notes") else None)
         except (KeyError, TypeError) as e:

@@ -252,8 +252,26 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
     if options.strategy == "auto":
         return _auto_plan(plan, options, topology, can_use_ps)
     place_for_strategy(plan, options.strategy, options.ps_shard_bytes)
-    assign_packs(plan, pack_bytes)
+    assign_packs(plan, pack_bytes, alone_bytes_for(plan) if options.bytes_per_pack is None else None)
     return plan
+
+
+# CPU replicas of one machine: a gradient this large is all-reduced in a pack of its own
+ALONE_BYTES_CPU = 1024 * 1024
+
+
+def alone_bytes_for(plan):
+    """The size from which a gradient gets a pack of its own, or None (packs fill up to
+    the pack size). On CPU replicas within one machine, packing a gradient costs a copy
+    of it (the ConcatV2 that builds the pack, at memory bandwidth the replicas' own work
+    competes for: 12.6 MB took 1.8 ms per replica on a quiet 2-core machine, 6-8 ms on a
+    loaded one, docs/performance.md "Emitted step, round two") while one more in-process collective costs tens of microseconds; the
+    reduced pack is split back without copies either way (SplitV shares the buffer of
+    64-byte-aligned slices). Across machines each pack costs the ring's message latency
+    per step, and on GPUs the copy is cheap: there packs fill up as before."""
+    if plan.device_type == "CPU" and plan.num_replicas > 1 and plan.num_replicas == plan.devices_per_worker:
+        return ALONE_BYTES_CPU
+    return None
 
 
 def place_for_strategy(plan, strategy, shard_bytes):
@@ -290,7 +308,7 @@ def _auto_plan(plan, options, topology, can_use_ps):
         shards = {c.variable: c.costs["accumulate"].get("shards", 1)
                   for c in p.cuts if c.sync == "accumulate"}
         balance_ps(p, 0, shards)
-        assign_packs(p, pack_bytes)
+        assign_packs(p, pack_bytes, alone_bytes_for(p) if options.bytes_per_pack is None else None)
         if options.allreduce_algorithm in (None, "auto"):
             cost_model.choose_algorithms(p, topology, model)
         predicted = cost_model.predict(p, topology, model)
@@ -341,15 +359,17 @@ def balance_ps(plan, shard_bytes, shard_counts=None):
         loads[k] += sum(m.bytes or 0 for m in group)
 
 
-def assign_packs(plan, bytes_per_pack):
+def assign_packs(plan, bytes_per_pack, alone_bytes=None):
     """Groups allreduced cuts into same-dtype packs of at most ``bytes_per_pack`` bytes
     (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
-    first are issued first, so communication overlaps the rest of backprop. A pack made
-    again with the same gradients keeps the communication and algorithm a (given) plan
-    chose for it."""
+    first are issued first, so communication overlaps the rest of backprop. A gradient of
+    at least ``alone_bytes`` bytes (None: no such size) gets a pack of its own, which
+    needs no concatenation (``alone_bytes_for``). A pack made again with the same
+    gradients keeps the communication and algorithm a (given) plan chose for it."""
     chosen = {tuple(p.cuts): (p.communication, p.algorithm) for p in plan.packs}
     plan.packs = []
     plan.bytes_per_pack = bytes_per_pack
+    plan.alone_bytes = None   # set below if a gradient is that large (otherwise it changed nothing)
     open_pack = {}
     # Batch statistics (BatchNorm moving averages) go first, in packs of their own: with
     # TF1's control_dependencies(UPDATE_OPS) idiom the gradients wait for those updates.
@@ -361,10 +381,13 @@ def assign_packs(plan, bytes_per_pack):
         size = c.bytes
         key = (c.dtype, c.role == "state")
         p = open_pack.get(key)
-        if p is None or size is None or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):
+        alone = alone_bytes is not None and size is not None and size >= alone_bytes
+        if p is None or size is None or alone or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):
             p = PackPlan(dtype=c.dtype, cuts=[], bytes=0)
             plan.packs.append(p)
-            open_pack[key] = p if size is not None else None
+            open_pack[key] = p if size is not None and not alone else None
+        if alone:
+            plan.alone_bytes = alone_bytes
         p.cuts.append(c.variable)
         p.bytes += size or 0
         c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)
@@ -416,14 +439,14 @@ def check_plan(plan, analysis, options, num_replicas):
             f"the plan has no entry for variable '{sorted(missing)[0]}'",
             hint="make the plan from this graph with `graph-rewrite plan`")
     if options.bytes_per_pack is not None:
-        pack_bytes = options.bytes_per_pack
+        pack_bytes, alone = options.bytes_per_pack, None
     elif plan.bytes_per_pack is not None:
-        pack_bytes = plan.bytes_per_pack
+        pack_bytes, alone = plan.bytes_per_pack, plan.alone_bytes
     else:
-        pack_bytes = DEFAULT_BYTES_PER_PACK
+        pack_bytes, alone = DEFAULT_BYTES_PER_PACK, alone_bytes_for(plan)
     if options.accumulation_steps > 1:
         plan.accumulation_steps = options.accumulation_steps
-    assign_packs(plan, pack_bytes)
+    assign_packs(plan, pack_bytes, alone)
     return plan
 
 
@@ -528,7 +551,8 @@ def _keep_coupled_together(plan, analysis, log):
         log(f"plan: {len(on_ps)} variables ({names}) stay mirrored, not on a parameter "
             f"server: {why}, which a parameter server's average cannot reproduce")
     if changed:
-        assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK)
+        assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK,
+                     plan.alone_bytes)
 
 
 def _keep_unshardable_whole(plan, graph, log):

@@ -1,6 +1,7 @@
 """Step time of emitted graphs: one device, the rewritten graph, tf.distribute.
 
     python tools/bench_step.py [--replicas 2] [--steps 100] [--warmup 20] [--device-type CPU|GPU]
+                               [--kinds single,rewritten,mirrored,no_comm] [--variant NAME=JSON ...]
 
 The same model three ways, each in a fresh process, on this machine's CPU:
 
@@ -17,6 +18,18 @@ The same model three ways, each in a fresh process, on this machine's CPU:
 Prints median step times and the ratios the performance targets name
 (rewritten/one device, rewritten/MirroredStrategy). The figures in
 docs/performance.md come from this script.
+
+``--kinds`` picks the runs of a round (in that order). ``--variant NAME=JSON`` adds two
+runs per round, ``rewritten@NAME`` and ``no_comm@NAME``: the graph rewritten with the
+rewrite keywords JSON (e.g. ``old='{"bytes_per_pack": 33554432}'``), so that two rewrite
+choices are compared in the same interleaved rounds; their ratios to each other and to
+their own no-communication run are printed per round and as medians.
+
+``--same-process`` measures the rewritten runs (rewritten, no_comm and every variant's)
+in one process instead, each in its own session, one step of each in turn (the order
+rotating from step to step): each cycle of steps gives per-step ratios taken within
+milliseconds of each other, immune to the drift between processes that other jobs on
+a shared machine cause. Their medians over every cycle of every round are printed.
 
 ``--device-type GPU`` measures the same on GPUs instead: one device is GPU:0, the
 rewritten graph's replicas GPU:0..N-1, MirroredStrategy mirrors over /gpu:0..N-1
@@ -74,10 +87,10 @@ def _time(run, batches, steps, warmup):
     return statistics.median(times)
 
 
-def measure(kind, replicas, steps, warmup, device_type="CPU"):
+def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
     """Median seconds per step of one ``kind`` ("single", "rewritten", "mirrored",
     "no_comm") in this process, its replicas on ``device_type`` ("CPU": logical CPUs;
-    "GPU": GPU:0..replicas-1)."""
+    "GPU": GPU:0..replicas-1); ``options``: more rewrite keywords (rewritten, no_comm)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
     batches = _batches(8)
@@ -118,7 +131,7 @@ def measure(kind, replicas, steps, warmup, device_type="CPU"):
         sess = tf.compat.v1.Session(graph=graph)
     else:
         import graph_rewriter as gr
-        result = gr.rewrite(gd, devices_per_worker=replicas, device_type=device_type)
+        result = gr.rewrite(gd, devices_per_worker=replicas, device_type=device_type, **(options or {}))
         if kind == "no_comm":
             _drop_collectives(result.graph_def)
         sess = gr.Session(result)
@@ -126,6 +139,40 @@ def measure(kind, replicas, steps, warmup, device_type="CPU"):
     seconds = _time(lambda x, y: sess.run("train_op", {"x:0": x, "y:0": y}), batches, steps, warmup)
     sess.close()
     return {"kind": kind, "seconds": seconds}
+
+
+def measure_together(runs, replicas, steps, warmup, device_type="CPU"):
+    """``runs``: {name: (kind, rewrite keywords)} of kinds "rewritten" and "no_comm", each
+    in its own gr.Session of this process, stepped in turn (module doc). Returns
+    {name: [seconds of each step]} (the same step count for every run, aligned by cycle)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    import graph_rewriter as gr
+    batches = _batches(8)
+    gd = _graph()
+    sessions = {}
+    for name, (kind, options) in runs.items():
+        result = gr.rewrite(gd, devices_per_worker=replicas, device_type=device_type, **(options or {}))
+        if kind == "no_comm":
+            _drop_collectives(result.graph_def)
+        elif kind != "rewritten":
+            raise ValueError(f"--same-process runs rewritten graphs only, not {kind!r}")
+        sessions[name] = gr.Session(result)
+        sessions[name].run("init")
+    names = list(sessions)
+    times = {name: [] for name in names}
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            sessions[name].run("train_op", {"x:0": x, "y:0": y})
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    for sess in sessions.values():
+        sess.close()
+    return times
 
 
 def _drop_collectives(graph_def):
@@ -142,16 +189,47 @@ def _drop_collectives(graph_def):
             n.attr["T"].type = dtype
 
 
-def run_measure(kind, replicas, steps, warmup, device_type="CPU"):
+def run_measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
     """``measure`` in a fresh process (this script with --measure): median seconds per
     step. A failed measurement raises RuntimeError with the end of its stderr."""
     cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(replicas),
-           "--steps", str(steps), "--warmup", str(warmup), "--device-type", device_type]
+           "--steps", str(steps), "--warmup", str(warmup), "--device-type", device_type,
+           "--options", json.dumps(options or {})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def _same_process(args, runs):
+    """--same-process: every round one process stepping every run in turn."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--together", json.dumps(runs), "--replicas",
+           str(args.replicas), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--device-type", args.device_type]
+    names = list(runs)
+    first = names[0]
+    all_times = {n: [] for n in names}
+    for r in range(args.rounds):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        if proc.returncode != 0:
+            raise SystemExit(f"round {r + 1} failed:\n{proc.stderr[-3000:]}")
+        times = json.loads(proc.stdout.strip().splitlines()[-1])
+        for n in names:
+            all_times[n].extend(times[n])
+        print(f"round {r + 1}: " + ", ".join(
+            f"{n} {statistics.median(times[n]) * 1000:.1f} ms" + (
+                f" ({statistics.median(a / b for a, b in zip(times[n], times[first])):.3f}x {first})"
+                if n != first else "") for n in names), flush=True)
+    print(f"all rounds, {len(all_times[first])} cycles (median step; median of per-cycle ratios):")
+    for n in names:
+        print(f"{n:>24}: {statistics.median(all_times[n]) * 1000:8.1f} ms/step")
+    pairs = [(a, b) for a in names for b in names
+             if a.startswith("rewritten") and b == "no_comm" + a[len("rewritten"):]]
+    pairs += [(a, first) for a in names[1:] if a.startswith("rewritten")]
+    for a, b in pairs:
+        print(f"{a} / {b} = {statistics.median(x / y for x, y in zip(all_times[a], all_times[b])):.3f}")
 
 
 def main():
@@ -164,19 +242,42 @@ def main():
                         "then the median: the machine's speed drifts between processes")
     p.add_argument("--device-type", choices=("CPU", "GPU"), default="CPU",
                    help="where the replicas run (GPU: one device is GPU:0, the replicas GPU:0..N-1)")
+    p.add_argument("--kinds", default="single,rewritten,mirrored,no_comm",
+                   help="the runs of a round, comma-separated (single, rewritten, mirrored, no_comm)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="also run rewritten@NAME and no_comm@NAME, rewritten with these rewrite keywords")
+    p.add_argument("--same-process", action="store_true",
+                   help="step the rewritten runs in turn within one process per round (module doc)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
+    p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--together", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.together:
+        runs = json.loads(args.together)
+        print(json.dumps(measure_together(runs, args.replicas, args.steps, args.warmup, args.device_type)))
+        return
     if args.measure:
-        print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup, args.device_type)))
+        print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup, args.device_type,
+                                 json.loads(args.options))))
         return
     print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
-    kinds = ("single", "rewritten", "mirrored", "no_comm")
+    kinds = [k for k in args.kinds.split(",") if k]
+    runs = {k: (k, {}) for k in kinds}
+    for v in args.variant:
+        name, _, options = v.partition("=")
+        for k in ("rewritten", "no_comm"):
+            runs[f"{k}@{name}"] = (k, json.loads(options))
+    kinds = list(runs)
+    if args.same_process:
+        _same_process(args, runs)
+        return
     rounds = []
     for r in range(args.rounds):
         results = {}
-        for kind in kinds:
+        for kind, (base, options) in runs.items():
             try:
-                results[kind] = run_measure(kind, args.replicas, args.steps, args.warmup, args.device_type)
+                results[kind] = run_measure(base, args.replicas, args.steps, args.warmup, args.device_type,
+                                            options)
             except RuntimeError as e:
                 raise SystemExit(str(e)) from None
         rounds.append(results)
@@ -186,9 +287,25 @@ def main():
         return statistics.median(x[a] / x[b] for x in rounds)
     for kind in kinds:
         print(f"{kind:>10}: {statistics.median(x[kind] for x in rounds) * 1000:8.1f} ms/step (median)")
+    for v in args.variant:
+        name = v.partition("=")[0]
+        per_round = ", ".join(f"{x[f'rewritten@{name}'] / x[f'no_comm@{name}']:.3f}" for x in rounds)
+        print(f"rewritten@{name} / no_comm@{name} = {ratio(f'rewritten@{name}', f'no_comm@{name}'):.3f}"
+              f"   (per round: {per_round})")
+        if "rewritten" in kinds:
+            per_round = ", ".join(f"{x['rewritten'] / x[f'rewritten@{name}']:.3f}" for x in rounds)
+            print(f"rewritten / rewritten@{name} = {ratio('rewritten', f'rewritten@{name}'):.3f}"
+                  f"   (per round: {per_round})")
+    if not {"single", "rewritten", "mirrored", "no_comm"} <= set(kinds):
+        if {"rewritten", "no_comm"} <= set(kinds):
+            per_round = ", ".join(f"{x['rewritten'] / x['no_comm']:.3f}" for x in rounds)
+            print(f"rewritten / no communication = {ratio('rewritten', 'no_comm'):.3f}   (per round: {per_round})")
+        return
     print(f"rewritten / one device       = {ratio('rewritten', 'single'):.2f}   (target <= 1.2; median of rounds)")
     print(f"rewritten / MirroredStrategy = {ratio('rewritten', 'mirrored'):.2f}   (target <= 0.75)")
     print(f"MirroredStrategy / one device = {ratio('mirrored', 'single'):.2f}")
+    per_round = ", ".join(f"{x['rewritten'] / x['no_comm']:.3f}" for x in rounds)
+    print(f"rewritten / no communication = {ratio('rewritten', 'no_comm'):.3f}   (per round: {per_round})")
     print(f"no communication / one device = {ratio('no_comm', 'single'):.2f}   "
           f"(no_comm / MirroredStrategy = {ratio('no_comm', 'mirrored'):.2f}: the best any reduction reaches)")
 

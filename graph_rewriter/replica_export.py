@@ -194,13 +194,7 @@ class _TemplateRenderer:
                 continue
             recipe = self._recipe(n)
             for (out, holes), vals in zip(blocks, values):
-                data, local = _evaluate(recipe, vals)
-                head = b"\x0a" + varint(len(data))
-                base = len(out) + len(head)
-                for kind, offset in local:
-                    holes[kind].append(base + offset)
-                out += head
-                out += data
+                _append_node(out, holes, *_evaluate(recipe, vals))
         return blocks
 
     def _is_simple(self, n):
@@ -234,11 +228,7 @@ class _TemplateRenderer:
                 body += (b"\x1a", length, value, data)
                 size += 1 + len(length) + len(value) + len(data)
             elif name in self.indexed:
-                if t.index != 1:
-                    raise GraphRewriteError(
-                        f"internal: template node '{n.name}' reads output {t.index} of the "
-                        f"per-replica output '{name}', expected output 1 (replica 1's)",
-                        hint="rewrite with materialize_replicas=True")
+                _check_reads_replica_1(n, name, t)
                 lead, index = f"{name}:".encode(), vals[INDEX]
                 length = varint(len(lead) + len(index))
                 local.append((INDEX, size + 1 + len(length) + len(lead)))
@@ -261,14 +251,7 @@ class _TemplateRenderer:
                 size += len(field)
         device = n.device
         if device:
-            replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
-            if replica == 1 and n.name in self.fixed:
-                replica = None   # on a global node's device (placement said so): written as it is
-            kind = None
-            if replica == 1 and device == self.rm.devices[1]:
-                kind = DEVICE
-            elif replica == 1 and device == self.rm.hosts[1]:
-                kind = HOST
+            kind = self._device_hole(n, device)
             if kind is None:
                 field = self._device_field(device)
                 body.append(field)
@@ -291,13 +274,7 @@ class _TemplateRenderer:
                 self._append_colocation(names, value, size, body, local)
             else:
                 body.append(colocation_entry(names))
-        data = b"".join(body)
-        head = b"\x0a" + varint(len(data))
-        base = len(out) + len(head)
-        for kind, offset in local:
-            holes[kind].append(base + offset)
-        out += head
-        out += data
+        _append_node(out, holes, b"".join(body), local)
 
     def _append_colocation(self, names, value, size, body, local):
         """The ``_class`` attr entry (what ``_colocation`` makes a recipe of) appended to
@@ -324,16 +301,23 @@ class _TemplateRenderer:
         body += parts
 
     def _op_field(self, op):
-        field = self._ops.get(op)
-        if field is None:
-            field = self._ops[op] = string_field(b"\x12", op)
-        return field
+        return _memo_field(self._ops, b"\x12", op)
 
     def _device_field(self, device):
-        field = self._devices.get(device)
-        if field is None:
-            field = self._devices[device] = string_field(b"\x22", device)
-        return field
+        return _memo_field(self._devices, b"\x22", device)
+
+    def _device_hole(self, n, device):
+        """DEVICE or HOST when the template node's ``device`` is replica 1's device or host
+        (replica k's copy takes replica k's), else None: written as it is (a node of no
+        replica, or one placement put on a global node's device: ``fixed``)."""
+        replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
+        if replica != 1 or n.name in self.fixed:
+            return None
+        if device == self.rm.devices[1]:
+            return DEVICE
+        if device == self.rm.hosts[1]:
+            return HOST
+        return None
 
     def _recipe(self, n):
         prefix, cut = self.prefix, len(self.prefix)
@@ -343,11 +327,7 @@ class _TemplateRenderer:
             if name.startswith(prefix):
                 items.append((PREFIX, b"\x1a", b"", (name[cut:] + (f":{t.index}" if t.index else "")).encode()))
             elif name in self.indexed:
-                if t.index != 1:
-                    raise GraphRewriteError(
-                        f"internal: template node '{n.name}' reads output {t.index} of the "
-                        f"per-replica output '{name}', expected output 1 (replica 1's)",
-                        hint="rewrite with materialize_replicas=True")
+                _check_reads_replica_1(n, name, t)
                 items.append((INDEX, b"\x1a", f"{name}:".encode(), b""))
             else:
                 items.append(self._field(name if t.index == 0 else f"{name}:{t.index}"))
@@ -357,13 +337,9 @@ class _TemplateRenderer:
             else:
                 items.append(self._field("^" + c.name))
         device = n.device
-        replica = n.replica if n.replica != UNKNOWN_REPLICA else 1
-        if replica == 1 and n.name in self.fixed:
-            replica = None   # on a global node's device (placement said so): written as it is
-        if device and replica == 1 and device == self.rm.devices[1]:
-            items.append((DEVICE, b"\x22", b"", b""))
-        elif device and replica == 1 and device == self.rm.hosts[1]:
-            items.append((HOST, b"\x22", b"", b""))
+        kind = self._device_hole(n, device) if device else None
+        if kind is not None:
+            items.append((kind, b"\x22", b"", b""))
         elif device:
             items.append(string_field(b"\x22", device))
         self._attributes(n, items)
@@ -372,10 +348,7 @@ class _TemplateRenderer:
         return _merge_literals(items)
 
     def _field(self, text):
-        field = self._literal.get(text)
-        if field is None:
-            field = self._literal[text] = string_field(b"\x1a", text)
-        return field
+        return _memo_field(self._literal, b"\x1a", text)
 
     def _attributes(self, n, items):
         d = n.node_def
@@ -471,3 +444,32 @@ def _evaluate(items, values):
         parts.append(data)
         size += len(head) + len(data)
     return b"".join(parts), holes
+
+
+def _check_reads_replica_1(n, name, t):
+    """A template node reads output 1 of a per-replica output (the batch split's): the
+    export writes output k for replica k. Anything else is a bug of a pass."""
+    if t.index != 1:
+        raise GraphRewriteError(
+            f"internal: template node '{n.name}' reads output {t.index} of the "
+            f"per-replica output '{name}', expected output 1 (replica 1's)",
+            hint="rewrite with materialize_replicas=True")
+
+
+def _memo_field(cache, tag, text):
+    """The serialized string field ``tag`` + ``text``, made once per text (``cache``)."""
+    field = cache.get(text)
+    if field is None:
+        field = cache[text] = string_field(tag, text)
+    return field
+
+
+def _append_node(out, holes, data, local):
+    """Appends one serialized NodeDef ``data`` to ``out`` as a GraphDef's node field,
+    noting its holes (``local``: (kind, offset in data)) at their offsets in ``out``."""
+    head = b"\x0a" + varint(len(data))
+    base = len(out) + len(head)
+    for kind, offset in local:
+        holes[kind].append(base + offset)
+    out += head
+    out += data

@@ -364,7 +364,7 @@ class Options:
         "worker and broadcasts back within the worker (fewer cross-machine messages: for many "
         "workers with several devices each); auto lets the cost model choose per pack. A plan "
         "can set it per pack.",
-        default_text="flat (strategy auto: auto)",
+        default_text="flat",
         check=one_of((None,) + ALLREDUCE_ALGORITHMS, "unknown allreduce_algorithm {value!r}",
                      f"use one of {', '.join(ALLREDUCE_ALGORITHMS)}"),
         cli=Flag("--allreduce-algorithm", choices=ALLREDUCE_ALGORITHMS))

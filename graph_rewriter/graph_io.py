@@ -7,13 +7,12 @@ and printed here on export; nothing else in the project sees them.
 
 import os
 import re
-import sys
 import tempfile
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
 
-from graph_rewriter import protos, saved_model
+from graph_rewriter import protos, saved_model, tf_runtime
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GraphItem, Node
 from graph_rewriter.protos import graph_pb2, meta_graph_pb2
@@ -72,7 +71,7 @@ def load_graph(source, name=None, tag=None):
 
 
 def _is_tf_graph(source):
-    if sys.modules.get("tensorflow") is None:   # no tf.Graph can exist: do not import it to ask
+    if not tf_runtime.imported():   # no tf.Graph can exist: do not import it to ask
         return False
     from tensorflow.python.framework import ops
     return isinstance(source, ops.Graph)

@@ -95,13 +95,13 @@ class Node:
 
     def _own_def(self):
         self.arg_info = None
-        if not self._shared_def:   # about to change in place: its serialized form goes
-            self.graph._attr_bytes.pop(id(self._def), None)
         if self._shared_def:
             own = type(self._def)()
             own.CopyFrom(self._def)
             self._def = own
             self._shared_def = False
+        else:   # about to change in place: its serialized form goes
+            self.graph._attr_bytes.pop(id(self._def), None)
         return self._def
 
     def set_attr(self, key, value):

@@ -14,11 +14,12 @@ Usage: ``from graph_rewriter.protos import graph_pb2`` as one would import Tenso
 """
 
 import os
-import sys
 import types
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.internal import enum_type_wrapper
+
+from graph_rewriter import tf_runtime
 
 
 # module name -> (TensorFlow's module, its .proto file)
@@ -37,7 +38,7 @@ _FILES = {
 }
 SHIPPED = os.path.join(os.path.dirname(__file__), "data", "tf_protos.pb")
 
-USING_TENSORFLOW = sys.modules.get("tensorflow") is not None
+USING_TENSORFLOW = tf_runtime.imported()
 
 
 def _tensorflow_module(name):
@@ -118,7 +119,7 @@ def for_tensorflow(message):
     """``message`` as TensorFlow's own class when TensorFlow has been imported since this
     module chose the shipped classes (a GraphDef handed to tf.import_graph_def must be
     one); otherwise unchanged."""
-    if USING_TENSORFLOW or sys.modules.get("tensorflow") is None:
+    if USING_TENSORFLOW or not tf_runtime.imported():
         return message
     for name, (module, _) in _FILES.items():
         if getattr(_MODULES[name], type(message).__name__, None) is type(message):

@@ -16,10 +16,16 @@ INSTALL_HINT = ("install TensorFlow: pip install 'graph-rewriter[cpu]' (or '[gpu
                 "or the TensorFlow you already use")
 
 
+def imported():
+    """True if TensorFlow has been imported in this process. A ``None`` entry in
+    sys.modules (what blocks an import, as the tests do) counts as not imported."""
+    return sys.modules.get("tensorflow") is not None
+
+
 def installed():
     """True if TensorFlow can be imported (without importing it)."""
     if "tensorflow" in sys.modules:
-        return sys.modules["tensorflow"] is not None
+        return imported()
     import importlib.util
     try:
         return importlib.util.find_spec("tensorflow") is not None
@@ -42,7 +48,7 @@ def import_tensorflow_quietly():
     configured, so TF_CPP_MIN_LOG_LEVEL cannot silence them) kept off stderr, which is
     reserved for the command's own one-line messages."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if "tensorflow" in sys.modules:
+    if imported():
         return
     try:
         fd = sys.stderr.fileno()

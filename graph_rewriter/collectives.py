@@ -59,7 +59,7 @@ def instance_base(plan):
     the collectives' shapes (packs and their algorithm, gathered gradients, replica
     count)."""
     shape = "|".join([plan.fingerprint, plan.strategy, str(plan.num_replicas), str(plan.compression)]
-                     + [f"{p.dtype}:{p.bytes}:{','.join(p.cuts)}" + (":hierarchical" if p.algorithm else "")
+                     + [f"{p.dtype}:{p.bytes}:{','.join(p.cuts)}" + (f":{p.algorithm}" if p.algorithm else "")
                         for p in plan.packs]
                      + [f"{c.variable}:{c.sync}" for c in plan.cuts])
     return (_digest("instances|" + shape) % (1 << 17)) * _INSTANCE_SLOTS + 1

@@ -160,18 +160,39 @@ def hierarchical_cost(nbytes, topo, model, pack_bytes=None):
                 within.messages + across.messages + d - 1)
 
 
-def pack_cost(pack, topo, model):
+def reduce_to_one_cost(nbytes, topo, model, shared_memory=False):
+    """Every replica's pack summed on one device, the mean read back from it: the other
+    replicas' bytes cross that device's link twice (in, then out). CPU replicas of one
+    process share memory: nothing is copied, and what is left is one pass over the packs."""
+    n = topo.replicas
+    if n < 2 or not nbytes:
+        return FREE
+    bw, lat = topo.link(model)
+    if shared_memory:
+        return Cost(n * nbytes / bw, 0, 0)
+    moved = 2 * (n - 1) * nbytes
+    return Cost(2 * lat + moved / bw, int(moved), 2 * (n - 1))
+
+
+def pack_cost(pack, topo, model, device_type="GPU"):
     """One pack's all-reduce, by the algorithm the plan gives it."""
     if pack.algorithm == "hierarchical":
         return hierarchical_cost(pack.bytes, topo, model)
+    if pack.algorithm == "reduce_to_one":
+        return reduce_to_one_cost(pack.bytes, topo, model, shared_memory=device_type == "CPU")
     return allreduce_cost(pack.bytes, topo, model)
 
 
 def choose_algorithms(plan, topo, model):
-    """Gives each pack the two-level all-reduce where the model predicts it cheaper than
-    the flat ring (only clusters of several workers with several devices each have two
-    levels); the others keep the flat ring (``algorithm`` None)."""
+    """Gives each pack the algorithm the model predicts cheapest: CPU replicas of one
+    process (one worker) sum their packs on one device, which shares their memory (no
+    collective, no copy); otherwise the two-level all-reduce where it beats the flat ring
+    (only clusters of several workers with several devices each have two levels); the
+    others keep the flat ring (``algorithm`` None)."""
     for pack in plan.packs:
+        if topo.workers == 1 and topo.replicas > 1 and plan.device_type == "CPU":
+            pack.algorithm = "reduce_to_one"
+            continue
         flat = allreduce_cost(pack.bytes, topo, model).seconds
         two_level = hierarchical_cost(pack.bytes, topo, model).seconds
         pack.algorithm = "hierarchical" if two_level < flat * (1 - 1e-9) else None
@@ -308,7 +329,7 @@ def predict(plan, topo, model):
         result["seconds"] = 0.0
         return result
     for p in plan.packs:
-        c = pack_cost(p, topo, model)
+        c = pack_cost(p, topo, model, getattr(plan, "device_type", "GPU"))
         result["allreduce"] += c.seconds
         result["bytes"]["ring_link"] += c.bytes_per_link
     ps_load = [0.0] * max(topo.ps_tasks, 1)

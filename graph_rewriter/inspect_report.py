@@ -152,6 +152,12 @@ def _inputs(md, nodes):
     return out
 
 
+_ALGORITHM_NOTES = {
+    "hierarchical": ", hierarchical (within each worker, across the workers' first replicas, back)",
+    "reduce_to_one": ", reduced on one device (every replica's pack summed there, the mean read back)",
+}
+
+
 def _size(n):
     if n is None:
         return "?"
@@ -284,9 +290,8 @@ def format_report(rep):
                      "(micro-batches), synchronised and applied on every last one")
     lines.append(f"packs ({len(rep['packs'])}):")
     for p in rep["packs"]:
-        two_level = ", hierarchical (within each worker, across the workers' first replicas, back)"
         lines.append(f"  pack {p['index']}: {p['dtype']}, {_size(p['bytes'])}, {len(p['gradients'])} gradient(s)"
-                     + (two_level if p.get("algorithm") == "hierarchical" else ""))
+                     + _ALGORITHM_NOTES.get(p.get("algorithm"), ""))
     if rep["accumulators"]:
         lines.append(f"accumulators ({len(rep['accumulators'])}):")
         for a in rep["accumulators"]:

@@ -30,7 +30,7 @@ COMPRESSIONS = (None, "fp16", "bf16")
 MERGES = ("sum", "mean", "concat", "master")
 BATCH_SPLITS = ("global", "per_replica")
 COMMUNICATIONS = ("auto", "ring", "nccl")
-ALLREDUCE_ALGORITHMS = ("flat", "hierarchical", "auto")
+ALLREDUCE_ALGORITHMS = ("flat", "hierarchical", "reduce_to_one", "auto")
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_HEARTBEAT_SECONDS = 5.0
@@ -362,8 +362,10 @@ class Options:
         None, "How each pack is all-reduced across machines: flat is one ring over every "
         "replica; hierarchical reduces within each worker, all-reduces across one replica per "
         "worker and broadcasts back within the worker (fewer cross-machine messages: for many "
-        "workers with several devices each); auto lets the cost model choose per pack. A plan "
-        "can set it per pack.",
+        "workers with several devices each); reduce_to_one sums every replica's pack on one "
+        "device of a single worker and every replica reads the mean from there (no collective: "
+        "for replicas of one process, such as CPU devices); auto lets the cost model choose per "
+        "pack. A plan can set it per pack.",
         default_text="flat",
         check=one_of((None,) + ALLREDUCE_ALGORITHMS, "unknown allreduce_algorithm {value!r}",
                      f"use one of {', '.join(ALLREDUCE_ALGORITHMS)}"),

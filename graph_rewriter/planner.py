@@ -83,26 +83,36 @@ def _choose_algorithm(plan, options, topology):
     Strategy auto does not choose the two-level all-reduce unless asked to
     (``allreduce_algorithm="auto"``): a between-graph two-level run on servers that ran
     certain other jobs before can hang (docs/strategies.md). It needs two levels:
-    several workers with several devices each."""
+    several workers with several devices each. reduce_to_one needs every replica in one
+    task (one process), where one device can read every replica's pack."""
     choice = options.allreduce_algorithm
     if choice == "auto":
         cost_model.choose_algorithms(plan, topology, options.cost_model or cost_model.CostModel())
     elif choice is not None:
         for pack in plan.packs:
-            pack.algorithm = "hierarchical" if choice == "hierarchical" else None
+            pack.algorithm = None if choice == "flat" else choice
     for i, pack in enumerate(plan.packs):
         if pack.algorithm == "flat":
             pack.algorithm = None
-        if pack.algorithm not in (None, "hierarchical"):
+        if pack.algorithm not in PACK_ALGORITHMS:
             raise GraphRewriteError(f"the plan's pack {i} asks for algorithm {pack.algorithm!r}",
-                                    hint="use 'hierarchical', or 'flat' (or no algorithm) for one ring")
+                                    hint="use 'hierarchical', 'reduce_to_one', or 'flat' (or no algorithm) "
+                                         "for one ring")
+        who = f"allreduce_algorithm {choice!r}" if choice == pack.algorithm else f"the plan's pack {i}"
         if pack.algorithm == "hierarchical" and (topology.workers < 2 or topology.devices_per_worker < 2):
-            who = "allreduce_algorithm 'hierarchical'" if choice == "hierarchical" else f"the plan's pack {i}"
             raise GraphRewriteError(
                 f"{who} asks for the hierarchical all-reduce, which needs several workers with several "
                 f"devices each; this cluster has {topology.workers} worker(s) with "
                 f"{topology.devices_per_worker} device(s) each",
                 hint="use the flat all-reduce (allreduce_algorithm 'flat' or 'auto') on this cluster")
+        if pack.algorithm == "reduce_to_one" and topology.workers > 1:
+            raise GraphRewriteError(
+                f"{who} asks to reduce on one device, which needs every replica in one worker; this "
+                f"cluster has {topology.workers} workers",
+                hint="use the flat all-reduce (allreduce_algorithm 'flat' or 'auto') on this cluster")
+
+
+PACK_ALGORITHMS = (None, "hierarchical", "reduce_to_one")
 
 
 HYBRID_WITHOUT_SPARSE = "hybrid: no sparse gradients, every variable is all-reduced"

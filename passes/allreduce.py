@@ -20,6 +20,16 @@ A pack the plan makes "hierarchical" is averaged in two levels instead of one ri
 
 so only one replica per machine talks across machines. Every worker has the same number
 of replicas, so the mean of the workers' means is the mean over every replica.
+
+A pack the plan makes "reduce_to_one" (every replica in one worker) has no collective:
+
+    every replica's packed ─> AddN (one node, on replica p mod R's device) ─> Div(R)
+        ─> each replica's [Cast back] ─> SplitV ─> Reshape ─> its readers
+
+TensorFlow copies a pack between devices where it must; CPU devices of one process share
+memory, so there the sum is one pass over the packs and the mean is computed once, not
+once per replica (tf.distribute's ReductionToOneDevice, and tf_cnn_benchmarks'
+replicated mode on CPU, do the same).
 Sparse gradients planned as "allreduce" (sparse_as_dense) are first scattered into a
 dense tensor of the variable's shape and handed back as (every row, row ids).
 BatchNorm moving statistics and other batch-dependent state updates are packed and
@@ -31,9 +41,11 @@ from graph_rewriter.analysis import variable_of
 from graph_rewriter.collectives import (all_reduce_mean, broadcast_recv, broadcast_send, dense_instance_key,
                                         group_key, hierarchical_instance_keys, worker_groups)
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.ir import GLOBAL
+from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, FUNCTION_CALLS
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.traversal import reaches
 
 _COMPRESS = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -53,24 +65,42 @@ class AllReducePass(Pass):
         gkey = group_key(rm.group_devices)
         cuts = {c.variable: c for c in plan.cuts}
         memo = _Memo()   # this run's shared nodes (the pass itself keeps nothing)
+        for p, pack in enumerate(plan.packs):   # one node sums every replica's pack
+            if pack.algorithm == "reduce_to_one":
+                members = [cuts[v] for v in pack.cuts]
+                packed = {i: self._pack(graph, ctx, memo, i, p, members) for i in rm.built}
+                mean = _mean_on_one_device(graph, ctx, p, [packed[i][0] for i in rm.built])
+                for i in rm.built:
+                    with graph.adding_to_replica(i):   # it reads the global mean only
+                        self._unpack(graph, ctx, memo, i, p, members, mean, *packed[i][1:])
         for i in rm.built:
             previous = None
             for p, pack in enumerate(plan.packs):
+                if pack.algorithm == "reduce_to_one":
+                    continue
                 members = [cuts[v] for v in pack.cuts]
-                previous = self._reduce_pack(graph, ctx, memo, i, p, members, gkey,
-                                             dense_instance_key(plan, p), previous)
+                packed, sizes, readers, compressed = self._pack(graph, ctx, memo, i, p, members)
+                previous = self._reduce(graph, ctx, i, p, packed, sum(sizes), compressed, gkey, previous)
+                self._unpack(graph, ctx, memo, i, p, members, previous.output(0), sizes, readers, compressed)
         return True
 
-    def _reduce_pack(self, graph, ctx, memo, i, p, cuts, gkey, ikey, previous):
+    def _pack(self, graph, ctx, memo, i, p, cuts):
+        """Replica ``i``'s gradients of pack ``p`` as one flat tensor (cast down if the
+        rewrite compresses), with what ``_unpack`` needs: their sizes, their readers, and
+        whether the pack was cast."""
         rm = ctx.replicas
         device = rm.devices[i]
         scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
-        sources, flats, sizes, readers = [], [], [], []
+        flats, sizes, readers = [], [], []
         for cut in cuts:
             values = rm.tensor(graph, i, cut.values)
             if cut.kind == "sparse":
                 indices = rm.tensor(graph, i, cut.indices)
-                readers.append((values.node.consumers(values.index), indices.node.consumers(indices.index)))
+                # as in allgather: the deduplication's Shape(unique indices) computes the
+                # values themselves and keeps reading the local indices
+                readers.append((values.node.consumers(values.index),
+                                [(c, pos) for c, pos in indices.node.consumers(indices.index)
+                                 if not reaches(c, values.node)]))
                 values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
             elif cut.role == "state":
                 # found on replica 0, mapped to replica i's clones (the same structure)
@@ -82,7 +112,6 @@ class AllReducePass(Pass):
                 readers.append(([(rm.node(graph, i, name), p) for name, p in master], None))
             else:
                 readers.append((values.node.consumers(values.index), None))
-            sources.append(values)
             n = _num_elements(cut.shape)
             if n is None:
                 raise GraphRewriteError(
@@ -96,21 +125,33 @@ class AllReducePass(Pass):
             graph, "ConcatV2", f"{scope}/concat", [flats, memo.const(graph, rm, i, 0, "int32", device)],
             device=device).output(0)
         wire = dtypes.as_dtype(cuts[0].dtype)
-        compressed = ctx.options.compression and wire.is_floating and wire.size > 2
+        compressed = bool(ctx.options.compression and wire.is_floating and wire.size > 2)
         if compressed:
             packed = make_op(graph, "Cast", f"{scope}/compress", [packed],
                              attrs={"DstT": dtypes.as_dtype(_COMPRESS[ctx.options.compression])},
                              device=device).output(0)
+        return packed, sizes, readers, compressed
+
+    def _reduce(self, graph, ctx, i, p, packed, size, compressed, gkey, previous):
+        """Replica ``i``'s collective mean of its pack: the node whose output 0 is the mean."""
+        rm = ctx.replicas
+        device = rm.devices[i]
+        scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
         controls = [previous] if previous is not None else []
         if ctx.plan.packs[p].algorithm == "hierarchical":
+            wire = dtypes.as_dtype(ctx.plan.packs[p].dtype)
             wire_dtype = dtypes.as_dtype(_COMPRESS[ctx.options.compression]) if compressed else wire
-            reduced = _two_level_mean(graph, ctx, i, p, scope, packed, sum(sizes), wire_dtype, device, controls)
-        else:
-            reduced = all_reduce_mean(graph, scope, packed, rm.group_size, gkey, ikey, device,
-                                      control_inputs=controls)
-        out = reduced.output(0)
+            return _two_level_mean(graph, ctx, i, p, scope, packed, size, wire_dtype, device, controls)
+        return all_reduce_mean(graph, scope, packed, rm.group_size, gkey, dense_instance_key(ctx.plan, p), device,
+                               control_inputs=controls)
+
+    def _unpack(self, graph, ctx, memo, i, p, cuts, out, sizes, readers, compressed):
+        """Hands replica ``i``'s readers of the pack's gradients their slices of the mean ``out``."""
+        rm = ctx.replicas
+        device = rm.devices[i]
+        scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
         if compressed:
-            out = make_op(graph, "Cast", f"{scope}/decompress", [out], attrs={"DstT": wire},
+            out = make_op(graph, "Cast", f"{scope}/decompress", [out], attrs={"DstT": dtypes.as_dtype(cuts[0].dtype)},
                           device=device).output(0)
         if len(cuts) > 1:
             split = make_op(graph, "SplitV", f"{scope}/split",
@@ -134,7 +175,6 @@ class AllReducePass(Pass):
                                device=device).output(0)
                 for c, pos in index_readers:
                     c.set_input(pos, rows)
-        return reduced
 
     def _densify(self, graph, scope, cut, values, indices, device):
         """The dense gradient of the rows: duplicates summed, untouched rows zero."""
@@ -144,6 +184,23 @@ class AllReducePass(Pass):
         return make_op(graph, "UnsortedSegmentSum", f"{scope}/densify",
                        [values, indices, const(graph, f"{scope}/num_rows", cut.shape[0], "int64", device)],
                        device=device).output(0)
+
+
+def _mean_on_one_device(graph, ctx, p, packed):
+    """Pack ``p``'s mean over every replica, computed once on one replica's device: an
+    AddN of every replica's pack, divided by the replica count. Each replica reads it
+    from there (TensorFlow's own copy between devices; none between CPU devices of one
+    process, which share memory). The packs take turns among the replicas' devices, so
+    GPUs share the summing. With template replicas the AddN lists replicas 0 and 1; the
+    export lists every replica (replica_export)."""
+    rm = ctx.replicas
+    device = rm.devices[p % rm.num_local]
+    scope = f"allreduce/pack_{p}"
+    total = make_op(graph, "AddN", f"{scope}/sum", [packed], device=device, replica=GLOBAL)
+    dtype = dtypes.as_dtype(dtype_of(packed[0])).name
+    count = const(graph, f"{scope}/replicas", rm.group_size, dtype, device, replica=GLOBAL)
+    return make_op(graph, "Div", f"{scope}/mean",   # the collectives' final_op, for the same rounding
+                   [total.output(0), count], device=device, replica=GLOBAL).output(0)
 
 
 def _two_level_mean(graph, ctx, i, p, scope, packed, size, dtype, device, controls):
@@ -207,7 +264,6 @@ def _update_readers(graph, tensor, prefix, variables):
 
 
 def _index_dtype(graph, rm, i, cut):
-    from graph_rewriter.op_builder import dtype_of
     return dtypes.as_dtype(dtype_of(rm.tensor(graph, i, cut.indices))).name
 
 

@@ -52,6 +52,9 @@ CONFIGS = {
                                          device_type="GPU", allreduce_algorithm="hierarchical"),
     "worker1_of_2_cpu3_hierarchical": dict(cluster_spec=_cluster(2), task="worker:1", devices_per_worker=3,
                                            device_type="CPU", allreduce_algorithm="hierarchical"),
+    # packs summed by one single AddN that lists every replica's pack
+    "cpu4_reduce_to_one": dict(devices_per_worker=4, device_type="CPU", allreduce_algorithm="reduce_to_one"),
+    "gpu11_reduce_to_one": dict(devices_per_worker=11, device_type="GPU", allreduce_algorithm="reduce_to_one"),
 }
 
 

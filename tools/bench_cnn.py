@@ -23,7 +23,7 @@ drifts):
   conv 5x5x64 SAME + ReLU, max-pool 2x2, dense 512 + ReLU, dense 1001; mean sparse
   softmax cross-entropy plus 4e-5 times the L2 loss of every variable, plain SGD at
   0.005, as the peer's defaults), rewritten by graph_rewriter for 2 CPU replicas
-  (``device_type="CPU", devices_per_worker=2``) and trained through ``gr.Session``
+  (``device_type="CPU", devices_per_worker=2``, and ``--allreduce-algorithm``) and trained through ``gr.Session``
   fed the global batch of B images (values as the peer's synthetic ones: normal, mean
   127, stddev 60, clipped to 2 stddevs; random labels). Images/sec over N steps after W
   warm-up steps, as the peer counts them (N * B / the loop's wall time).
@@ -111,7 +111,7 @@ def build_graph():
     return g.as_graph_def()
 
 
-def measure_ours(batch, num_batches, warmup, single=False):
+def measure_ours(batch, num_batches, warmup, single=False, algorithm="flat"):
     """Images/sec of the rewritten graph on 2 CPU replicas through gr.Session (``single``:
     of the original graph on one device, in a plain tf.compat.v1.Session)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -129,7 +129,8 @@ def measure_ours(batch, num_batches, warmup, single=False):
             tf.compat.v1.import_graph_def(graph_def, name="")
         session = tf.compat.v1.Session(graph=graph)
     else:
-        session = gr.Session(gr.rewrite(graph_def, device_type="CPU", devices_per_worker=2))
+        session = gr.Session(gr.rewrite(graph_def, device_type="CPU", devices_per_worker=2,
+                                        allreduce_algorithm=algorithm))
     with session as sess:
         sess.run("init")
         for i in range(warmup):
@@ -143,9 +144,10 @@ def measure_ours(batch, num_batches, warmup, single=False):
     return num_batches * batch / elapsed
 
 
-def run_ours(batch, num_batches, warmup, timeout, single=False):
+def run_ours(batch, num_batches, warmup, timeout, single=False, algorithm="flat"):
     cmd = [sys.executable, os.path.abspath(__file__), "--measure-ours", "--batch-size", str(batch),
-           "--num-batches", str(num_batches), "--warmup", str(warmup)] + (["--single"] if single else [])
+           "--num-batches", str(num_batches), "--warmup", str(warmup),
+           "--allreduce-algorithm", algorithm] + (["--single"] if single else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if proc.returncode != 0:
@@ -163,13 +165,15 @@ def main():
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--with-single", action="store_true",
                    help="also run both sides on one device (the peer with one tower) each round")
+    p.add_argument("--allreduce-algorithm", default="flat", choices=("flat", "reduce_to_one", "auto"),
+                   help="our rewrite's allreduce_algorithm (default: flat, the rewrite's default)")
     p.add_argument("--measure-ours", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.batch_size % 2:
         p.error("--batch-size must be even (2 replicas)")
     if args.measure_ours:
-        print(measure_ours(args.batch_size, args.num_batches, args.warmup, args.single))
+        print(measure_ours(args.batch_size, args.num_batches, args.warmup, args.single, args.allreduce_algorithm))
         return
     if not args.peer_dir:
         p.error("--peer-dir is required")
@@ -186,7 +190,7 @@ def main():
                                     towers=1 if who == "peer_1" else 2)
             else:
                 got[who] = run_ours(args.batch_size, args.num_batches, args.warmup, args.timeout,
-                                    single=who == "ours_1")
+                                    single=who == "ours_1", algorithm=args.allreduce_algorithm)
         rounds.append(got)
         extra = (f"; one device: peer {got['peer_1']:.1f}, ours {got['ours_1']:.1f}, ours / peer "
                  f"{got['ours_1'] / got['peer_1']:.3f}" if args.with_single else "")

@@ -23,7 +23,10 @@ docs/performance.md come from this script.
 runs per round, ``rewritten@NAME`` and ``no_comm@NAME``: the graph rewritten with the
 rewrite keywords JSON (e.g. ``old='{"bytes_per_pack": 33554432}'``), so that two rewrite
 choices are compared in the same interleaved rounds; their ratios to each other and to
-their own no-communication run are printed per round and as medians.
+their own no-communication run are printed per round and as medians (with
+``--same-process``, each variant's rewritten run is also divided by the plain
+no-communication run: the bound, which a variant without collectives, such as
+``allreduce_algorithm="reduce_to_one"``, cannot be measured against otherwise).
 
 ``--same-process`` measures the rewritten runs (rewritten, no_comm and every variant's)
 in one process instead, each in its own session, one step of each in turn (the order
@@ -228,6 +231,8 @@ def _same_process(args, runs):
     pairs = [(a, b) for a in names for b in names
              if a.startswith("rewritten") and b == "no_comm" + a[len("rewritten"):]]
     pairs += [(a, first) for a in names[1:] if a.startswith("rewritten")]
+    if "no_comm" in names:   # the bound: a variant without collectives has no no_comm of its own
+        pairs += [(a, "no_comm") for a in names if a.startswith("rewritten@")]
     for a, b in pairs:
         print(f"{a} / {b} = {statistics.median(x / y for x, y in zip(all_times[a], all_times[b])):.3f}")
 

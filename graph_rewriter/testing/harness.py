@@ -161,14 +161,15 @@ def run_single(example, steps=3, batch_size=8, feeds=None):
 
 
 def run_rewritten(result, example, steps=3, batch_size=8, feeds=None, config=None,
-                  replica_copies=False):
+                  replica_copies=False, target=""):
     """The same training run through ``graph_rewriter.Session`` on a rewritten graph
     (``result``: a RewriteResult or the path of a saved one), with the original names:
     variables are read through the master replica's copy. With ``replica_copies`` the
     values also hold every other replica's copy, keyed "replica_1/<variable>" (the
-    rewritten graph's prefix), so a test can check that the replicas stay identical."""
+    rewritten graph's prefix), so a test can check that the replicas stay identical.
+    ``target``: a server's (LocalCluster.target); "" runs in this process."""
     from graph_rewriter.session import Session
-    with Session(result, config=config) as sess:
+    with Session(result, target=target, config=config) as sess:
         losses, values = _train(sess, example, steps, batch_size, feeds)
         if replica_copies:
             prefixes = sess.result.metadata["replica_prefixes"][1:]

@@ -96,8 +96,8 @@ def _choose_algorithm(plan, options, topology):
             pack.algorithm = None
         if pack.algorithm not in PACK_ALGORITHMS:
             raise GraphRewriteError(f"the plan's pack {i} asks for algorithm {pack.algorithm!r}",
-                                    hint="use 'hierarchical', 'reduce_to_one', or 'flat' (or no algorithm) "
-                                         "for one ring")
+                                    hint="use 'flat' (or no algorithm) for one ring, 'hierarchical' or "
+                                         "'reduce_to_one'")
         who = f"allreduce_algorithm {choice!r}" if choice == pack.algorithm else f"the plan's pack {i}"
         if pack.algorithm == "hierarchical" and (topology.workers < 2 or topology.devices_per_worker < 2):
             raise GraphRewriteError(

@@ -329,7 +329,7 @@ def predict(plan, topo, model):
         result["seconds"] = 0.0
         return result
     for p in plan.packs:
-        c = pack_cost(p, topo, model, getattr(plan, "device_type", "GPU"))
+        c = pack_cost(p, topo, model, plan.device_type)
         result["allreduce"] += c.seconds
         result["bytes"]["ring_link"] += c.bytes_per_link
     ps_load = [0.0] * max(topo.ps_tasks, 1)

@@ -90,6 +90,7 @@ class PlanView:
                                for v in data["variables"]}
             self.strategy = data["strategy"]
             self.num_ps = data.get("num_ps", 0)
+            self.device_type = "GPU"   # what the simulator predicts, whatever the plan was made for
             missing = [k for c in self.cuts for k in ("variable", "kind") if not hasattr(c, k)]
         except (KeyError, TypeError) as e:
             raise UsageError(f"{source}: malformed plan: missing or bad {e}") from None

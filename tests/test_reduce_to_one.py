@@ -235,3 +235,21 @@ def test_on_a_server_the_replicas_equal_one_device(model, optimizer):
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=f"variable '{name}'")
         np.testing.assert_allclose(got["replica_1/" + name], got[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_with_accumulation_it_trains_as_the_flat_ring_does(replicas):
+    """accumulation_steps=2: the micro-batch sums reach the packs as the ring's do (the
+    flat ring's accumulation is held to one device in tests/test_accumulation.py)."""
+    ex = models.build("mlp", "momentum")
+    runs = {}
+    for algorithm in ("flat", "reduce_to_one"):
+        result = gr.rewrite(ex.graph_def, devices_per_worker=replicas, device_type="CPU",
+                            allreduce_algorithm=algorithm, accumulation_steps=2)
+        runs[algorithm] = harness.run_rewritten(result, ex, steps=4, batch_size=BATCH)
+    (flat_losses, flat), (losses, got) = runs["flat"], runs["reduce_to_one"]
+    np.testing.assert_allclose(losses, flat_losses, rtol=RTOL, atol=ATOL)
+    for name, value in flat.items():
+        np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+    _, initial = harness.run_single(ex, steps=0, batch_size=BATCH)
+    assert any(not np.allclose(flat[n], initial[n]) for n in flat)   # it trained

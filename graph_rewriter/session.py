@@ -332,21 +332,11 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
     closing the session (its run raises CancelledError; the reason, naming the peer, is
     logged as an error). Does nothing for a graph without heartbeats.
 
-    Given ``master`` (the target MonitoredTrainingSession gets), the hook starts beating
-    before the session is created and waits there, at most ``wait_seconds`` (default: the
-    graph's operation timeout, else 600 s), until every peer's client beats, as
-    ``gr.Session`` waits before its first step. MonitoredTrainingSession runs the init ops
-    while it creates the session, and their collectives, started by a client alone, can
-    leave the servers' collective state half-made (docs/reliability.md); a client whose
-    peers never come raises DeadlineExceededError naming them, with nothing run.
-
-        hooks = [gr.HeartbeatHook(master=target), tf.compat.v1.train.StopAtStepHook(last_step=1000)]
-        with tf.compat.v1.train.MonitoredTrainingSession(master=target, hooks=hooks) as sess: ...
+        hooks = [gr.HeartbeatHook(), tf.compat.v1.train.StopAtStepHook(last_step=1000)]
+        with tf.compat.v1.train.MonitoredTrainingSession(master=..., hooks=hooks) as sess: ...
     """
 
-    def __init__(self, master=None, wait_seconds=None):
-        self._master = master
-        self._wait_seconds = wait_seconds
+    def __init__(self):
         self._info = None
         self._heartbeat = None
         self._session = None
@@ -359,31 +349,7 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
             op = graph.get_operation_by_name(METADATA_NODE)
         except KeyError:
             return
-        md = decode_metadata(op.get_attr("value"))
-        self._info = md.get("heartbeat")
-        if self._info and self._master is not None and self._heartbeat is None:
-            self._start(graph, self._master)
-            limit = self._wait_seconds
-            if limit is None:
-                limit = (md.get("session_config") or {}).get("operation_timeout_in_ms", 600_000) / 1000
-            missing = self._heartbeat.wait_for_peers(limit)
-            if missing:
-                self.end(None, leave=False)
-                task = ":".join(map(str, md.get("task") or ()))
-                raise tf.errors.DeadlineExceededError(
-                    None, None, f"graph_rewriter: the session was not created: no heartbeat within {limit:g} s "
-                    f"from {', '.join(missing)}, whose client is not running (this graph is {task}'s). Start "
-                    "every worker's client; nothing ran, so the servers are as they were")
-            self._heartbeat.peers_seen = True
-
-    def _start(self, graph, target):
-        # beats go through a session of their own: MonitoredTrainingSession closes and
-        # recreates its session while it recovers from an unreachable task, and this
-        # client must go on beating meanwhile, or its peers would take it as gone
-        beats = tf.compat.v1.Session(target=target, graph=graph)
-        self._beats = beats
-        self._heartbeat = Heartbeat(lambda fetches, options: beats.run(fetches, options=options),
-                                    self._info, self._gone).start()
+        self._info = decode_metadata(op.get_attr("value")).get("heartbeat")
 
     def after_create_session(self, session, coord):
         if not self._info:
@@ -391,13 +357,18 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
         # the session whose waiting step a gone peer ends; a recovered one replaces it
         self._session = session
         if self._heartbeat is None:
-            self._start(session.graph, session.sess_str)
+            # beats go through a session of their own: MonitoredTrainingSession closes
+            # and recreates its session while it recovers from an unreachable task, and
+            # this client must go on beating meanwhile, or its peers would take it as gone
+            beats = tf.compat.v1.Session(target=session.sess_str, graph=session.graph)
+            self._beats = beats
+            self._heartbeat = Heartbeat(lambda fetches, options: beats.run(fetches, options=options),
+                                        self._info, self._gone).start()
 
     def _gone(self, message):
         self.gone = message
         tf.compat.v1.logging.error(message)
-        if self._session is not None:
-            self._session.close()
+        self._session.close()
 
     def before_run(self, run_context):
         if self._heartbeat is not None:
@@ -407,9 +378,7 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
         if self._heartbeat is not None:
             self._heartbeat.step_ended()
 
-    def end(self, session, leave=True):
-        """Stops beating; ``leave`` (a clean end) tells the peers this client left on purpose."""
+    def end(self, session):
         if self._heartbeat is not None:
-            self._heartbeat.stop(leave=leave)
+            self._heartbeat.stop(leave=True)
             self._beats.close()
-            self._heartbeat = None

@@ -142,6 +142,14 @@ def ancestors(nodes, data_only=False, stop=None):
     return seen
 
 
+def readers_of_indices(indices, values):
+    """The readers of a sparse gradient's ``indices`` (Tensor) that use the gradient rather
+    than help compute its ``values`` (Tensor): an optimizer's deduplication reads
+    Shape(unique indices) for its segment count, and must keep the local indices when a
+    pass hands the other readers new ones."""
+    return [(c, pos) for c, pos in indices.node.consumers(indices.index) if not reaches(c, values.node)]
+
+
 def reaches(start, target, limit=32):
     """True if ``target`` depends on ``start`` through at most ``limit`` data edges."""
     frontier, seen = [start], {start}
@@ -166,7 +174,7 @@ def gradient_readers(values, indices):
     deduplication reads Shape(unique ids) for its segment count."""
     out = list(values.node.consumers(values.index))
     if indices is not None:
-        out += [(c, p) for c, p in indices.node.consumers(indices.index) if not reaches(c, values.node)]
+        out += readers_of_indices(indices, values)
     return out
 
 

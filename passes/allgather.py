@@ -20,7 +20,7 @@ from graph_rewriter import dtypes
 from graph_rewriter.collectives import SPARSE_BUCKETS, all_gather, group_key, sparse_instance_keys
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.traversal import reaches
+from graph_rewriter.traversal import readers_of_indices
 
 
 class AllGatherPass(Pass):
@@ -53,8 +53,7 @@ class AllGatherPass(Pass):
         # Readers that help compute the values themselves (the optimizer's deduplication
         # reads Shape(unique indices) for its segment count) keep the local tensor.
         value_readers = values.node.consumers(values.index)
-        index_readers = [(c, p) for c, p in indices.node.consumers(indices.index)
-                         if not reaches(c, values.node)]
+        index_readers = readers_of_indices(indices, values)
         vdt = dtypes.as_dtype(dtype_of(values))
         dedup_after = cut.deduplicated or cut.linear
         if cut.linear and not cut.deduplicated:

@@ -45,7 +45,7 @@ from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, FUNCTION_CALLS
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.traversal import reaches
+from graph_rewriter.traversal import readers_of_indices
 
 _COMPRESS = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -96,11 +96,7 @@ class AllReducePass(Pass):
             values = rm.tensor(graph, i, cut.values)
             if cut.kind == "sparse":
                 indices = rm.tensor(graph, i, cut.indices)
-                # as in allgather: the deduplication's Shape(unique indices) computes the
-                # values themselves and keeps reading the local indices
-                readers.append((values.node.consumers(values.index),
-                                [(c, pos) for c, pos in indices.node.consumers(indices.index)
-                                 if not reaches(c, values.node)]))
+                readers.append((values.node.consumers(values.index), readers_of_indices(indices, values)))
                 values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
             elif cut.role == "state":
                 # found on replica 0, mapped to replica i's clones (the same structure)

@@ -281,6 +281,7 @@ def cmd_serve(argv):
     server = start_server(args.cluster, args.task, device_type=args.device_type,
                           devices_per_worker=args.devices_per_worker, communication=args.communication)
     _log(f"serving {task} at {server.target} (process {os.getpid()}; Ctrl-C to stop)")
+    _watch_incarnations(server, args)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
     try:
@@ -291,6 +292,19 @@ def cmd_serve(argv):
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _watch_incarnations(server, args):
+    """A compute server of a cluster with several compute tasks watches its collective
+    peers' incarnations: once a peer it formed groups with has restarted, TensorFlow
+    refuses that peer here until this server restarts, so serve says so (and, supervised,
+    replaces this server; graph_rewriter/incarnations.py)."""
+    from graph_rewriter.cluster import parse_cluster
+    from graph_rewriter.incarnations import Watcher
+    cluster = parse_cluster(args.cluster, args.task)
+    if cluster.task in cluster.compute_tasks and len(cluster.compute_tasks) > 1:
+        label = f"{cluster.task[0]}:{cluster.task[1]}"
+        Watcher(server, cluster, lambda message: _log(f"{label}: {message}")).start()
 
 
 def cmd_demo(argv):

@@ -224,3 +224,20 @@ def dedup_rows(graph, scope, values, indices, device):
     summed = make_op(graph, "UnsortedSegmentSum", f"{scope}/sum",
                      [values, unique.output(1), count.output(0)], device=device)
     return summed.output(0), unique.output(0)
+
+
+def read_or_default(graph, name, handle, dtype, default, device):
+    """A resource variable's value, or ``default`` when the variable is not initialized
+    (a v1 cond: the read runs only on the branch where ``VarIsInitializedOp`` is true,
+    so a variable another server may not hold never fails the step). Returns the Merge's
+    value tensor."""
+    initialized = make_op(graph, "VarIsInitializedOp", f"{name}/is_initialized", [handle], device=device)
+    switch = make_op(graph, "Switch", f"{name}/switch", [initialized.output(0), initialized.output(0)],
+                     device=device)
+    absent = make_op(graph, "Identity", f"{name}/absent", [switch.output(0)], device=device)
+    present = make_op(graph, "Identity", f"{name}/present", [switch.output(1)], device=device)
+    read = make_op(graph, "ReadVariableOp", f"{name}/read", [handle], attrs={"dtype": dtypes.as_dtype(dtype)},
+                   device=device, control_inputs=[present])
+    fallback = const(graph, f"{name}/default", default, dtype, device)
+    fallback.node.add_control_input(absent)
+    return make_op(graph, "Merge", name, [[read.output(0), fallback]], device=device).output(0)

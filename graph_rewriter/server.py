@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from graph_rewriter.cluster import parse_cluster
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.incarnations import publish
 from graph_rewriter.options import COMMUNICATIONS
 
 
@@ -40,7 +41,8 @@ def server_config(cluster, device_type="GPU", devices_per_worker=1, communicatio
 def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1, communication="auto",
                  start=True):
     """Starts (and returns) the tf.distribute.Server for ``task`` of ``cluster_spec``,
-    configured by ``server_config``. Every server of a cluster should be given the same
+    configured by ``server_config``, holding its incarnation number
+    (graph_rewriter/incarnations.py) before it serves anyone. Every server of a cluster should be given the same
     ``communication``: each resolves a collective's implementation on its own."""
     cluster = parse_cluster(cluster_spec, task)
     if cluster.is_local or cluster.task is None:
@@ -51,10 +53,16 @@ def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1,
     job, index = cluster.task
     config = server_config(cluster, device_type, devices_per_worker, communication)
     try:
-        return tf.distribute.Server(
+        server = tf.distribute.Server(
             tf.train.ClusterSpec(cluster.jobs), job_name=job, task_index=index,
-            config=config, start=start)
+            config=config, start=False)
     except (tf.errors.OpError, ValueError, RuntimeError) as e:
         raise GraphRewriteError(
             f"cannot start the server for {job}:{index} at {cluster.jobs[job][index]}: "
             f"{str(e).splitlines()[0]}", hint="check that the port is free and the address is this machine's") from None
+    # its number, before anyone can reach it: how graphs and serve tell this server's
+    # incarnation from a restarted one's (graph_rewriter/incarnations.py)
+    publish(server, cluster.task)
+    if start:
+        server.start()
+    return server

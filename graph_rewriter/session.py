@@ -106,6 +106,12 @@ class Session(tf.compat.v1.Session):
         with graph.as_default():
             tf.compat.v1.import_graph_def(self.result.graph_def, name="")
         self._config = session_config(md["session_config"], config)
+        if md.get("incarnations"):
+            # collectives across tasks: created once no server holds a restarted peer's
+            # earlier incarnation (serve replaces it within seconds, and a session does
+            # not outlive its server's replacement)
+            settle(lambda: tf.compat.v1.Session(target=target, graph=graph, config=self._config), md,
+                   self._config.operation_timeout_in_ms / 1000)
         super().__init__(target=target, graph=graph, config=self._config)
         self._prefixes = md["replica_prefixes"]
         self._variant = set(md["variant"])
@@ -150,23 +156,11 @@ class Session(tf.compat.v1.Session):
         return _build(plan, values)
 
     def _wait_for_peers(self, options):
-        """Before its first step, a between-graph client waits (within the step's
-        timeout) until every other worker's client beats: a step run alone would start
-        collectives its peers never join, and a cancelled first collective can leave
-        the servers' collective state half-made (docs/reliability.md)."""
-        hb = self._heartbeat
-        if hb.peers_seen:
-            return
+        """Before its first step a between-graph client waits (within the step's timeout)
+        until every other worker's client beats (``wait_for_peers``)."""
         limit = (options.timeout_in_ms / 1000 if options is not None and options.timeout_in_ms
                  else self._config.operation_timeout_in_ms / 1000)
-        missing = hb.wait_for_peers(limit)
-        if missing:
-            raise tf.errors.DeadlineExceededError(
-                None, None, f"graph_rewriter: the step did not start: no heartbeat within {limit:g} s from "
-                f"{', '.join(missing)}, whose client is not running (this graph is "
-                f"{':'.join(map(str, self.result.metadata['task']))}'s). Start every worker's client; "
-                "nothing ran, so the servers are as they were")
-        hb.peers_seen = True
+        wait_for_peers(self._heartbeat, self.result.metadata, limit)
 
     def __exit__(self, exc_type, exc_value, traceback):
         if exc_type is not None and self._heartbeat is not None:
@@ -286,6 +280,44 @@ class Session(tf.compat.v1.Session):
         return names
 
 
+def _whose(md):
+    task = md.get("task")
+    return f"{task[0]}:{task[1]}'s" if task else "the in-graph client's"
+
+
+def settle(open_session, md, limit):
+    """Before its session runs anything, a client whose collectives span tasks waits
+    until no server still holds a restarted peer's earlier incarnation and every compute
+    task is reachable (serve replaces such a server within seconds;
+    graph_rewriter/incarnations.py), at most ``limit`` seconds (0: no limit of its own) and
+    never more than ``SETTLE_SECONDS``: a run started before that fails in TensorFlow's
+    collective runtime. Raises FailedPreconditionError or UnavailableError, having run
+    nothing but reads."""
+    from graph_rewriter.incarnations import SETTLE_SECONDS, wait_until_settled
+    limit = min(limit, SETTLE_SECONDS) if limit else SETTLE_SECONDS
+    problem = wait_until_settled(open_session, md["incarnations"], limit)
+    if problem is not None:
+        error = tf.errors.UnavailableError if "cannot be reached" in problem else tf.errors.FailedPreconditionError
+        raise error(None, None, f"{problem} (this graph is {_whose(md)}). Nothing ran")
+
+
+def wait_for_peers(heartbeat, md, limit):
+    """Between-graph, before its first step, a client waits until every other worker's
+    client beats, at most ``limit`` seconds: a step run alone starts collectives its peers
+    never join, and a cancelled first collective can leave the servers' collective state
+    half-made (docs/reliability.md). Raises DeadlineExceededError naming the missing
+    peers, having run nothing but the heartbeats. Once every peer was seen, returns at once."""
+    if heartbeat.peers_seen:
+        return
+    missing = heartbeat.wait_for_peers(limit)
+    if missing:
+        raise tf.errors.DeadlineExceededError(
+            None, None, f"graph_rewriter: the step did not start: no heartbeat within {limit:g} s from "
+            f"{', '.join(missing)}, whose client is not running (this graph is {_whose(md)}). Start every "
+            "worker's client; nothing ran, so the servers are as they were")
+    heartbeat.peers_seen = True
+
+
 def _build(plan, values):
     kind = plan[0]
     if kind == "seq":
@@ -326,17 +358,32 @@ def _tensor_key(name):
 
 
 class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
-    """The heartbeats of a between-graph rewritten graph for a MonitoredTrainingSession
-    client (``gr.Session`` runs them itself): this client beats, and a step that waits
-    for a peer whose client has sent no heartbeat for ``heartbeat_seconds`` is ended by
-    closing the session (its run raises CancelledError; the reason, naming the peer, is
-    logged as an error). Does nothing for a graph without heartbeats.
+    """What ``gr.Session`` does around a rewritten graph's steps, for a
+    MonitoredTrainingSession client: between-graph, this client beats, and a step that
+    waits for a peer whose client has sent no heartbeat for ``heartbeat_seconds`` is
+    ended by closing the session (its run raises CancelledError; the reason, naming the
+    peer, is logged as an error).
 
-        hooks = [gr.HeartbeatHook(), tf.compat.v1.train.StopAtStepHook(last_step=1000)]
-        with tf.compat.v1.train.MonitoredTrainingSession(master=..., hooks=hooks) as sess: ...
+    Given ``master`` (the target MonitoredTrainingSession gets), the hook also waits
+    before the session is created, at most ``wait_seconds`` (default: the graph's
+    operation timeout, else 600 s), as ``gr.Session`` waits before its first step: until
+    no server still holds a restarted peer's earlier incarnation (serve replaces such a
+    server within seconds) and, between-graph, until every peer's client beats.
+    MonitoredTrainingSession runs the init ops while it creates the session, and their
+    collectives fail on an unsettled cluster or, started by a client alone, can leave the
+    servers' collective state half-made (docs/reliability.md). A client whose peers never
+    come raises DeadlineExceededError naming them, with nothing run. Without ``master``
+    the hook cannot run anything before the session exists, and does not wait. Does
+    nothing for a graph that needs neither (one task, or no collectives and no
+    heartbeats).
+
+        hooks = [gr.HeartbeatHook(master=target), tf.compat.v1.train.StopAtStepHook(last_step=1000)]
+        with tf.compat.v1.train.MonitoredTrainingSession(master=target, hooks=hooks) as sess: ...
     """
 
-    def __init__(self):
+    def __init__(self, master=None, wait_seconds=None):
+        self._master = master
+        self._wait_seconds = wait_seconds
         self._info = None
         self._heartbeat = None
         self._session = None
@@ -349,7 +396,31 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
             op = graph.get_operation_by_name(METADATA_NODE)
         except KeyError:
             return
-        self._info = decode_metadata(op.get_attr("value")).get("heartbeat")
+        md = decode_metadata(op.get_attr("value"))
+        self._info = md.get("heartbeat")
+        if self._master is None or not (self._info or md.get("incarnations")):
+            return
+        limit = self._wait_seconds
+        if limit is None:
+            limit = (md.get("session_config") or {}).get("operation_timeout_in_ms", 600_000) / 1000
+        if md.get("incarnations"):
+            settle(lambda: tf.compat.v1.Session(target=self._master, graph=graph), md, limit)
+        if self._info:
+            self._beats = tf.compat.v1.Session(target=self._master, graph=graph)
+            self._start()
+            try:
+                wait_for_peers(self._heartbeat, md, limit)
+            except tf.errors.OpError:
+                self.end(None, leave=False)
+                raise
+
+    def _start(self):
+        # beats go through a session of their own: MonitoredTrainingSession closes and
+        # recreates its session while it recovers from an unreachable task, and this
+        # client must go on beating meanwhile, or its peers would take it as gone
+        beats = self._beats
+        self._heartbeat = Heartbeat(lambda fetches, options: beats.run(fetches, options=options),
+                                    self._info, self._gone).start()
 
     def after_create_session(self, session, coord):
         if not self._info:
@@ -357,18 +428,14 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
         # the session whose waiting step a gone peer ends; a recovered one replaces it
         self._session = session
         if self._heartbeat is None:
-            # beats go through a session of their own: MonitoredTrainingSession closes
-            # and recreates its session while it recovers from an unreachable task, and
-            # this client must go on beating meanwhile, or its peers would take it as gone
-            beats = tf.compat.v1.Session(target=session.sess_str, graph=session.graph)
-            self._beats = beats
-            self._heartbeat = Heartbeat(lambda fetches, options: beats.run(fetches, options=options),
-                                        self._info, self._gone).start()
+            self._beats = tf.compat.v1.Session(target=session.sess_str, graph=session.graph)
+            self._start()
 
     def _gone(self, message):
         self.gone = message
         tf.compat.v1.logging.error(message)
-        self._session.close()
+        if self._session is not None:
+            self._session.close()
 
     def before_run(self, run_context):
         if self._heartbeat is not None:
@@ -378,7 +445,11 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
         if self._heartbeat is not None:
             self._heartbeat.step_ended()
 
-    def end(self, session):
+    def end(self, session, leave=True):
+        """Stops beating; ``leave`` (a clean end) tells the peers this client left on purpose."""
         if self._heartbeat is not None:
-            self._heartbeat.stop(leave=True)
+            self._heartbeat.stop(leave=leave)
+            self._heartbeat = None
+        if self._beats is not None:
             self._beats.close()
+            self._beats = None

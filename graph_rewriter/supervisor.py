@@ -21,10 +21,15 @@ import sys
 import threading
 import time
 
-# What TensorFlow logs (at ERROR) when a server's collective state is broken for good:
-# the collective executor aborted, or the group leader refusing a member (a cancelled
-# group, a member whose incarnation changed because its server restarted).
-POISON_MARKERS = ("BaseCollectiveExecutor::StartAbort", "Bad status from CompleteGroupDistributed")
+from graph_rewriter.incarnations import STALE_MARKER
+
+# What says that a server's collective state is broken for good: TensorFlow's own log
+# lines (at ERROR) when the collective executor aborted or the group leader refused a
+# member (a cancelled group, a member whose incarnation changed because its server
+# restarted), and serve's own report that a peer this server formed groups with has
+# restarted since (incarnations.py).
+POISON_MARKERS = ("BaseCollectiveExecutor::StartAbort", "Bad status from CompleteGroupDistributed",
+                  STALE_MARKER)
 
 PROG = "graph-rewrite"
 FAST_EXIT_SECONDS = 10.0
@@ -34,7 +39,8 @@ STOP_SECONDS = 5.0        # a child's time to leave after SIGTERM before SIGKILL
 
 
 def poison_reason(line):
-    """The reason in a TensorFlow log line reporting a poisoned collective state, or None."""
+    """The reason in a log line reporting a poisoned collective state (TensorFlow's, or
+    serve's own watcher's), or None."""
     for marker in POISON_MARKERS:
         at = line.find(marker)
         if at >= 0:
@@ -116,8 +122,8 @@ class Supervisor:
                     self._end(child, signal.SIGKILL)
                     self.restarts += 1
                     child, started = self._start(), time.monotonic()
-                    self.log(f"{self.task}: TensorFlow aborted this server's collectives ({reason}), "
-                             f"which lasts until its process ends: started a new server (process "
+                    self.log(f"{self.task}: this server's collectives are unusable until its process "
+                             f"ends ({reason}): started a new server (process "
                              f"{child.pid}, restart {self.restarts}); its variables and queues start "
                              f"empty, restore them from the last checkpoint")
                     continue

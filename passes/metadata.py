@@ -13,6 +13,7 @@ import json
 import os
 
 from graph_rewriter.health import heartbeat_metadata
+from graph_rewriter.incarnations import incarnation_metadata
 from graph_rewriter.metadata import METADATA_FORMAT, METADATA_NODE
 from graph_rewriter.op_builder import const
 from graph_rewriter.pass_manager import Pass
@@ -59,6 +60,10 @@ class MetadataPass(Pass):
         if "heartbeat" in ctx.passes_run:
             # between-graph: the ops graph_rewriter.health runs to tell live peers from gone ones
             doc["heartbeat"] = heartbeat_metadata(ctx.cluster, ctx.options.heartbeat_seconds)
+        if "record_incarnations" in ctx.passes_run:
+            # collectives across tasks: what a client reads to see that no server still
+            # holds a restarted peer's earlier incarnation (graph_rewriter.incarnations)
+            doc["incarnations"] = incarnation_metadata(ctx.cluster.compute_tasks)
         if rm.merged:
             # ops whose original name now holds the merge of every replica's value
             # (merge_outputs); absent when none, so other graphs stay as they were

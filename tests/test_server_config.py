@@ -74,18 +74,28 @@ def test_refused_communication_is_a_clear_error(kwargs, words):
         assert word in str(e.value)
 
 
-def test_start_server_hands_the_config_to_tensorflow(monkeypatch):
-    seen = {}
+def test_start_server_hands_the_config_to_tensorflow_and_publishes_the_number_before_serving(monkeypatch):
+    seen, order = {}, []
+
+    class FakeServer:
+        def start(self):
+            order.append("start")
 
     def fake_server(cluster_spec, job_name, task_index, config, start):
         seen.update(job=job_name, index=task_index, config=config, start=start)
-        return "server"
+        return FakeServer()
 
     monkeypatch.setattr(server.tf.distribute, "Server", fake_server)
-    assert gr.start_server(SPEC, "ps:0", communication="nccl", devices_per_worker=4) == "server"
-    assert (seen["job"], seen["index"], seen["start"]) == ("ps", 0, True)
+    monkeypatch.setattr(server, "publish", lambda srv, task: order.append(("publish", task)))
+    assert isinstance(gr.start_server(SPEC, "ps:0", communication="nccl", devices_per_worker=4), FakeServer)
+    # made without serving, given its number, then started (graph_rewriter/incarnations.py)
+    assert (seen["job"], seen["index"], seen["start"]) == ("ps", 0, False)
+    assert order == [("publish", ("ps", 0)), "start"]
     assert seen["config"].experimental.collective_nccl is True
     assert seen["config"].experimental.collective_group_leader == "/job:chief/replica:0/task:0"
+    order.clear()
+    gr.start_server(SPEC, "worker:1", start=False)
+    assert order == [("publish", ("worker", 1))]
     with pytest.raises(gr.GraphRewriteError, match="nccl"):
         gr.start_server(SPEC, "worker:0", device_type="CPU", communication="nccl")
 

@@ -6,8 +6,9 @@ standard hooks, the chief checkpointing and writing summaries.
         --chief --checkpoint-dir ckpt --last-step 4 --batches batches.npz --out out.json
 
 The rewritten MetaGraphDef is imported with ``tf.compat.v1.train.import_meta_graph``;
-of graph_rewriter only ``gr.HeartbeatHook`` runs, among the hooks (between-graph, a
-step waiting for a worker whose client is gone then fails within seconds). Run
+of graph_rewriter only ``gr.HeartbeatHook(master=target)`` runs, among the hooks (the
+client waits for a settled cluster and its peers' clients before the session is
+created, and a step waiting for a worker whose client is gone fails within seconds). Run
 ``--last-step`` steps (counted by the graph's global step, so a restarted client resumes
 where the checkpoint left off), feeding batch ``step`` of the ``.npz`` (arrays ``<feed>__<step>``), and write the
 losses and the final values of ``--read`` variables as JSON. ``--stop-after N`` makes
@@ -54,7 +55,7 @@ def main(argv=None):
         loss = graph.get_tensor_by_name("loss:0")
         step = tf1.train.get_global_step()
         import graph_rewriter as gr
-        hooks = [gr.HeartbeatHook(), tf1.train.StopAtStepHook(last_step=args.last_step),
+        hooks = [gr.HeartbeatHook(master=args.target), tf1.train.StopAtStepHook(last_step=args.last_step),
                  tf1.train.NanTensorHook(loss),
                  tf1.train.LoggingTensorHook({"loss": loss.name, "step": step.name}, every_n_iter=1)]
         if args.chief and args.checkpoint_dir:
@@ -75,6 +76,8 @@ def main(argv=None):
             done = 0
             while not sess.should_stop():
                 at = int(raw(step))
+                if at >= args.last_step:   # restored at the last step: nothing left to run
+                    break
                 value, _ = sess.run([loss, "train_op"], feed_dict=feeds[at])
                 losses.append(float(value))
                 steps.append(at)

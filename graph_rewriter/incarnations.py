@@ -14,13 +14,14 @@ The three parts of what graph_rewriter does about it:
 
 - every server ``start_server`` (and so ``graph-rewrite serve``) starts holds its own
   number, ``INCARNATION``, an int64 variable on its host drawn before it serves anyone;
-- a rewritten graph whose collectives span tasks records, in its init ops, on each
-  compute host it runs on, the numbers of every compute task (``RECORD``): the peers
-  that host is about to form groups with (the record_incarnations pass);
+- a rewritten graph whose collectives span tasks has an op (``RECORD_OP``, the
+  record_incarnations pass) that records on each compute host it runs on the numbers of
+  every compute task (``RECORD``): the peers that host is about to form groups with.
+  ``gr.Session`` and ``HeartbeatHook(master=...)`` run it before the first collective;
 - ``graph-rewrite serve`` watches its server (``Watcher``): a record that no longer
   matches a peer's number means the cache is stale, and serve replaces its TensorFlow
   server at once, before the next run trips on it. A client waits before its first step
-  until no host holds a stale record (``wait_until_settled``), so a job restarted right
+  until no host holds a stale record (``settle_and_record``), so a job restarted right
   after a peer came back does not race the replacement.
 
 A fresh server has no record, so replacements do not chase each other: the servers that
@@ -37,6 +38,7 @@ from graph_rewriter.health import task_label
 INCARNATION = "graph_rewriter/server_incarnation"   # int64 scalar, on each server's CPU:0
 RECORD = "graph_rewriter/collective_peers"          # int64 [compute tasks], on each compute host
 SCOPE = "graph_rewriter/incarnations"
+RECORD_OP = f"{SCOPE}/record"                       # the op that writes this graph's hosts' records
 # what serve's child logs when its record is stale; the supervisor replaces the child on it
 STALE_MARKER = "restarted since this server formed collective groups with it"
 WATCH_SECONDS = 1.0
@@ -71,9 +73,10 @@ def publish(server, task):
 
 
 def incarnation_metadata(tasks):
-    """The metadata entry a client reads: the compute tasks in the record's order, and
-    per task the ops that read its number and its record (the pass's names)."""
-    return {"tasks": [task_name(t) for t in tasks],
+    """The metadata entry a client reads: the compute tasks in the record's order, per
+    task the ops that read its number and its record, and the op that writes the
+    records (the pass's names)."""
+    return {"tasks": [task_name(t) for t in tasks], "record": RECORD_OP,
             "live": {task_name(t): f"{SCOPE}/{task_label(t)}/live:0" for t in tasks},
             "recorded": {task_name(t): f"{SCOPE}/{task_label(t)}/recorded:0" for t in tasks}}
 
@@ -136,11 +139,13 @@ def stale_message(host, peers):
             "restarts too")
 
 
-def wait_until_settled(open_session, info, timeout, sleep=0.25):
+def settle_and_record(open_session, info, timeout, sleep=0.25):
     """Waits until no compute host holds a stale record and every one is reachable, at
-    most ``timeout`` seconds; returns None when settled, else a message saying what is
-    still wrong. ``open_session()`` opens a session of the client's graph on its target
-    (a tf.compat.v1.Session): one is opened again after a read found a task unreachable,
+    most ``timeout`` seconds, then runs the graph's record op (``info["record"]``: this
+    client's hosts record the numbers of the peers they are about to form groups with).
+    Returns None once recorded, else a message saying what is still wrong.
+    ``open_session()`` opens a session of the client's graph on its target (a
+    tf.compat.v1.Session): one is opened again after a read found a task unreachable,
     because the server it talks to may have been replaced meanwhile (a session does not
     survive its master's restart). Every session it opened is closed."""
     import tensorflow as tf
@@ -153,9 +158,12 @@ def wait_until_settled(open_session, info, timeout, sleep=0.25):
                 sess = open_session()
             stale, unreachable = cluster_state(lambda t: sess.run(t, options=options), info)
             if not stale and not unreachable:
-                return None
+                recorded = _read(lambda t: sess.run(t, options=options), info["record"])
+                if not isinstance(recorded, str):
+                    return None
+                unreachable = ["a task of the cluster"]    # lost between the reads and the record
             if unreachable:
-                sess.close()
+                _close(sess)
                 sess = None
             if time.monotonic() >= deadline:
                 if stale:
@@ -169,7 +177,17 @@ def wait_until_settled(open_session, info, timeout, sleep=0.25):
             time.sleep(sleep)
     finally:
         if sess is not None:
-            sess.close()
+            _close(sess)
+
+
+def _close(sess):
+    """Closes a session whose master may be gone ("Session ... is not found. Possibly,
+    this master has restarted": nothing is left to close)."""
+    import tensorflow as tf
+    try:
+        sess.close()
+    except tf.errors.OpError:
+        pass
 
 
 class Watcher:
@@ -219,7 +237,7 @@ class Watcher:
                                                                config=config)
         value = _read(lambda t: sess.run(t, options=tf.compat.v1.RunOptions(timeout_in_ms=5000)), self._reads[task])
         if isinstance(value, str):
-            self._sessions.pop(task).close()
+            _close(self._sessions.pop(task))
         return value
 
     def check(self):

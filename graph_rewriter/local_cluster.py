@@ -43,7 +43,7 @@ class LocalCluster:
     """Starts ``graph-rewrite serve`` processes for a chief/worker/ps cluster on loopback."""
 
     def __init__(self, workers=2, ps=0, chief=False, device_type="CPU", devices_per_worker=1,
-                 start_timeout=90.0, log_dir=None):
+                 start_timeout=90.0, log_dir=None, supervise=True):
         self.spec = {}
         if chief:
             self.spec["chief"] = [f"localhost:{free_port()}"]
@@ -55,6 +55,7 @@ class LocalCluster:
         self.devices_per_worker = devices_per_worker
         self.start_timeout = start_timeout
         self.log_dir = log_dir
+        self.supervise = supervise   # False: serve --no-supervise (no server is ever replaced)
         self.processes = {}  # "job:index" -> Popen
         self._logs = []
 
@@ -78,6 +79,8 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "graph_rewriter.cli", "serve", "--cluster", json.dumps(self.spec),
                "--task", f"{job}:{i}", "--device-type", self.device_type,
                "--devices-per-worker", str(self.devices_per_worker)]
+        if not self.supervise:
+            cmd.append("--no-supervise")
         if self.log_dir:
             log = open(os.path.join(self.log_dir, f"{job}_{i}.log"), "ab")
             self._logs.append(log)

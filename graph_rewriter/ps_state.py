@@ -16,8 +16,41 @@ APPLIED = "graph_rewriter/gradients_applied"       # per replica: its gradients 
 WORKER_STEP = "graph_rewriter/worker_step"         # with staleness: this worker's own steps
 MICRO_BATCHES = "graph_rewriter/micro_batches"     # gradient sums over accumulation_steps runs
 DRAIN = "/drain"     # suffix of the take by which the init op empties an accumulator
+# The chief's client draws a run id when it starts (RUN_ID, on its host; before it first
+# beats), and its init and restore ops copy it into RESET_DONE (on the first ps) once
+# they have reset the shared state; another worker's client starts its first step only
+# once RESET_DONE holds the run id it read after seeing the chief beat (sync_queues).
+RUN_ID = "graph_rewriter/run_id"
+RESET_DONE = "graph_rewriter/reset_done"
 
 TAKES = ("AccumulatorTakeGradient", "SparseAccumulatorTakeGradient")
+
+
+def reset_metadata(graph, chief):
+    """The metadata entry a client reads for the reset handshake (RUN_ID, RESET_DONE):
+    the chief's op that draws the run id, the ops that reset (the init and restore ops
+    a client runs by name) and the one that declares the run started without a reset;
+    or another worker's reads of the run id and of what the chief's reset last copied."""
+    if not chief:
+        return {"run_id": f"{RUN_ID}/value:0", "reset_done": f"{RESET_DONE}/value:0"}
+    resets = sorted({c.name for n in graph if n.op == "AssignVariableOp" and n.name.startswith(f"{RESET_DONE}/set")
+                     for c in _runners(n)})
+    return {"draw": f"{RUN_ID}/draw", "declare": f"{RESET_DONE}/declare", "resets": resets}
+
+
+def _runners(node):
+    """The sink NoOps whose run runs ``node`` (through control edges and collectives)."""
+    out, seen, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        consumers = list(n.control_consumers)
+        if n.op == "NoOp" and n.is_sink:
+            out.append(n)
+        stack.extend(consumers)
+    return out
 
 
 def step_takes(graph):

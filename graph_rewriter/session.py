@@ -22,6 +22,7 @@ gives these rules in full.
 """
 
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -124,6 +125,11 @@ class Session(tf.compat.v1.Session):
         self._num_replicas = md.get("local_replicas", md["num_replicas"])
         self._node_names = {n.name for n in self.result.graph_def.node}
         self._heartbeat = None
+        # between-graph ps: the chief draws this run's id before it first beats, and declares
+        # the run started if its first run resets nothing (graph_rewriter/ps_state.py)
+        self._reset = md.get("ps_reset")
+        if self._reset and "draw" in self._reset:
+            super().run(self._reset["draw"])
         if md.get("heartbeat"):
             # between-graph: beat, and end a step that waits for a peer whose client is gone
             base = super()
@@ -142,6 +148,8 @@ class Session(tf.compat.v1.Session):
         if self._heartbeat is not None:
             self._wait_for_peers(options)
             self._heartbeat.step_started()
+        if self._reset is not None:
+            self._start_run(flat, options)
         try:
             values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
         except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
@@ -155,12 +163,26 @@ class Session(tf.compat.v1.Session):
                 self._heartbeat.step_ended()
         return _build(plan, values)
 
+    def _limit(self, options):
+        return (options.timeout_in_ms / 1000 if options is not None and options.timeout_in_ms
+                else self._config.operation_timeout_in_ms / 1000)
+
     def _wait_for_peers(self, options):
         """Before its first step a between-graph client waits (within the step's timeout)
         until every other worker's client beats (``wait_for_peers``)."""
-        limit = (options.timeout_in_ms / 1000 if options is not None and options.timeout_in_ms
-                 else self._config.operation_timeout_in_ms / 1000)
-        wait_for_peers(self._heartbeat, self.result.metadata, limit)
+        wait_for_peers(self._heartbeat, self.result.metadata, self._limit(options))
+
+    def _start_run(self, flat, options):
+        """Between-graph ps, before this client's first run: the chief declares the run
+        started unless that run resets the shared state (its init op or a restore);
+        another worker waits for the chief's reset of this run (``wait_for_chief_reset``)."""
+        reset, self._reset = self._reset, None
+        if "draw" in reset:
+            if not {split_tensor_name(name)[0] for name in flat} & set(reset["resets"]):
+                super().run(reset["declare"], options=options)
+        else:
+            base = super()
+            wait_for_chief_reset(lambda t: base.run(t, options=options), self.result.metadata, self._limit(options))
 
     def __exit__(self, exc_type, exc_value, traceback):
         if exc_type is not None and self._heartbeat is not None:
@@ -280,6 +302,10 @@ class Session(tf.compat.v1.Session):
         return names
 
 
+def _read_options():
+    return tf.compat.v1.RunOptions(timeout_in_ms=5000)
+
+
 def _whose(md):
     task = md.get("task")
     return f"{task[0]}:{task[1]}'s" if task else "the in-graph client's"
@@ -291,17 +317,18 @@ def settle(open_session, md, limit):
     task is reachable (serve replaces such a server within seconds;
     graph_rewriter/incarnations.py), at most ``limit`` seconds (0: no limit of its own) and
     never more than ``SETTLE_SECONDS``: a run started before that fails in TensorFlow's
-    collective runtime. Raises FailedPreconditionError or UnavailableError, having run
-    nothing but reads."""
-    from graph_rewriter.incarnations import SETTLE_SECONDS, wait_until_settled
+    collective runtime. Then it records, on its hosts, the peers they are about to form
+    groups with. Raises FailedPreconditionError or UnavailableError, having run nothing
+    but reads."""
+    from graph_rewriter.incarnations import SETTLE_SECONDS, settle_and_record
     limit = min(limit, SETTLE_SECONDS) if limit else SETTLE_SECONDS
-    problem = wait_until_settled(open_session, md["incarnations"], limit)
+    problem = settle_and_record(open_session, md["incarnations"], limit)
     if problem is not None:
         error = tf.errors.UnavailableError if "cannot be reached" in problem else tf.errors.FailedPreconditionError
         raise error(None, None, f"{problem} (this graph is {_whose(md)}). Nothing ran")
 
 
-def wait_for_peers(heartbeat, md, limit):
+def wait_for_peers(heartbeat, md, limit, what="the step did not start"):
     """Between-graph, before its first step, a client waits until every other worker's
     client beats, at most ``limit`` seconds: a step run alone starts collectives its peers
     never join, and a cancelled first collective can leave the servers' collective state
@@ -312,10 +339,35 @@ def wait_for_peers(heartbeat, md, limit):
     missing = heartbeat.wait_for_peers(limit)
     if missing:
         raise tf.errors.DeadlineExceededError(
-            None, None, f"graph_rewriter: the step did not start: no heartbeat within {limit:g} s from "
+            None, None, f"graph_rewriter: {what}: no heartbeat within {limit:g} s from "
             f"{', '.join(missing)}, whose client is not running (this graph is {_whose(md)}). Start every "
             "worker's client; nothing ran, so the servers are as they were")
     heartbeat.peers_seen = True
+
+
+def wait_for_chief_reset(run, md, limit):
+    """Between-graph ps, before its first step, a worker other than the chief waits until
+    the chief's client has reset the shared state for this run (its init op or restore
+    empties the accumulators: a gradient pushed earlier would be drained, and the chief's
+    first take would wait for ever), at most ``limit`` seconds. Called once this client
+    has seen the chief beat, so the run id it reads is the one this run's chief drew; a
+    chief client that drew none (a plain session, or HeartbeatHook without ``master``)
+    leaves 0, and there is nothing to wait for. Raises DeadlineExceededError."""
+    info = md.get("ps_reset") or {}
+    if "run_id" not in info:
+        return
+    run_id = int(run(info["run_id"]))
+    if not run_id:
+        return
+    deadline = time.monotonic() + limit if limit else None
+    while int(run(info["reset_done"])) != run_id:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise tf.errors.DeadlineExceededError(
+                None, None, f"graph_rewriter: the step did not start: the chief's client has not initialized or "
+                f"restored the parameter servers' state within {limit:g} s (this graph is {_whose(md)}). The "
+                "chief starts a run with its init op or a restore (MonitoredTrainingSession does); check "
+                "the chief's client")
+        time.sleep(0.1)
 
 
 def _build(plan, values):
@@ -407,9 +459,13 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
             settle(lambda: tf.compat.v1.Session(target=self._master, graph=graph), md, limit)
         if self._info:
             self._beats = tf.compat.v1.Session(target=self._master, graph=graph)
+            reset = md.get("ps_reset") or {}
+            if "draw" in reset:   # the chief: this run's id, before its first beat
+                self._beats.run(reset["draw"])
             self._start()
             try:
-                wait_for_peers(self._heartbeat, md, limit)
+                wait_for_peers(self._heartbeat, md, limit, what="the session was not created")
+                wait_for_chief_reset(lambda t: self._beats.run(t, options=_read_options()), md, limit)
             except tf.errors.OpError:
                 self.end(None, leave=False)
                 raise

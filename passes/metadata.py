@@ -17,6 +17,7 @@ from graph_rewriter.incarnations import incarnation_metadata
 from graph_rewriter.metadata import METADATA_FORMAT, METADATA_NODE
 from graph_rewriter.op_builder import const
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.ps_state import RUN_ID, reset_metadata
 
 
 class MetadataPass(Pass):
@@ -60,6 +61,9 @@ class MetadataPass(Pass):
         if "heartbeat" in ctx.passes_run:
             # between-graph: the ops graph_rewriter.health runs to tell live peers from gone ones
             doc["heartbeat"] = heartbeat_metadata(ctx.cluster, ctx.options.heartbeat_seconds)
+        if RUN_ID in graph:
+            # between-graph ps: the handshake by which workers wait for the chief's reset
+            doc["ps_reset"] = reset_metadata(graph, rm.chief)
         if "record_incarnations" in ctx.passes_run:
             # collectives across tasks: what a client reads to see that no server still
             # holds a restarted peer's earlier incarnation (graph_rewriter.incarnations)

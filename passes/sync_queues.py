@@ -38,11 +38,11 @@ from graph_rewriter import dtypes
 from graph_rewriter.analysis import written_variables
 from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key, host_group
 from graph_rewriter.ir import GLOBAL
-from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_builder import const, make_op, read_or_default, shape_attr
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.protos import attr_value_pb2, tensor_shape_pb2
-from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, TOKENS, WORKER_STEP,
-                                     TAKES, restore_region, shared_name, step_takes)
+from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, RESET_DONE, RUN_ID, TOKENS,
+                                     WORKER_STEP, TAKES, restore_region, shared_name, step_takes)
 from graph_rewriter.traversal import descendants, is_back_edge
 
 _SWITCHES = frozenset(("Switch", "RefSwitch"))
@@ -174,9 +174,14 @@ class SyncQueuesPass(Pass):
         roots = [n for n in graph if n.is_sink
                  and n in after_updates]
         if rm.chief:
+            # (what an earlier run's init left for workers that never took it, e.g. the
+            # restore of a MonitoredTrainingSession chief, whose workers run no init op)
+            left = make_op(graph, "QueueSizeV2", f"{INIT_BARRIER}/left", [barrier.output(0)], device=ps0)
+            drain = make_op(graph, "QueueDequeueUpToV2", f"{INIT_BARRIER}/drain", [barrier.output(0), left.output(0)],
+                            attrs={"component_types": [dtypes.int64]}, device=ps0)
             ready = make_op(graph, "QueueEnqueueManyV2", f"{INIT_BARRIER}/release",
                             [barrier.output(0), [const(graph, f"{INIT_BARRIER}/tokens", [0] * (len(workers) - 1), "int64", ps0)]],
-                            control_inputs=ps_initializers, device=ps0)
+                            control_inputs=ps_initializers + [drain], device=ps0)
             for op in init_ops:
                 op.add_control_input(ready)
         else:
@@ -246,6 +251,7 @@ class SyncQueuesPass(Pass):
             else:  # a non-chief's train op: it now applies gradients and waits
                 graph.add_node(root.name, "NoOp", control_inputs=[wait] + [
                     c for c in dropped.get(root.name, []) if c.name in graph])
+        _reset_handshake(graph, cluster, rm, ended, ps0)
         for k, op in enumerate(ended):
             barrier(op, "init", k)
         for k, root in enumerate(sorted(roots, key=lambda n: n.name)):
@@ -311,3 +317,40 @@ class SyncQueuesPass(Pass):
         dropped = {n.name: own for n in removable if n.is_sink}
         graph.remove_nodes(removable)
         return dropped
+
+
+def _reset_handshake(graph, cluster, rm, init_ops, ps0):
+    """The ops by which another worker's client waits for the chief's reset of this run
+    (ps_state.RUN_ID, RESET_DONE). The chief's init and restore ops empty the
+    accumulators and reset their steps: a gradient another worker pushed before that
+    (its session was ready at once, the ps variables still being initialized from an
+    earlier run) is drained with the rest, and the chief's first take then waits for
+    ever. So the chief's client draws a run id before it first beats
+    (``<RUN_ID>/draw``), its init and restore ops end by copying it into RESET_DONE, and
+    another worker's client, once it has seen the chief beat (so the run id it reads is
+    this run's), waits until RESET_DONE holds it (graph_rewriter/session.py). A chief
+    client whose first run resets nothing runs ``<RESET_DONE>/declare`` first."""
+    chief_host = cluster.device(cluster.compute_tasks[0], "CPU", 0)
+    with graph.adding_to_replica(GLOBAL):
+        run_id = make_op(graph, "VarHandleOp", RUN_ID, [], device=chief_host,
+                         attrs={"dtype": dtypes.int64, "shape": shape_attr([]), "shared_name": RUN_ID})
+        done = make_op(graph, "VarHandleOp", RESET_DONE, [], device=ps0,
+                       attrs={"dtype": dtypes.int64, "shape": shape_attr([]), "shared_name": RESET_DONE})
+        current = read_or_default(graph, f"{RUN_ID}/value", run_id.output(0), "int64", 0, chief_host)
+        read_or_default(graph, f"{RESET_DONE}/value", done.output(0), "int64", 0, ps0)
+        if not rm.chief:
+            return
+        drawn = make_op(graph, "RandomUniformInt", f"{RUN_ID}/random",
+                        [const(graph, f"{RUN_ID}/shape", [], "int32", chief_host),
+                         const(graph, f"{RUN_ID}/low", 1, "int64", chief_host),
+                         const(graph, f"{RUN_ID}/high", (1 << 62) - 1, "int64", chief_host)],
+                        device=chief_host)
+        make_op(graph, "AssignVariableOp", f"{RUN_ID}/draw", [run_id.output(0), drawn.output(0)], device=chief_host)
+        # (a chief client whose first run is neither an init op nor a restore resets
+        # nothing: it declares the run started instead, so the others need not wait)
+        make_op(graph, "AssignVariableOp", f"{RESET_DONE}/declare", [done.output(0), current], device=ps0)
+        release = f"{INIT_BARRIER}/release"   # (not needed first; meta_graph leaves it out of init_op)
+        for op in init_ops:
+            done_set = make_op(graph, "AssignVariableOp", f"{RESET_DONE}/set", [done.output(0), current],
+                               control_inputs=[c for c in op.control_inputs if c.name != release], device=ps0)
+            op.add_control_input(done_set)

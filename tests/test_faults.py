@@ -252,6 +252,43 @@ def test_a_poisoned_server_is_replaced_by_serve(clients, tmp_path):
               f"worker 1 {_replacements(tmp_path, 'worker', 1)}")
 
 
+def test_a_restarted_peer_is_refused_under_any_group_key_until_the_survivor_restarts(tmp_path):
+    """Why serve replaces a survivor's server (docs/reliability.md, "Poisoned servers"):
+    on servers nobody replaces (serve --no-supervise), two workers form a group; worker 1's
+    server is killed and started again; a collective of a group key never used before
+    still fails on worker 0's server, which cached worker 1's earlier incarnation (and
+    the failure aborts both). When worker 0's server restarts too before any collective
+    runs, the group's key works again."""
+    with LocalCluster(workers=2, device_type="CPU", log_dir=str(tmp_path), supervise=False) as cluster:
+        devices = [f"/job:worker/replica:0/task:{k}/device:CPU:0" for k in range(2)]
+
+        def reduce_(group_key, instance_key):
+            graph = tf.Graph()
+            with graph.as_default():
+                outs = []
+                for k, device in enumerate(devices):
+                    with tf.device(device):
+                        outs.append(tf.raw_ops.CollectiveReduceV2(
+                            input=tf.fill([2], float(k + 1)), group_size=2, group_key=group_key,
+                            instance_key=instance_key, ordering_token=[], merge_op="Add", final_op="Id"))
+            with tf1.Session(cluster.target("worker", 0), graph=graph) as sess:
+                return sess.run(outs, options=tf1.RunOptions(timeout_in_ms=30000))
+
+        assert [v.tolist() for v in reduce_(101, 1)] == [[3.0, 3.0], [3.0, 3.0]]
+        cluster.restart("worker", 1)
+        with pytest.raises(tf.errors.FailedPreconditionError, match="exists in cache with a different incarnation"):
+            reduce_(202, 1)         # a fresh group key: refused all the same
+        # the refusal aborted both servers' collectives; started afresh, they form a group
+        # again, worker 1 restarts, and this time worker 0 restarts too before any
+        # collective runs (what serve's watcher does): the group's old key works again
+        cluster.restart("worker", 0)
+        cluster.restart("worker", 1)
+        assert [v.tolist() for v in reduce_(303, 1)] == [[3.0, 3.0], [3.0, 3.0]]
+        cluster.restart("worker", 1)
+        cluster.restart("worker", 0)
+        assert [v.tolist() for v in reduce_(303, 2)] == [[3.0, 3.0], [3.0, 3.0]]
+
+
 # ----- MonitoredTrainingSession clients that checkpoint, servers killed and restarted ----
 
 def _mts_cmd(meta, target, chief, ckpt, last_step, feeds, out):

@@ -14,6 +14,7 @@ What is held (docs/reliability.md, "Dead peers" and "Poisoned servers"):
 """
 
 import pytest
+import tensorflow as tf
 
 import graph_rewriter as gr
 from graph_rewriter import health
@@ -155,3 +156,40 @@ def test_the_supervisor_recognizes_tensorflows_report_of_a_poisoned_server(line,
 ])
 def test_the_supervisor_leaves_a_server_alone_for_other_lines(line):
     assert poison_reason(line) is None
+
+
+def test_a_between_graph_ps_graph_names_its_reset_handshake_in_the_metadata():
+    ex = models.build("mlp", "sgd", seed=1)
+    chief = gr.rewrite(ex.graph_def, SPEC, task="worker:0", strategy="ps", device_type="CPU")
+    worker = gr.rewrite(ex.graph_def, SPEC, task="worker:1", strategy="ps", device_type="CPU")
+    info = chief.metadata["ps_reset"]
+    assert info["draw"] == "graph_rewriter/run_id/draw" and info["declare"] == "graph_rewriter/reset_done/declare"
+    # the ops a client runs by name that reset the shared state: the init op and the restores
+    assert "init" in info["resets"] and chief.saver().saver_def.restore_op_name in info["resets"]
+    assert worker.metadata["ps_reset"] == {"run_id": "graph_rewriter/run_id/value:0",
+                                           "reset_done": "graph_rewriter/reset_done/value:0"}
+    for kwargs in (dict(strategy="allreduce", task="worker:1"), dict(strategy="ps")):
+        assert "ps_reset" not in gr.rewrite(ex.graph_def, SPEC, device_type="CPU", **kwargs).metadata
+
+
+def test_a_worker_waits_for_the_chiefs_reset_of_this_run_only():
+    from graph_rewriter.session import wait_for_chief_reset
+    md = {"task": ["worker", 1], "ps_reset": {"run_id": "id:0", "reset_done": "done:0"}}
+    values = {"id:0": 0, "done:0": 5}
+    reads = []
+
+    def run(tensor):
+        reads.append(tensor)
+        if tensor == "done:0" and len(reads) > 4:
+            values["done:0"] = values["id:0"]    # the chief's restore copied this run's id
+        return values[tensor]
+
+    wait_for_chief_reset(run, md, limit=5)        # no run id drawn: nothing to wait for
+    assert reads == ["id:0"]
+    values["id:0"] = 42
+    reads.clear()
+    wait_for_chief_reset(run, md, limit=5)
+    assert reads.count("done:0") == 4 and values["done:0"] == 42
+    values["done:0"] = 7                          # an earlier run's id: never this run's reset
+    with pytest.raises(tf.errors.DeadlineExceededError, match="chief's client has not initialized or restored"):
+        wait_for_chief_reset(lambda t: values[t], md, limit=0.3)

@@ -2,11 +2,12 @@
 
 What is held (docs/reliability.md, "Poisoned servers"):
 
-- A graph whose collectives span compute tasks reads every compute task's number
-  (``graph_rewriter/server_incarnation`` on its host, 0 where the variable does not
-  exist) and records them in ``graph_rewriter/collective_peers`` on the hosts it runs on
-  (in-graph all, between-graph its own), in its init op, the Saver's restore op and the
-  MetaGraphDef's init and local init ops; it reads every host's record for its clients.
+- A graph whose collectives span compute tasks has an op of its own that reads every
+  compute task's number (``graph_rewriter/server_incarnation`` on its host, 0 where the
+  variable does not exist) and records them in ``graph_rewriter/collective_peers`` on
+  the hosts it runs on (in-graph all, between-graph its own); no init op or step runs it
+  (between-graph, a step with collectives shares its step id with the other workers');
+  it reads every host's record for its clients, and gr.Session runs the record.
   Graphs without cross-task collectives (one worker; ps) have none of it.
 - ``start_server`` gives its server a number before it serves; a plain
   ``tf.distribute.Server`` has none, and a graph on it still initializes and trains (the
@@ -52,7 +53,7 @@ def _runs(nodes, root):
     return seen
 
 
-def _records(nodes):
+def _writes(nodes):
     return sorted(n for n, node in nodes.items() if node.op == "AssignVariableOp" and n.startswith(SCOPE))
 
 
@@ -77,17 +78,21 @@ def test_a_graph_with_collectives_across_tasks_records_its_peers_in_every_init_o
         assert nodes[f"{SCOPE}/worker_{k}/recorded"].input == [peers.name]
     numbers = nodes[f"{SCOPE}/numbers"]
     assert numbers.op == "Pack" and numbers.input == [f"{SCOPE}/worker_{k}/live" for k in range(3)]
-    assert _records(nodes) == [f"{SCOPE}/worker_{k}/record" for k in hosts]
+    assert _writes(nodes) == [f"{SCOPE}/worker_{k}/write" for k in hosts]
     for k in hosts:
-        assert nodes[f"{SCOPE}/worker_{k}/record"].input[:2] == [f"{SCOPE}/worker_{k}/peers", numbers.name]
+        assert nodes[f"{SCOPE}/worker_{k}/write"].input[:2] == [f"{SCOPE}/worker_{k}/peers", numbers.name]
+    record = nodes[incarnations.RECORD_OP]
+    assert record.op == "NoOp" and record.input == [f"^{SCOPE}/worker_{k}/write" for k in hosts]
+    # an op of its own: a step with collectives (whose step id every worker shares) must
+    # not read another worker's host, so no init op or step runs it
     meta = result.meta_graph.collection_def
-    inits = ["init", result.saver().saver_def.restore_op_name] + [
+    steps = ["init", "train_op", result.saver().saver_def.restore_op_name] + [
         meta[key].node_list.value[0] for key in ("init_op", "local_init_op")]
-    for init in inits:
-        for k in hosts:
-            assert f"{SCOPE}/worker_{k}/record" in _runs(nodes, init), init
+    for step in steps:
+        assert not any(n.startswith(SCOPE) for n in _runs(nodes, step)), step
     info = result.metadata["incarnations"]
     assert info["tasks"] == ["worker:0", "worker:1", "worker:2"]
+    assert info["record"] == incarnations.RECORD_OP
     assert info["recorded"]["worker:2"] == f"{SCOPE}/worker_2/recorded:0"
     assert info["live"]["worker:0"] == f"{SCOPE}/worker_0/live:0"
 
@@ -118,11 +123,12 @@ def test_stale_peers_compares_numbers_and_never_counts_zero():
 
 class Reads:
     """A client's reads by tensor name: numbers and records by task, or an error; also
-    the session ``wait_until_settled`` opens (``open``), counting opens and closes."""
+    the session ``settle_and_record`` opens (``open``), counting opens and closes."""
 
     def __init__(self, live, recorded):
         self.live, self.recorded = live, recorded
         self.calls = self.opened = self.closed = 0
+        self.recorded_once = False
 
     def open(self):
         self.opened += 1
@@ -136,6 +142,9 @@ class Reads:
 
     def __call__(self, tensor):
         self.calls += 1
+        if tensor == incarnations.RECORD_OP:
+            self.recorded_once = True
+            return None
         task = tensor.split("/")[2].replace("_", ":")
         value = (self.live if tensor.endswith("/live:0") else self.recorded).get(task)
         if isinstance(value, Exception):
@@ -152,18 +161,19 @@ def test_a_client_sees_stale_records_and_unreachable_tasks_and_waits_only_as_lon
     live = {"worker:0": 11, "worker:1": 22, "worker:2": 33}
     settled = Reads(live, {"worker:0": [11, 22, 33], "worker:2": [11, 22, 33]})   # worker:1 holds none yet
     assert incarnations.cluster_state(settled, INFO) == ({}, [])
-    assert incarnations.wait_until_settled(settled.open, INFO, timeout=5) is None
-    assert settled.opened == settled.closed == 1
+    assert incarnations.settle_and_record(settled.open, INFO, timeout=5) is None
+    assert settled.opened == settled.closed == 1 and settled.recorded_once
     stale = Reads(dict(live, **{"worker:1": 23}), {"worker:0": [11, 22, 33]})
     assert incarnations.cluster_state(stale, INFO) == ({"worker:0": [("worker:1", 22, 23)]}, [])
-    message = incarnations.wait_until_settled(stale.open, INFO, timeout=0.3, sleep=0.05)
+    message = incarnations.settle_and_record(stale.open, INFO, timeout=0.3, sleep=0.05)
     assert "worker:1's server restarted since this server formed collective groups with it" in message
     assert "on worker:0's server" in message and "Restart worker:0's server" in message
     assert stale.calls > 6 and stale.opened == 1     # it read again while it waited, in one session
+    assert not stale.recorded_once
     down = tf.errors.UnavailableError(None, None, "connection refused")
     gone = Reads(dict(live, **{"worker:2": down}), {})
     assert incarnations.cluster_state(gone, INFO) == ({}, ["worker:2"])
-    assert "worker:2 cannot be reached" in incarnations.wait_until_settled(gone.open, INFO, timeout=0.3, sleep=0.05)
+    assert "worker:2 cannot be reached" in incarnations.settle_and_record(gone.open, INFO, timeout=0.3, sleep=0.05)
     # a server may have been replaced under the session: every poll opens a new one
     assert gone.opened > 2 and gone.opened == gone.closed
 
@@ -196,10 +206,10 @@ def _number(server, k):
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["start_server", "plain-tf-servers"])
-def test_init_records_the_servers_numbers_and_a_graph_trains_on_servers_without_them(plain):
-    """In-process servers, an in-graph allreduce rewrite over both: the init op records
-    the two numbers on both hosts (0s on plain servers, through the fallback branch), and
-    a step still equals one device's."""
+def test_a_session_records_the_servers_numbers_and_a_graph_trains_on_servers_without_them(plain):
+    """In-process servers, an in-graph allreduce rewrite over both: gr.Session records
+    the two numbers on both hosts before it runs anything (0s on plain servers, through
+    the fallback branch), and a step still equals one device's."""
     ex = models.build("mlp", "adam", seed=3)
     batch = ex.batch(0, size=8)
     losses, values = harness.run_single(ex, steps=1, feeds=[batch])

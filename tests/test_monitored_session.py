@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -262,3 +263,93 @@ def test_between_graph_monitored_training_killed_and_restarted_equals_one_device
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(ckpt))
     np.testing.assert_allclose(reader.get_tensor("fc1/kernel"), want["fc1/kernel"], rtol=RTOL, atol=ATOL)
     assert reader.get_tensor("global_step") == steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_monitored_client_started_alone_waits_for_its_peer_and_leaves_the_servers_usable(tmp_path):
+    """``gr.HeartbeatHook(master=target)`` beats and waits for every peer's client before
+    MonitoredTrainingSession creates its session (which runs the init ops and their
+    collectives): worker 0's client started alone fails after the graph's timeout (8 s)
+    naming worker 1, with nothing run; then both clients, on the same servers, train
+    like one device."""
+    meta = script_graph()
+    feeds = feeds_of(meta)
+    steps, rows = 2, 8
+    for w in range(2):
+        np.savez(tmp_path / f"feeds{w}.npz",
+                 **{f"{name}__{s}": value[w * rows:(w + 1) * rows]
+                    for s in range(steps) for name, value in feeds(s, 2 * rows).items()})
+    ckpt = str(tmp_path / "ckpt")
+    outs = [str(tmp_path / f"out{w}.json") for w in range(2)]
+    with LocalCluster(workers=2, device_type="CPU", devices_per_worker=1) as cluster:
+        metas = [gr.rewrite(meta, cluster.spec, task=f"worker:{w}", device_type="CPU", timeout_seconds=8)
+                 .save(str(tmp_path / f"worker{w}.meta")) for w in range(2)]
+        cmds = [_client(metas[w], cluster.target("worker", w), w == 0, ckpt, steps,
+                        str(tmp_path / f"feeds{w}.npz"), outs[w]) for w in range(2)]
+        lone_log = str(tmp_path / "lone.log")
+        started = time.monotonic()
+        assert _run_clients(cmds[:1], [lone_log]) != [0]
+        took = time.monotonic() - started
+        assert "the session was not created: no heartbeat within 8 s from worker:1" in _tail(lone_log), \
+            _tail(lone_log)
+        assert took < 60, took   # the wait (8 s) and the client's start, not the 60 s step timeout
+        assert not os.path.exists(outs[0])
+        logs = [str(tmp_path / f"client{w}.log") for w in range(2)]
+        codes = _run_clients(cmds, logs)
+        assert codes == [0, 0], (codes, _tail(logs[0]), _tail(logs[1]))
+    runs = [json.load(open(o)) for o in outs]
+    assert [r["steps"] for r in runs] == [[0, 1], [0, 1]]
+    want, _ = one_device(meta, steps, lambda s: feeds(s, 2 * rows))
+    for r in runs:
+        np.testing.assert_allclose(r["values"]["fc1/kernel/Read/ReadVariableOp:0"], want["fc1/kernel"],
+                                   rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_ps_worker_restarted_before_its_chief_waits_for_the_chiefs_reset(tmp_path):
+    """Parameter servers that kept running: after both clients were killed, worker 1's
+    client is started again 5 s before the chief's. Its session is ready at once (the ps
+    variables are still initialized), but the chief's restore empties the accumulators:
+    a gradient pushed before it would be drained, and the chief's first take would wait
+    for ever. ``HeartbeatHook(master=...)`` makes worker 1 wait until the chief's client
+    of this run has reset the parameter servers' state (the run id the chief drew, copied
+    by its restore), so both train on and end like one device."""
+    meta = script_graph()
+    feeds = feeds_of(meta)
+    steps, rows = 4, 8
+    for w in range(2):
+        np.savez(tmp_path / f"feeds{w}.npz",
+                 **{f"{name}__{s}": value[w * rows:(w + 1) * rows]
+                    for s in range(steps) for name, value in feeds(s, 2 * rows).items()})
+    ckpt = str(tmp_path / "ckpt")
+    outs = [str(tmp_path / f"out{w}.json") for w in range(2)]
+    logs = [str(tmp_path / f"client{w}.log") for w in range(2)]
+    with LocalCluster(workers=2, ps=1, device_type="CPU", devices_per_worker=1) as cluster:
+        metas = [gr.rewrite(meta, cluster.spec, task=f"worker:{w}", strategy="ps", device_type="CPU")
+                 .save(str(tmp_path / f"worker{w}.meta")) for w in range(2)]
+
+        def cmd(w, stop_after=0):
+            return _client(metas[w], cluster.target("worker", w), w == 0, ckpt, steps,
+                           str(tmp_path / f"feeds{w}.npz"), outs[w], stop_after)
+
+        assert _run_clients([cmd(0, 2), cmd(1, 2)], logs) == [17, 17]
+        procs = [subprocess.Popen(cmd(1), stdout=open(logs[1], "a"), stderr=subprocess.STDOUT)]
+        try:
+            time.sleep(5.0)
+            assert procs[0].poll() is None, _tail(logs[1])   # waiting for the chief, not failed
+            procs.insert(0, subprocess.Popen(cmd(0), stdout=open(logs[0], "a"), stderr=subprocess.STDOUT))
+            codes = [p.wait(timeout=CLIENT_TIMEOUT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.kill(p.pid, 9)
+                    p.wait(timeout=30)
+        assert codes == [0, 0], (codes, _tail(logs[0]), _tail(logs[1]))
+    runs = [json.load(open(o)) for o in outs]
+    assert [r["steps"] for r in runs] == [[2, 3], [2, 3]]
+    want, _ = one_device(meta, steps, lambda s: feeds(s, 2 * rows))
+    for r in runs:
+        np.testing.assert_allclose(r["values"]["fc1/kernel/Read/ReadVariableOp:0"], want["fc1/kernel"],
+                                   rtol=RTOL, atol=ATOL)

@@ -10,6 +10,7 @@ import pytest
 
 from graph_rewriter import passes
 from graph_rewriter.pass_manager import run_passes
+from graph_rewriter.ps_state import INIT_BARRIER, RESET_DONE, RUN_ID, TOKENS
 from pass_graphs import PS2_WORKERS2, WORKERS2, context, dense, ops, reaches, reads
 
 APPLIES = ("AccumulatorApplyGradient", "SparseAccumulatorApplyGradient")
@@ -111,7 +112,7 @@ def test_staleness_gives_every_queue_a_head_start_at_init():
     sync(g, ctx)
     init = g.node("init")
     head_starts = [n for n in ops(g, "QueueEnqueueManyV2")
-                   if any(c.op == "QueueDequeueUpToV2" for c in n.control_inputs)]
+                   if any(c.op == "QueueDequeueUpToV2" for c in n.control_inputs) and n.name.startswith(TOKENS)]
     assert len({queue_read_by(n) for n in head_starts}) == 2
     for n in head_starts:
         assert n in init.control_inputs
@@ -148,3 +149,38 @@ def test_applies_only_between_graph_with_parameter_servers(cluster, task, strate
     between = context(PS2_WORKERS2, task=("worker", 1), strategy="ps")
     passes.PlanPass().run(dense(), between)
     assert passes.SyncQueuesPass().applies(between)
+
+
+def test_the_chiefs_init_copies_its_run_id_once_it_has_reset_the_shared_state():
+    """
+        chief:  RUN_ID/draw = Assign(run_id on the chief's host, RandomUniformInt)
+                accumulator resets, token drains
+                    --> RESET_DONE/set(reset_done on ps 0 := run_id, or 0) --> init
+                init-queue drain --> release --> init
+                RESET_DONE/declare (the same copy, run alone)
+        worker: reads RUN_ID/value and RESET_DONE/value; draws and sets nothing
+    """
+    g = dense()
+    ctx = context(PS2_WORKERS2, task=("worker", 0), strategy="ps")
+    sync(g, ctx)
+    chief_host = "/job:worker/replica:0/task:0/device:CPU:0"
+    draw = g.node(f"{RUN_ID}/draw")
+    assert draw.device == chief_host and reads(draw)[1].op == "RandomUniformInt"
+    assert g.node(RUN_ID).attr["shared_name"].s.decode() == RUN_ID and g.node(RUN_ID).device == chief_host
+    assert g.node(RESET_DONE).device == ctx.cluster.ps_device(0)
+    (done_set,) = [n for n in ops(g, "AssignVariableOp") if n.name.startswith(f"{RESET_DONE}/set")]
+    init = g.node("init")
+    assert done_set in init.control_inputs
+    resets = ops(g, "AccumulatorSetGlobalStep") + [n for n in ops(g, "QueueDequeueUpToV2") if n.name.startswith(TOKENS)]
+    assert resets and all(reaches(r, done_set) for r in resets)
+    # the init queue is emptied before the chief's release puts this run's tokens in it
+    release = g.node(f"{INIT_BARRIER}/release")
+    assert reaches(g.node(f"{INIT_BARRIER}/drain"), release)
+    copied = reads(done_set)[1]          # the run id, or 0 when no client drew one
+    assert copied.op == "Merge" and copied.name == f"{RUN_ID}/value"
+    assert reads(g.node(f"{RESET_DONE}/declare"))[1] is copied
+    worker = dense()
+    sync(worker, context(PS2_WORKERS2, task=("worker", 1), strategy="ps"))
+    assert f"{RUN_ID}/value" in worker and f"{RESET_DONE}/value" in worker
+    assert not any(n.name.startswith((f"{RUN_ID}/draw", f"{RESET_DONE}/set", f"{RESET_DONE}/declare"))
+                   for n in worker)

@@ -155,8 +155,9 @@ def _serve_parser():
     p.add_argument("--no-supervise", action="store_true",
                    help="run the TensorFlow server in this process and nothing more. By default "
                         "serve runs it in a child process and starts a new one on the same address "
-                        "when TensorFlow has aborted its collectives, which lasts until the process "
-                        "ends (docs/reliability.md)")
+                        "when its collectives are unusable until the process ends: TensorFlow "
+                        "aborted them, or a peer it formed groups with has restarted since "
+                        "(docs/reliability.md)")
     return p
 
 

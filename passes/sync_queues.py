@@ -39,6 +39,7 @@ from graph_rewriter.analysis import written_variables
 from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key, host_group
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op, read_or_default, shape_attr
+from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.protos import attr_value_pb2, tensor_shape_pb2
 from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, RESET_DONE, RUN_ID, TOKENS,
@@ -349,8 +350,15 @@ def _reset_handshake(graph, cluster, rm, init_ops, ps0):
         # (a chief client whose first run is neither an init op nor a restore resets
         # nothing: it declares the run started instead, so the others need not wait)
         make_op(graph, "AssignVariableOp", f"{RESET_DONE}/declare", [done.output(0), current], device=ps0)
-        release = f"{INIT_BARRIER}/release"   # (not needed first; meta_graph leaves it out of init_op)
+        # After the init or restore op's own work, but not after what waits for the other
+        # workers: the broadcast of the mirrored variables' initial values (hybrid) pairs
+        # with their init ops, which run only once they have seen this copy. (Nor after
+        # the init queue's release, which meta_graph leaves out of the init op it names.)
+        collectives = [n for n in graph if n.op in COLLECTIVES]
+        waits = set(collectives) | descendants(collectives)
+        release = f"{INIT_BARRIER}/release"
         for op in init_ops:
             done_set = make_op(graph, "AssignVariableOp", f"{RESET_DONE}/set", [done.output(0), current],
-                               control_inputs=[c for c in op.control_inputs if c.name != release], device=ps0)
+                               control_inputs=[c for c in op.control_inputs
+                                               if c.name != release and c not in waits], device=ps0)
             op.add_control_input(done_set)

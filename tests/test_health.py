@@ -193,3 +193,27 @@ def test_a_worker_waits_for_the_chiefs_reset_of_this_run_only():
     values["done:0"] = 7                          # an earlier run's id: never this run's reset
     with pytest.raises(tf.errors.DeadlineExceededError, match="chief's client has not initialized or restored"):
         wait_for_chief_reset(lambda t: values[t], md, limit=0.3)
+
+
+def test_the_chiefs_reset_copy_never_waits_for_another_worker():
+    """Hybrid between-graph: the chief's init op also broadcasts the mirrored variables'
+    initial values, which completes only once the other workers' init ops receive them;
+    the other workers run theirs only after they have seen the run id copied. So the copy
+    waits for no collective (it would wait for ever), but for the ps variables' initial
+    values and restores, and the accumulators' and queues' resets."""
+    ex = models.build("embedding", "adagrad", seed=1)
+    chief = gr.rewrite(ex.graph_def, SPEC, task="worker:0", strategy="hybrid", device_type="CPU",
+                       devices_per_worker=2)
+    nodes = _by_name(chief.graph_def)
+    sets = [n for n in nodes if n.startswith("graph_rewriter/reset_done/set")]
+    assert len(sets) == 2     # the init op's and the restore op's
+    for name in sets:
+        before, stack = set(), [name]
+        while stack:
+            n = stack.pop()
+            if n not in before:
+                before.add(n)
+                stack.extend(i.lstrip("^").split(":")[0] for i in nodes[n].input)
+        assert not [n for n in before if "Collective" in nodes[n].op], name
+        assert any(n.startswith("graph_rewriter/accumulators/") for n in before), name
+    assert "embedding/Assign" in [i.lstrip("^") for i in nodes[sets[0]].input]   # the ps variable's initializer

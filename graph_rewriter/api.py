@@ -176,7 +176,7 @@ def pipeline():
             passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
             passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
-            passes.RecordIncarnationsPass(), passes.PlacePass(), passes.MetadataPass()]
+            passes.RecordIncarnationsPass(), passes.StepSequencePass(), passes.PlacePass(), passes.MetadataPass()]
 
 
 def _check_client_task(cluster):

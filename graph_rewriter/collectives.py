@@ -32,6 +32,10 @@ _INSTANCE_SLOTS = 1 << 13
 # Between-graph: the op every worker runs to take the chief's current variables
 # (mirror_variables makes it; the emitted local init op runs it)
 BROADCAST_VARIABLES = "graph_rewriter/broadcast_variables"
+# Between-graph: the control input of every collective that gives the job's steps a step-id
+# sequence of their own (passes/step_sequence.py); its V1 collective never runs
+STEP_SEQUENCE = "graph_rewriter/step_sequence"
+NEVER_RUNS = "_graph_rewriter_never_runs"   # the attribute that marks that collective
 
 
 def _digest(text):
@@ -63,6 +67,13 @@ def instance_base(plan):
                         for p in plan.packs]
                      + [f"{c.variable}:{c.sync}" for c in plan.cuts])
     return (_digest("instances|" + shape) % (1 << 17)) * _INSTANCE_SLOTS + 1
+
+
+def step_sequence_key(plan):
+    """The instance key of the job's never-run V1 collective (passes/step_sequence.py),
+    which names the job's step-id sequence: the same for every worker of a job, another
+    for another graph or plan (a positive int32)."""
+    return _digest("steps|" + str(instance_base(plan))) % ((1 << 31) - 2) + 1
 
 
 def dense_instance_key(plan, pack_index):

@@ -7,6 +7,7 @@ its nodes (devices of variables, the collectives and their keys).
 import os
 import re
 
+from graph_rewriter.collectives import NEVER_RUNS
 from graph_rewriter.verifier import COLLECTIVES
 
 _INDEX_BYTES = {"int32": 4, "int64": 8}
@@ -88,8 +89,8 @@ def report(result, batch_size=None):
                   "post_processing": c.get("post_processing") or []} for c in plan["cuts"]]
     collectives = []
     for n in result.graph_def.node:
-        if n.op not in COLLECTIVES or any(n.name.startswith(p) for p in prefixes[1:]):
-            continue
+        if n.op not in COLLECTIVES or any(n.name.startswith(p) for p in prefixes[1:]) or NEVER_RUNS in n.attr:
+            continue   # (replica 0's stand for the others; the step-sequence marker never runs)
         collectives.append({
             "name": n.name, "op": n.op, "device": n.device,
             "group_size": _const_value(nodes, n.input[1]), "group_key": _const_value(nodes, n.input[2]),

@@ -366,7 +366,7 @@ class Options:
         "device of a single worker and every replica reads the mean from there (no collective: "
         "for replicas of one process, such as CPU devices); auto lets the cost model choose per "
         "pack. A plan can set it per pack.",
-        default_text="flat",
+        default_text="flat (strategy auto: auto)",
         check=one_of((None,) + ALLREDUCE_ALGORITHMS, "unknown allreduce_algorithm {value!r}",
                      f"use one of {', '.join(ALLREDUCE_ALGORITHMS)}"),
         cli=Flag("--allreduce-algorithm", choices=ALLREDUCE_ALGORITHMS))

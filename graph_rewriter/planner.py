@@ -79,12 +79,10 @@ def _choose_communication(plan, options):
 
 def _choose_algorithm(plan, options, topology):
     """Each pack's all-reduce algorithm: the rewrite's ``allreduce_algorithm`` when given
-    ("auto": the cost model's choice per pack), else the given plan's, else the flat ring.
-    Strategy auto does not choose the two-level all-reduce unless asked to
-    (``allreduce_algorithm="auto"``): a between-graph two-level run on servers that ran
-    certain other jobs before can hang (docs/strategies.md). It needs two levels:
-    several workers with several devices each. reduce_to_one needs every replica in one
-    task (one process), where one device can read every replica's pack."""
+    ("auto": the cost model's choice per pack), else the plan's (strategy auto: the cost
+    model's; a given plan: its own), else the flat ring. The two-level all-reduce needs
+    two levels: several workers with several devices each. reduce_to_one needs every
+    replica in one task (one process), where one device can read every replica's pack."""
     choice = options.allreduce_algorithm
     if choice == "auto":
         cost_model.choose_algorithms(plan, topology, options.cost_model or cost_model.CostModel())
@@ -321,7 +319,7 @@ def _auto_plan(plan, options, topology, can_use_ps):
                   for c in p.cuts if c.sync == "accumulate"}
         balance_ps(p, 0, shards)
         assign_packs(p, pack_bytes, alone_bytes_for(p) if options.bytes_per_pack is None else None)
-        if options.allreduce_algorithm == "auto":
+        if options.allreduce_algorithm in (None, "auto"):
             cost_model.choose_algorithms(p, topology, model)
         predicted = cost_model.predict(p, topology, model)
         p.cost = {"model": model.to_dict(), "topology": dataclasses.asdict(topology),

@@ -18,10 +18,11 @@ from graph_rewriter.passes.merge_outputs import MergeOutputsPass
 from graph_rewriter.passes.meta_graph import MetaGraphPass
 from graph_rewriter.passes.heartbeat import HeartbeatPass
 from graph_rewriter.passes.record_incarnations import RecordIncarnationsPass
+from graph_rewriter.passes.step_sequence import StepSequencePass
 from graph_rewriter.passes.place import PlacePass
 from graph_rewriter.passes.metadata import MetadataPass
 
 __all__ = ["SaverPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "MirrorVariablesPass", "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",
            "ShardVariablesPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
-           "PlacePass", "MetadataPass"]
+           "StepSequencePass", "PlacePass", "MetadataPass"]

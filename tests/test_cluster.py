@@ -430,13 +430,6 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_cluster_training_equals_one_device(case, pool, procs, tmp_path, request):
     strategy, model, optimizer, mode, dpw, num_ps, options = case
-    if _case_id(case) == "allreduce-embedding-adagrad-between-2x2dev-0ps-hierarchical":
-        # on servers that ran the 2x1 between-graph case and the in-graph hierarchical
-        # case before it, its step waits until the timeout; alone it passes (the open bug
-        # in docs/strategies.md, "Hierarchical all-reduce"): not strict, so that it still
-        # shows when it passes
-        request.applymarker(pytest.mark.xfail(reason="open bug: hierarchical between-graph after "
-                                              "certain jobs on the same servers hangs", strict=False))
     seed = 100 + CASES.index(case)   # a graph (fingerprint) of its own on the shared cluster
     ex, batches, ref_losses, ref_values = _reference(model, optimizer, seed)
     counter = _counter_variable(ex)

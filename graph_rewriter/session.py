@@ -356,11 +356,12 @@ def wait_for_chief_reset(run, md, limit):
     info = md.get("ps_reset") or {}
     if "run_id" not in info:
         return
-    run_id = int(run(info["run_id"]))
-    if not run_id:
-        return
     deadline = time.monotonic() + limit if limit else None
-    while int(run(info["reset_done"])) != run_id:
+    while True:
+        # (both read each time: without heartbeats the run id may be drawn meanwhile)
+        run_id = int(run(info["run_id"]))
+        if not run_id or int(run(info["reset_done"])) == run_id:
+            return
         if deadline is not None and time.monotonic() >= deadline:
             raise tf.errors.DeadlineExceededError(
                 None, None, f"graph_rewriter: the step did not start: the chief's client has not initialized or "
@@ -420,7 +421,9 @@ class HeartbeatHook(tf.compat.v1.train.SessionRunHook):
     before the session is created, at most ``wait_seconds`` (default: the graph's
     operation timeout, else 600 s), as ``gr.Session`` waits before its first step: until
     no server still holds a restarted peer's earlier incarnation (serve replaces such a
-    server within seconds) and, between-graph, until every peer's client beats.
+    server within seconds), between-graph until every peer's client beats, and with
+    parameter servers, on a worker other than the chief, until the chief's client has
+    reset their state for this run (the chief's hook draws the run's id).
     MonitoredTrainingSession runs the init ops while it creates the session, and their
     collectives fail on an unsettled cluster or, started by a client alone, can leave the
     servers' collective state half-made (docs/reliability.md). A client whose peers never

@@ -111,3 +111,15 @@ def collective_keys(node):
     import numpy as np
     values = [tf.make_ndarray(p.attr["value"].tensor) for p in reads(node) if p.op == "Const"]
     return sorted(int(v) for v in values if np.shape(v) == () and v.dtype == np.int32)
+
+
+def runs(nodes, root):
+    """The names of every node that running ``root`` runs, in a GraphDef given as
+    {name: NodeDef}: its inputs, data and control, transitively (``root`` too)."""
+    seen, stack = set(), [root]
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(i.lstrip("^").split(":")[0] for i in nodes[name].input)
+    return seen

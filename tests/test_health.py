@@ -20,6 +20,7 @@ import graph_rewriter as gr
 from graph_rewriter import health
 from graph_rewriter.supervisor import _tf_log_level, poison_reason
 from graph_rewriter.testing import models
+from pass_graphs import runs
 
 SPEC = {"worker": ["localhost:2222", "localhost:2223", "localhost:2224"], "ps": ["localhost:2225"]}
 
@@ -208,12 +209,7 @@ def test_the_chiefs_reset_copy_never_waits_for_another_worker():
     sets = [n for n in nodes if n.startswith("graph_rewriter/reset_done/set")]
     assert len(sets) == 2     # the init op's and the restore op's
     for name in sets:
-        before, stack = set(), [name]
-        while stack:
-            n = stack.pop()
-            if n not in before:
-                before.add(n)
-                stack.extend(i.lstrip("^").split(":")[0] for i in nodes[n].input)
+        before = runs(nodes, name)
         assert not [n for n in before if "Collective" in nodes[n].op], name
         assert any(n.startswith("graph_rewriter/accumulators/") for n in before), name
     assert "embedding/Assign" in [i.lstrip("^") for i in nodes[sets[0]].input]   # the ps variable's initializer

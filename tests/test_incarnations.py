@@ -32,6 +32,7 @@ from graph_rewriter.local_cluster import free_port
 from graph_rewriter.server import start_server
 from graph_rewriter.supervisor import poison_reason
 from graph_rewriter.testing import harness, models
+from pass_graphs import runs
 
 tf1 = tf.compat.v1
 SPEC = {"worker": ["localhost:2222", "localhost:2223", "localhost:2224"], "ps": ["localhost:2225"]}
@@ -40,17 +41,6 @@ SCOPE = incarnations.SCOPE
 
 def _nodes(result):
     return {n.name: n for n in result.graph_def.node}
-
-
-def _runs(nodes, root):
-    """Every node that running ``root`` runs (its inputs, data and control, transitively)."""
-    seen, stack = set(), [root]
-    while stack:
-        name = stack.pop()
-        if name not in seen:
-            seen.add(name)
-            stack.extend(i.lstrip("^").split(":")[0] for i in nodes[name].input)
-    return seen
 
 
 def _writes(nodes):
@@ -89,7 +79,7 @@ def test_a_graph_with_collectives_across_tasks_records_its_peers_in_every_init_o
     steps = ["init", "train_op", result.saver().saver_def.restore_op_name] + [
         meta[key].node_list.value[0] for key in ("init_op", "local_init_op")]
     for step in steps:
-        assert not any(n.startswith(SCOPE) for n in _runs(nodes, step)), step
+        assert not any(n.startswith(SCOPE) for n in runs(nodes, step)), step
     info = result.metadata["incarnations"]
     assert info["tasks"] == ["worker:0", "worker:1", "worker:2"]
     assert info["record"] == incarnations.RECORD_OP

@@ -186,6 +186,26 @@ def test_graph_def_input_yields_a_meta_graph_with_its_collections(tmp_path):
 
 # ----- between-graph ---------------------------------------------------------------------
 
+def _write_batches(tmp_path, feeds, steps, rows):
+    """Each of two workers' halves of every global batch (2 * rows rows), as
+    mts_worker reads them: feeds<w>.npz, arrays "<feed>__<step>"."""
+    for w in range(2):
+        np.savez(tmp_path / f"feeds{w}.npz",
+                 **{f"{name}__{s}": value[w * rows:(w + 1) * rows]
+                    for s in range(steps) for name, value in feeds(s, 2 * rows).items()})
+
+
+def _assert_clients_equal_one_device(meta, feeds, outs, steps, rows, ran):
+    """Both clients ran the steps ``ran`` and end with one device's fc1/kernel after
+    ``steps`` global batches."""
+    runs = [json.load(open(o)) for o in outs]
+    assert [r["steps"] for r in runs] == [ran, ran]
+    want, _ = one_device(meta, steps, lambda s: feeds(s, 2 * rows))
+    for r in runs:
+        np.testing.assert_allclose(r["values"]["fc1/kernel/Read/ReadVariableOp:0"], want["fc1/kernel"],
+                                   rtol=RTOL, atol=ATOL)
+
+
 def _client(meta, target, chief, ckpt, last_step, feeds, out, stop_after=0):
     cmd = [sys.executable, "-m", "graph_rewriter.testing.mts_worker", "--graph", meta, "--target", target,
            "--last-step", str(last_step), "--batches", feeds, "--out", out, "--timeout", "60",
@@ -226,10 +246,7 @@ def test_between_graph_monitored_training_killed_and_restarted_equals_one_device
     feeds = feeds_of(meta)
     steps = 4
     rows = 8
-    for w in range(2):
-        np.savez(tmp_path / f"feeds{w}.npz",
-                 **{f"{name}__{s}": value[w * rows:(w + 1) * rows]
-                    for s in range(steps) for name, value in feeds(s, 2 * rows).items()})
+    _write_batches(tmp_path, feeds, steps, rows)
     ckpt = str(tmp_path / "ckpt")
     logs = [str(tmp_path / f"client{w}.log") for w in range(2)]
     with LocalCluster(workers=2, ps=1, device_type="CPU", devices_per_worker=1) as cluster:
@@ -276,10 +293,7 @@ def test_a_monitored_client_started_alone_waits_for_its_peer_and_leaves_the_serv
     meta = script_graph()
     feeds = feeds_of(meta)
     steps, rows = 2, 8
-    for w in range(2):
-        np.savez(tmp_path / f"feeds{w}.npz",
-                 **{f"{name}__{s}": value[w * rows:(w + 1) * rows]
-                    for s in range(steps) for name, value in feeds(s, 2 * rows).items()})
+    _write_batches(tmp_path, feeds, steps, rows)
     ckpt = str(tmp_path / "ckpt")
     outs = [str(tmp_path / f"out{w}.json") for w in range(2)]
     with LocalCluster(workers=2, device_type="CPU", devices_per_worker=1) as cluster:
@@ -298,12 +312,7 @@ def test_a_monitored_client_started_alone_waits_for_its_peer_and_leaves_the_serv
         logs = [str(tmp_path / f"client{w}.log") for w in range(2)]
         codes = _run_clients(cmds, logs)
         assert codes == [0, 0], (codes, _tail(logs[0]), _tail(logs[1]))
-    runs = [json.load(open(o)) for o in outs]
-    assert [r["steps"] for r in runs] == [[0, 1], [0, 1]]
-    want, _ = one_device(meta, steps, lambda s: feeds(s, 2 * rows))
-    for r in runs:
-        np.testing.assert_allclose(r["values"]["fc1/kernel/Read/ReadVariableOp:0"], want["fc1/kernel"],
-                                   rtol=RTOL, atol=ATOL)
+    _assert_clients_equal_one_device(meta, feeds, outs, steps, rows, ran=[0, 1])
 
 
 @pytest.mark.slow
@@ -319,10 +328,7 @@ def test_a_ps_worker_restarted_before_its_chief_waits_for_the_chiefs_reset(tmp_p
     meta = script_graph()
     feeds = feeds_of(meta)
     steps, rows = 4, 8
-    for w in range(2):
-        np.savez(tmp_path / f"feeds{w}.npz",
-                 **{f"{name}__{s}": value[w * rows:(w + 1) * rows]
-                    for s in range(steps) for name, value in feeds(s, 2 * rows).items()})
+    _write_batches(tmp_path, feeds, steps, rows)
     ckpt = str(tmp_path / "ckpt")
     outs = [str(tmp_path / f"out{w}.json") for w in range(2)]
     logs = [str(tmp_path / f"client{w}.log") for w in range(2)]
@@ -347,9 +353,4 @@ def test_a_ps_worker_restarted_before_its_chief_waits_for_the_chiefs_reset(tmp_p
                     os.kill(p.pid, 9)
                     p.wait(timeout=30)
         assert codes == [0, 0], (codes, _tail(logs[0]), _tail(logs[1]))
-    runs = [json.load(open(o)) for o in outs]
-    assert [r["steps"] for r in runs] == [[2, 3], [2, 3]]
-    want, _ = one_device(meta, steps, lambda s: feeds(s, 2 * rows))
-    for r in runs:
-        np.testing.assert_allclose(r["values"]["fc1/kernel/Read/ReadVariableOp:0"], want["fc1/kernel"],
-                                   rtol=RTOL, atol=ATOL)
+    _assert_clients_equal_one_device(meta, feeds, outs, steps, rows, ran=[2, 3])

@@ -45,25 +45,21 @@ WATCH_SECONDS = 1.0
 SETTLE_SECONDS = 60.0     # at most this long a client waits for serve to replace a stale server
 
 
-def host_device(task):
-    job, index = task
-    return f"/job:{job}/replica:0/task:{index}/device:CPU:0"
-
-
 def task_name(task):
     return f"{task[0]}:{task[1]}"
 
 
-def publish(server, task):
+def publish(server, cluster):
     """Draws this server's number and stores it in ``INCARNATION`` on its host. Call it
     before the server starts serving (``tf.distribute.Server(..., start=False)``): a
     session in this process reaches its own server without the network, and no client can
     read the variable before it holds the number. Returns the number (never 0, which
     readers take as "no number": a server not started by graph_rewriter)."""
     import tensorflow as tf
+    task = cluster.task
     value = secrets.randbits(62) | 1
     graph = tf.Graph()
-    with graph.as_default(), tf.device(host_device(task)):
+    with graph.as_default(), tf.device(cluster.device(task, "CPU", 0)):
         handle = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name=INCARNATION, name="incarnation")
         assign = tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(value, tf.int64))
     config = tf.compat.v1.ConfigProto(device_filters=[f"/job:{task[0]}/task:{task[1]}"])
@@ -219,7 +215,7 @@ class Watcher:
         for task in self.tasks:
             mine = task == self.cluster.task
             graph = tf.Graph()
-            with graph.as_default(), tf.device(host_device(task)):
+            with graph.as_default(), tf.device(self.cluster.device(task, "CPU", 0)):
                 handle = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[len(self.tasks)] if mine else [],
                                                 shared_name=RECORD if mine else INCARNATION)
                 self._reads[task] = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64)

@@ -62,7 +62,7 @@ def start_server(cluster_spec, task, *, device_type="GPU", devices_per_worker=1,
             f"{str(e).splitlines()[0]}", hint="check that the port is free and the address is this machine's") from None
     # its number, before anyone can reach it: how graphs and serve tell this server's
     # incarnation from a restarted one's (graph_rewriter/incarnations.py)
-    publish(server, cluster.task)
+    publish(server, cluster)
     if start:
         server.start()
     return server

@@ -28,7 +28,7 @@ rendezvous there aborted when the other worker's step of the same id ends ("Clea
 
 from graph_rewriter import dtypes
 from graph_rewriter.health import task_label
-from graph_rewriter.incarnations import INCARNATION, RECORD, RECORD_OP, SCOPE, host_device
+from graph_rewriter.incarnations import INCARNATION, RECORD, RECORD_OP, SCOPE
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import make_op, read_or_default, shape_attr
 from graph_rewriter.pass_manager import Pass
@@ -53,7 +53,7 @@ class RecordIncarnationsPass(Pass):
         with graph.adding_to_replica(GLOBAL):
             live = []
             for task in tasks:
-                device = host_device(task)
+                device = cluster.device(task, "CPU", 0)
                 number = make_op(graph, "VarHandleOp", f"{SCOPE}/{task_label(task)}/number", [], device=device,
                                  attrs={"dtype": dtypes.int64, "shape": shape_attr([]), "shared_name": INCARNATION})
                 live.append(read_or_default(graph, f"{SCOPE}/{task_label(task)}/live", number.output(0),
@@ -62,7 +62,7 @@ class RecordIncarnationsPass(Pass):
                               device=rm.global_device)
             writes = []
             for task in tasks:
-                device = host_device(task)
+                device = cluster.device(task, "CPU", 0)
                 record = make_op(graph, "VarHandleOp", f"{SCOPE}/{task_label(task)}/peers", [], device=device,
                                  attrs={"dtype": dtypes.int64, "shape": shape_attr([len(tasks)]),
                                         "shared_name": RECORD})

@@ -86,7 +86,7 @@ def test_start_server_hands_the_config_to_tensorflow_and_publishes_the_number_be
         return FakeServer()
 
     monkeypatch.setattr(server.tf.distribute, "Server", fake_server)
-    monkeypatch.setattr(server, "publish", lambda srv, task: order.append(("publish", task)))
+    monkeypatch.setattr(server, "publish", lambda srv, cluster: order.append(("publish", cluster.task)))
     assert isinstance(gr.start_server(SPEC, "ps:0", communication="nccl", devices_per_worker=4), FakeServer)
     # made without serving, given its number, then started (graph_rewriter/incarnations.py)
     assert (seen["job"], seen["index"], seen["start"]) == ("ps", 0, False)

@@ -30,6 +30,7 @@ TensorFlow is imported only where a server or session is at hand.
 """
 
 import secrets
+import socket
 import threading
 import time
 
@@ -135,7 +136,22 @@ def stale_message(host, peers):
             "restarts too")
 
 
-def settle_and_record(open_session, info, timeout, sleep=0.25):
+def closed_addresses(addresses, timeout=1.0):
+    """The tasks of ``addresses`` ({task: "host:port"}) where nothing accepts a TCP
+    connection. TensorFlow's master waits without end for a task it cannot reach while it
+    creates a session ("CreateSession still waiting for response from worker"), whatever
+    the timeouts; this is how a client learns of such a task without hanging."""
+    closed = []
+    for task, address in addresses.items():
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except (OSError, ValueError):
+            closed.append(task)
+    return closed
+
+
+def settle_and_record(open_session, info, timeout, sleep=0.25, addresses=None):
     """Waits until no compute host holds a stale record and every one is reachable, at
     most ``timeout`` seconds, then runs the graph's record op (``info["record"]``: this
     client's hosts record the numbers of the peers they are about to form groups with).
@@ -143,22 +159,26 @@ def settle_and_record(open_session, info, timeout, sleep=0.25):
     ``open_session()`` opens a session of the client's graph on its target (a
     tf.compat.v1.Session): one is opened again after a read found a task unreachable,
     because the server it talks to may have been replaced meanwhile (a session does not
-    survive its master's restart). Every session it opened is closed."""
+    survive its master's restart). ``addresses`` ({task: "host:port"}, optional): a
+    session is opened only when every one accepts connections (see ``closed_addresses``).
+    Every session it opened is closed."""
     import tensorflow as tf
     options = tf.compat.v1.RunOptions(timeout_in_ms=5000)
     deadline = time.monotonic() + timeout
     sess = None
     try:
         while True:
-            if sess is None:
+            stale, unreachable = {}, closed_addresses(addresses or {})
+            if not unreachable and sess is None:
                 sess = open_session()
-            stale, unreachable = cluster_state(lambda t: sess.run(t, options=options), info)
+            if not unreachable:
+                stale, unreachable = cluster_state(lambda t: sess.run(t, options=options), info)
             if not stale and not unreachable:
                 recorded = _read(lambda t: sess.run(t, options=options), info["record"])
                 if not isinstance(recorded, str):
                     return None
                 unreachable = ["a task of the cluster"]    # lost between the reads and the record
-            if unreachable:
+            if unreachable and sess is not None:
                 _close(sess)
                 sess = None
             if time.monotonic() >= deadline:

@@ -107,13 +107,15 @@ class Session(tf.compat.v1.Session):
         with graph.as_default():
             tf.compat.v1.import_graph_def(self.result.graph_def, name="")
         self._config = session_config(md["session_config"], config)
+        self._heartbeat = None
+        super().__init__(target=target, graph=graph, config=self._config)
         if md.get("incarnations"):
-            # collectives across tasks: created once no server holds a restarted peer's
-            # earlier incarnation (serve replaces it within seconds, and a session does
-            # not outlive its server's replacement)
+            # collectives across tasks: nothing runs until no server holds a restarted
+            # peer's earlier incarnation (serve replaces it within seconds). This session
+            # reaches its server at its first run, after the wait (its reads go through
+            # sessions of their own: one does not outlive its server's replacement)
             settle(lambda: tf.compat.v1.Session(target=target, graph=graph, config=self._config), md,
                    self._config.operation_timeout_in_ms / 1000)
-        super().__init__(target=target, graph=graph, config=self._config)
         self._prefixes = md["replica_prefixes"]
         self._variant = set(md["variant"])
         self._merged_in_graph = set(md.get("merged", {}))   # op names holding the merged value
@@ -124,7 +126,6 @@ class Session(tf.compat.v1.Session):
                                 if i["mode"] == "per_replica" and i["static_batch"] is not None}
         self._num_replicas = md.get("local_replicas", md["num_replicas"])
         self._node_names = {n.name for n in self.result.graph_def.node}
-        self._heartbeat = None
         # between-graph ps: the chief draws this run's id before it first beats, and declares
         # the run started if its first run resets nothing (graph_rewriter/ps_state.py)
         self._reset = md.get("ps_reset")
@@ -322,7 +323,9 @@ def settle(open_session, md, limit):
     but reads."""
     from graph_rewriter.incarnations import SETTLE_SECONDS, settle_and_record
     limit = min(limit, SETTLE_SECONDS) if limit else SETTLE_SECONDS
-    problem = settle_and_record(open_session, md["incarnations"], limit)
+    addresses = {f"{job}:{i}": address for job, hosts in (md.get("cluster") or {}).items()
+                 for i, address in enumerate(hosts) if f"{job}:{i}" in md["incarnations"]["tasks"]}
+    problem = settle_and_record(open_session, md["incarnations"], limit, addresses=addresses)
     if problem is not None:
         error = tf.errors.UnavailableError if "cannot be reached" in problem else tf.errors.FailedPreconditionError
         raise error(None, None, f"{problem} (this graph is {_whose(md)}). Nothing ran")

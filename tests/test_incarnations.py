@@ -242,3 +242,26 @@ def test_the_watcher_reports_a_record_that_names_a_peers_earlier_number():
     message = watcher.check()
     assert message is not None and message.startswith(f"worker:1's server {incarnations.STALE_MARKER}")
     assert "on worker:0's server" in message
+
+
+def test_a_session_whose_peer_cannot_be_reached_fails_naming_it_having_run_nothing():
+    """worker:1's address answers nothing: gr.Session waits up to the step's timeout
+    (2 s here) for the cluster to settle, then raises UnavailableError naming worker:1."""
+    spec = {"worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+    server = start_server(spec, "worker:0", device_type="CPU", devices_per_worker=2)
+    ex = models.build("mlp", "sgd", seed=3)
+    result = gr.rewrite(ex.graph_def, spec, device_type="CPU", devices_per_worker=2)
+    with pytest.raises(tf.errors.UnavailableError, match="worker:1 cannot be reached .waited 2 s"):
+        gr.Session(result, target=server.target, config=tf1.ConfigProto(operation_timeout_in_ms=2000))
+
+
+def test_closed_addresses_names_the_tasks_where_nothing_listens():
+    """TensorFlow's master would wait without end for such a task; the probe says so in
+    about no time."""
+    import socket
+    with socket.socket() as listening:
+        listening.bind(("localhost", 0))
+        listening.listen()
+        open_address = f"localhost:{listening.getsockname()[1]}"
+        dead_address = f"localhost:{free_port()}"
+        assert incarnations.closed_addresses({"worker:0": open_address, "worker:1": dead_address}) == ["worker:1"]

@@ -155,6 +155,11 @@ class Session(tf.compat.v1.Session):
             values = super().run(flat, feed_dict=feeds, options=options, run_metadata=run_metadata)
         except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
             raise type(e)(e.node_def, e.op, self._diagnosis(e, options)) from e
+        except (tf.errors.AbortedError, tf.errors.InternalError) as e:
+            lead = duplicate_request_lead(e.message)
+            if lead is None:
+                raise
+            raise type(e)(e.node_def, e.op, f"{lead}. TensorFlow said: {e.message}") from e
         except (tf.errors.CancelledError, RuntimeError) as e:
             if self._heartbeat is not None and self._heartbeat.gone:
                 raise tf.errors.UnavailableError(None, None, self._heartbeat.gone) from e
@@ -301,6 +306,33 @@ class Session(tf.compat.v1.Session):
             if prefix + op in self._node_names:
                 names.append(prefix + op)
         return names
+
+
+DUPLICATE_REQUEST = "request was received twice"
+PEER_STEP_FAILED = "Delete called on non-empty BufRendezvous"
+
+
+def duplicate_request_lead(message):
+    """What an error TensorFlow's duplicate request ids cause means, or None.
+
+    TensorFlow 2.x's master runs every step on a new thread, and that thread draws the
+    step's request ids from a generator seeded with 32 random bits; a server remembers
+    the last 100,000 ids and refuses a repeat. So about one run in 43,000 per server is
+    refused (`tools/tf_request_ids.py` shows it with plain TensorFlow), and its collective
+    peers then fail with a BufRendezvous error (docs/reliability.md, "Duplicate request
+    ids")."""
+    if DUPLICATE_REQUEST in message:
+        what = "TensorFlow refused this step's request to a server as a duplicate"
+    elif PEER_STEP_FAILED in message:
+        what = ("a collective peer's step ended before this one received from it (most "
+                "often TensorFlow refused the peer's request as a duplicate)")
+    else:
+        return None
+    return (f"graph_rewriter: {what}: TensorFlow 2.x draws request ids from a 32-bit seed per "
+            "run, so about one run in 43,000 per server is refused (docs/reliability.md, "
+            "\"Duplicate request ids\"). The step did not complete; graph-rewrite serve replaces a "
+            "server whose collectives it aborted. Start the clients again: training resumes "
+            "from the last checkpoint")
 
 
 def _read_options():

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 
 from graph_rewriter.errors import GraphRewriteError
 
@@ -194,3 +195,15 @@ def parse_task(task, cluster):
 
 def _task_text(task):
     return task if isinstance(task, str) else f"{task[0]}:{task[1]}"
+
+
+def accepts_connections(address, timeout=1.0):
+    """True if something accepts a TCP connection at ``address`` ("host:port") within
+    ``timeout`` seconds: how a client or a launcher learns that a server listens, without
+    asking TensorFlow (whose master waits without end for a task it cannot reach)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False

@@ -30,10 +30,10 @@ TensorFlow is imported only where a server or session is at hand.
 """
 
 import secrets
-import socket
 import threading
 import time
 
+from graph_rewriter.cluster import accepts_connections
 from graph_rewriter.health import task_label
 
 INCARNATION = "graph_rewriter/server_incarnation"   # int64 scalar, on each server's CPU:0
@@ -141,14 +141,7 @@ def closed_addresses(addresses, timeout=1.0):
     connection. TensorFlow's master waits without end for a task it cannot reach while it
     creates a session ("CreateSession still waiting for response from worker"), whatever
     the timeouts; this is how a client learns of such a task without hanging."""
-    closed = []
-    for task, address in addresses.items():
-        host, _, port = address.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-        except (OSError, ValueError):
-            closed.append(task)
-    return closed
+    return [task for task, address in addresses.items() if not accepts_connections(address, timeout)]
 
 
 def settle_and_record(open_session, info, timeout, sleep=0.25, addresses=None):

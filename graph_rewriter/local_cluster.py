@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from graph_rewriter.cluster import accepts_connections
 from graph_rewriter.errors import GraphRewriteError
 
 
@@ -30,13 +31,7 @@ def free_port():
 
 def accepts(port):
     """True if something on this machine accepts TCP connections on ``port``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        try:
-            s.connect(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    return accepts_connections(f"127.0.0.1:{port}", timeout=0.5)
 
 
 class LocalCluster:

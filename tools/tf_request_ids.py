@@ -1,4 +1,4 @@
-"""Shows TensorFlow's duplicate request ids with plain TensorFlow (no graph_rewriter).
+"""Shows TensorFlow's duplicate request ids with plain TensorFlow (graph_rewriter only picks the port).
 
 TensorFlow 2.x's master runs every step (Master::RunStep) on a thread of its own
 (Env::SchedClosure starts a new thread per call), and that thread draws the request ids
@@ -17,9 +17,10 @@ in-process server and reports every refused run. Exit status 0 if none was refus
 import argparse
 import json
 import os
-import socket
 import sys
 import time
+
+from graph_rewriter.local_cluster import free_port
 
 WINDOW = 100_000          # request ids a TensorFlow worker remembers
 SEEDS = 2 ** 32           # seeds a run's thread can draw
@@ -33,17 +34,11 @@ def expected_refusals(runs, window=WINDOW, seeds=SEEDS):
     return (filling * (filling - 1) / 2 + full * window) / seeds
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def run(runs, report_every, out=sys.stdout):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
     tf1 = tf.compat.v1
-    server = tf.distribute.Server({"worker": [f"localhost:{_free_port()}"]}, job_name="worker", task_index=0)
+    server = tf.distribute.Server({"worker": [f"localhost:{free_port()}"]}, job_name="worker", task_index=0)
     graph = tf.Graph()
     with graph.as_default(), tf.device("/job:worker/task:0/device:CPU:0"):
         value = tf.constant(1) + 1

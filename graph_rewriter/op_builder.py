@@ -85,16 +85,7 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     key = _template_key(op_type, values)
     entry = _TEMPLATES.get(key) if key is not None else None
     if entry is None:
-        template = node_def_pb2.NodeDef()
-        for a in od.attr:
-            if a.name in values:
-                template.attr[a.name].CopyFrom(_attr_value(values[a.name]))
-            elif a.HasField("default_value"):
-                template.attr[a.name].CopyFrom(a.default_value)
-        for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
-            if k.startswith("_"):
-                template.attr[k].CopyFrom(_attr_value(v))
-        entry = [template, None]   # the attributes, and the OpDef facts they imply
+        entry = [_attrs_node_def(od, values), None]   # the attributes, and the OpDef facts they imply
         if key is not None:
             _remember(_TEMPLATES, key, entry)
     node = graph.add_node(graph.unique_name(name), op_type, inputs=flat,
@@ -107,6 +98,44 @@ def make_op(graph, op_type, name, inputs=(), attrs=None, device="", control_inpu
     if replica is not None:
         node.replica = replica
     return node
+
+
+def _attrs_node_def(od, values):
+    """A NodeDef holding the attributes ``values`` gives, and the OpDef's defaults for the
+    others."""
+    nd = node_def_pb2.NodeDef()
+    for a in od.attr:
+        if a.name in values:
+            nd.attr[a.name].CopyFrom(_attr_value(values[a.name]))
+        elif a.HasField("default_value"):
+            nd.attr[a.name].CopyFrom(a.default_value)
+    for k, v in values.items():  # internal attrs (leading underscore) the OpDef does not list
+        if k.startswith("_"):
+            nd.attr[k].CopyFrom(_attr_value(v))
+    return nd
+
+
+def function_node(function, op_type, name, inputs=(), attrs=None):
+    """Appends a node to a FunctionDef's body and returns it. Unlike a graph's edges, a
+    body's inputs are strings ``node:output_arg:index`` (``x:output:0`` for a Const);
+    ``attrs`` must give every type attribute (there are no IR tensors to read them off),
+    the OpDef's defaults fill the rest."""
+    od = opdefs.registered_op(op_type)
+    if od is None:
+        raise GraphRewriteError(f"op '{op_type}' is not registered in this TensorFlow")
+    nd = function.node_def.add()
+    nd.CopyFrom(_attrs_node_def(od, dict(attrs or {})))
+    nd.name, nd.op = name, op_type
+    nd.input.extend(inputs)
+    return nd
+
+
+def function_const(function, name, value, dtype):
+    """Appends a Const to a FunctionDef's body; returns its output as the body writes it."""
+    nd = function.node_def.add()
+    nd.CopyFrom(_const_attrs(value, dtype))
+    nd.name, nd.op = name, "Const"
+    return f"{name}:output:0"
 
 
 # Attribute sets already built, shared (copy on write) by the nodes made from them: a

@@ -34,11 +34,12 @@ of its own:
 Between-graph, each worker's client feeds its own batches; a worker that reads its
 batches from an in-graph tf.data pipeline reads its own shard of the data: a
 ShardDataset(num_workers, worker index) goes in front of every batching dataset op, so
-worker k batches elements k, k+W, k+2W, ...
+worker k batches elements k, k+W, k+2W, ... (in a one-shot iterator's dataset_factory
+function too: that is where its pipeline is built).
 """
 
 from graph_rewriter.ir import GLOBAL
-from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_builder import const, function_const, function_node, make_op
 from graph_rewriter.protos import attr_value_pb2
 
 BATCH_DATASETS = frozenset(("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
@@ -120,20 +121,76 @@ class SplitInputsPass(Pass):
         host = ctx.replicas.global_device
         batching = [n for n in graph if n.op in BATCH_DATASETS]
         for batch in batching:
-            source = batch.inputs[0]
-            types = batch.attr["output_types"]
-            shapes = attr_value_pb2.AttrValue()
-            for s in batch.attr["output_shapes"].list.shape:
-                element = shapes.list.shape.add()
-                element.CopyFrom(s)
-                if not s.unknown_rank and element.dim:
-                    del element.dim[0]  # the element shape: the batched shape without its first axis
             shard = make_op(graph, "ShardDataset", f"{batch.name}/shard_for_worker",
-                            [source, const(graph, f"{batch.name}/num_workers", len(workers), "int64", host),
+                            [batch.inputs[0],
+                             const(graph, f"{batch.name}/num_workers", len(workers), "int64", host),
                              const(graph, f"{batch.name}/worker_index", me, "int64", host)],
-                            attrs={"output_types": types, "output_shapes": shapes}, device=host)
+                            attrs=_element_attrs(batch.attr), device=host)
             batch.set_input(0, shard.output(0))
-        return bool(batching)
+        return _shard_one_shot_factories(graph, len(workers), me) or bool(batching)
+
+
+def _element_attrs(batch_attrs):
+    """ShardDataset's output_types and output_shapes in front of a batching op with these
+    attributes: the batched shapes without their first axis."""
+    shapes = attr_value_pb2.AttrValue()
+    for s in batch_attrs["output_shapes"].list.shape:
+        element = shapes.list.shape.add()
+        element.CopyFrom(s)
+        if not s.unknown_rank and element.dim:
+            del element.dim[0]
+    return {"output_types": batch_attrs["output_types"], "output_shapes": shapes}
+
+
+def _shard_one_shot_factories(graph, num_workers, me):
+    """A one-shot iterator builds its pipeline when first drawn, by calling its
+    ``dataset_factory`` function: the dataset ops TensorFlow also left in the graph are
+    copies nothing reads. So the factory is copied (``<f>_shard_<me>_of_<W>``, leaving
+    ``f`` to any other caller), a ShardDataset goes in front of every batching op of the
+    copy's body, and the iterator calls the copy."""
+    if graph.library is None:
+        return False
+    functions = {f.signature.name: f for f in graph.library.function}
+    changed = False
+    for iterator in [n for n in graph if n.op == "OneShotIterator"]:
+        factory = iterator.attr["dataset_factory"]
+        name = f"{factory.func.name}_shard_{me}_of_{num_workers}"
+        if name not in functions:
+            original = functions.get(factory.func.name)
+            if original is None or not any(nd.op in BATCH_DATASETS for nd in original.node_def):
+                continue   # nothing batched in it (as in a graph without batching ops): not sharded
+            fn = functions[name] = graph.library.function.add()
+            fn.CopyFrom(original)
+            fn.signature.name = name
+            _shard_function_body(fn, num_workers, me)
+        calls = attr_value_pb2.AttrValue()
+        calls.CopyFrom(factory)
+        calls.func.name = name
+        iterator.set_attr("dataset_factory", calls)
+        changed = True
+    if changed:
+        graph.touch()
+    return changed
+
+
+def _shard_function_body(fn, num_workers, me):
+    """A ShardDataset(num_workers, me) in front of every batching op of ``fn``'s body."""
+    taken = {nd.name for nd in fn.node_def}
+
+    def fresh(base):
+        name, i = base, 0
+        while name in taken:
+            i += 1
+            name = f"{base}_{i}"
+        taken.add(name)
+        return name
+
+    for batch in [nd for nd in fn.node_def if nd.op in BATCH_DATASETS]:
+        count = function_const(fn, fresh(f"{batch.name}/num_workers"), num_workers, "int64")
+        index = function_const(fn, fresh(f"{batch.name}/worker_index"), me, "int64")
+        shard = function_node(fn, "ShardDataset", fresh(f"{batch.name}/shard_for_worker"),
+                              [batch.input[0], count, index], _element_attrs(batch.attr))
+        batch.input[0] = f"{shard.name}:handle:0"
 
 
 def _set_first_dimension(node, rows):

@@ -144,26 +144,44 @@ def test_between_graph_each_worker_shards_the_dataset_before_batching():
     assert [replica_of(ctx, g, n) for n in (shard, batch)] == [None, None]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a one-shot iterator builds its dataset inside its dataset_factory function; "
-    "split_inputs shards only the graph's own BatchDataset nodes, dead copies nothing "
-    "reads, so every worker still reads the whole dataset (documented in docs/semantics.md "
-    "with the workaround: an initializable iterator, or each worker's own data)"))
 def test_between_graph_a_one_shot_iterator_reads_the_workers_shard():
     """
         task worker:1 of 2, one-shot iterator:
             OneShotIterator(dataset_factory = f)   f: TensorSlice ─> Batch
-        expected: the dataset the iterator draws from is sharded (in f, or f replaced)
-        found:    TensorSlice ─> ShardDataset ─> Batch in the graph, read by nothing;
-                  f unchanged
+        after:
+            OneShotIterator(dataset_factory = f_shard_1_of_2)
+            f_shard_1_of_2: TensorSlice ─> ShardDataset(2, 1) ─> Batch
+        (the iterator builds its pipeline by calling f; the dataset ops in the graph are
+        copies nothing reads). f stays as it was.
     """
     g = iterator_dense(one_shot=True)
+    original = g.library.SerializeToString(deterministic=True)
     ctx = context(WORKERS2, task="worker:1")
     run_passes(g, ctx, PlanPass(), ReplicatePass(), SplitInputsPass())
     (iterator,) = ops(g, "OneShotIterator")
     factory = iterator.attr["dataset_factory"].func.name
-    body = next(f for f in g.library.function if f.signature.name == factory)
-    assert any(nd.op == "ShardDataset" for nd in body.node_def)
+    functions = {f.signature.name: f for f in g.library.function}
+    assert factory.endswith("_shard_1_of_2")
+    body = {nd.name: nd for nd in functions[factory].node_def}
+    (batch,) = [nd for nd in body.values() if nd.op == "BatchDatasetV2"]
+    shard = body[batch.input[0].split(":")[0]]
+    assert shard.op == "ShardDataset" and batch.input[0] == f"{shard.name}:handle:0"
+    source, count, index = (body[t.split(":")[0]] for t in shard.input)
+    assert source.op == "TensorSliceDataset"
+    values = [tf.make_ndarray(n.attr["value"].tensor) for n in (count, index)]
+    assert values == [2, 1]
+    assert [d.size for d in shard.attr["output_shapes"].list.shape[0].dim] == [3]   # an element: no batch axis
+    before = type(g.library)()
+    before.ParseFromString(original)
+    unchanged = factory[:-len("_shard_1_of_2")]
+    assert functions[unchanged] == next(f for f in before.function if f.signature.name == unchanged)
+
+
+def test_the_one_shot_iterator_of_worker_0_calls_its_own_shard():
+    g = iterator_dense(one_shot=True)
+    run_passes(g, context(WORKERS2, task="worker:0"), PlanPass(), ReplicatePass(), SplitInputsPass())
+    (iterator,) = ops(g, "OneShotIterator")
+    assert iterator.attr["dataset_factory"].func.name.endswith("_shard_0_of_2")
 
 
 def test_split_inputs_does_not_apply_to_one_in_graph_replica():

@@ -125,7 +125,8 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     """Builds one example graph; see the module doc for the names it follows.
 
     Options: ``control_flow`` ("v1"/"v2") for "cond" (default: TensorFlow's current
-    setting, v2 in TF 2.x); ``batch_size`` for "iterator" (default 8); ``update_ops``
+    setting, v2 in TF 2.x); ``batch_size`` and ``one_shot`` (a one-shot iterator instead of
+    an initializable one) for "iterator" (default 8, False); ``update_ops``
     for "batchnorm": "group" (default: tf.group(minimize, *UPDATE_OPS)) or "control"
     (minimize() built under tf.control_dependencies(UPDATE_OPS)); ``learning_rate``
     to override the optimizer's default. Keras models always use resource variables
@@ -141,7 +142,7 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     if optimizer not in allowed:
         raise ValueError(f"model {model!r} takes an optimizer from {', '.join(allowed)}, "
                          f"got {optimizer!r}")
-    unknown = set(kw) - {"control_flow", "batch_size", "learning_rate", "update_ops"}
+    unknown = set(kw) - {"control_flow", "batch_size", "one_shot", "learning_rate", "update_ops"}
     if unknown:
         raise TypeError(f"build() got unknown options {sorted(unknown)}")
     if kw.get("update_ops", "group") not in ("group", "control"):
@@ -510,8 +511,11 @@ class _V1Builder:
         # batch before repeat, without drop_remainder: the batch dimension stays unknown
         # (None) in the iterator's output shapes, which is what marks it as a batch input.
         ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(self.batch_size).repeat()
-        iterator = tf.compat.v1.data.make_initializable_iterator(ds)
-        tf.compat.v1.add_to_collection("example_init_ops", iterator.initializer)
+        if self.kw.get("one_shot"):   # the pipeline lives in a function the iterator calls
+            iterator = tf.compat.v1.data.make_one_shot_iterator(ds)
+        else:
+            iterator = tf.compat.v1.data.make_initializable_iterator(ds)
+            tf.compat.v1.add_to_collection("example_init_ops", iterator.initializer)
         x, y = iterator.get_next()
         self.tensors.update(x=x.name, y=y.name)
         h = self.dense(x, HIDDEN, "hidden", tf.tanh)

@@ -30,13 +30,14 @@ import dataclasses
 
 from graph_rewriter.protos import types_pb2
 
-from graph_rewriter import opdefs
+from graph_rewriter import dtypes, opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_vocabulary import (
     DENSE_ASSIGNS, ELEMENTWISE, FUNCTION_CALLS, INCREMENTS, ITERATOR_GET_NEXT, LINEAR_SCATTERS,
-    PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, READERS, SAVER_OPS, VARIABLE_OPS)
-from graph_rewriter.traversal import absorb_exclusive_ancestors, topological_order
+    PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, QUEUE_BATCH_DEQUEUES, QUEUES, READERS, SAVER_OPS,
+    VARIABLE_OPS)
+from graph_rewriter.traversal import absorb_exclusive_ancestors, ancestors, topological_order
 
 HINTS_COLLECTION = "graph_rewriter_gradients"
 
@@ -273,29 +274,36 @@ class _Analyzer:
         return absorb_exclusive_ancestors(region, keep_out=lambda n: n.op in VARIABLE_OPS)
 
     def _find_input_pipeline(self):
-        """tf.data: dataset ops, iterators, their initializers and what only they read."""
+        """tf.data: dataset ops, iterators, their initializers and what only they read.
+        TF1 queues: the queues batch dequeues draw from, and the queues feeding those
+        (a producer's file names or slices), with every op on them and what only those
+        read."""
         seeds = {n for n in self.order
                  if "Dataset" in n.op or n.op in ITERATOR_GET_NEXT or n.op == "MakeIterator"
                  or n.op.startswith(("Iterator", "AnonymousIterator", "OneShotIterator",
                                      "MultiDeviceIterator"))}
+        seeds |= _input_queue_ops(self.order)
         if not seeds:
             return set()
+        seeds |= _queue_reports(seeds)
         return absorb_exclusive_ancestors(seeds, keep_out=lambda n: n.op in VARIABLE_OPS)
 
     def _find_inputs(self):
         """Batch inputs (split across replicas) and broadcast inputs (shared by all).
 
         Inputs whose first dimension is unknown are the batch. A graph with none has
-        static batches: then every output of an iterator, and every plain placeholder of
-        rank >= 1 whose first dimension is the batch size (the first dimension most
-        static inputs share; the earliest wins a tie), is a batch input taken per replica
-        (``self.static_batch``); other placeholders (a [num_classes] weight vector) are
-        broadcast. A PlaceholderWithDefault stays broadcast: its default has its shape."""
+        static batches: then every output of an iterator or a queue's DequeueMany, and
+        every plain placeholder of rank >= 1 whose first dimension is the batch size (the
+        first dimension most static inputs share; the earliest wins a tie), is a batch
+        input taken per replica (``self.static_batch``); other placeholders (a
+        [num_classes] weight vector) are broadcast. A PlaceholderWithDefault stays
+        broadcast: its default has its shape. A placeholder the input pipeline alone reads
+        (a queue's enqueue, a dataset's source) is no input of the step."""
         found = []   # (tensor, "dynamic" | "placeholder" | "iterator" | "broadcast", first dim)
         for n in self.order:
             if n.op in PLACEHOLDERS:
-                if not n.consumers():
-                    continue
+                if not n.consumers() or n in self.input_pipeline:
+                    continue   # unread, or fed to the input pipeline (a queue's enqueue, a dataset)
                 shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
                 if shape and shape[0] == -1:
                     found.append((Tensor(n, 0), "dynamic", None))
@@ -313,6 +321,15 @@ class _Analyzer:
                         found.append((Tensor(n, i), "dynamic", None))
                     else:
                         found.append((Tensor(n, i), "iterator", shape[0] if shape else None))
+            elif n.op in QUEUE_BATCH_DEQUEUES:
+                # DequeueMany(n) takes exactly n elements (a static batch when n is a
+                # constant); DequeueUpTo fewer at the end (a dynamic one)
+                count = n.inputs[1].node
+                rows = (dtypes.int_scalar(count.attr["value"].tensor)
+                        if "UpTo" not in n.op and count.op == "Const" else None)
+                for i in range(len(n.attr["component_types"].list.type)):
+                    if any(c not in self.input_pipeline for c, _ in n.consumers(i)):
+                        found.append((Tensor(n, i), "dynamic" if rows is None else "iterator", rows))
         self.static_batch = {}
         if any(kind == "dynamic" for _, kind, _ in found):
             batch = [t for t, kind, _ in found if kind == "dynamic"]
@@ -700,14 +717,54 @@ def variant_nodes(seeds, cuts):
     return variant
 
 
+def _input_queue_ops(order):
+    """Every op on a queue a batch dequeue (QUEUE_BATCH_DEQUEUES) draws from, or on a
+    queue whose elements reach such a queue's enqueues (tf.train.batch's queue is filled
+    from an input producer's queue of slice indices or file names): the queues, the
+    enqueues and closes their QueueRunners run, dequeues, sizes, readers."""
+    stack = [n.inputs[0].node for n in order if n.op in QUEUE_BATCH_DEQUEUES]
+    found = set()
+    while stack:
+        queue = stack.pop()
+        if queue in found or queue.op not in QUEUES:
+            continue
+        found.add(queue)
+        for user in queue.readers():
+            found.add(user)
+            if user.op.startswith("QueueEnqueue"):
+                stack.extend(n for n in enqueued_from(user) if n.op in QUEUES)
+    return found
+
+
+def _queue_reports(pipeline):
+    """What is computed from the queues' sizes alone (the fraction_of_N_full summary
+    tf.train.batch adds): it exists once, like the queues."""
+    out = set()
+    stack = [n for n in pipeline if n.op.startswith(("QueueSize", "QueueIsClosed"))]
+    while stack:
+        for c in stack.pop().readers():
+            if c not in out and c not in pipeline and all(
+                    t.node in pipeline or t.node in out or t.node.op == "Const" for t in c.inputs):
+                out.add(c)
+                stack.append(c)
+    return out
+
+
+def enqueued_from(enqueue):
+    """What an enqueue's values are computed from (data edges; not past a queue, whose
+    elements a dequeue or a reader takes, nor past a variable)."""
+    return ancestors([t.node for t in enqueue.inputs[1:]], data_only=True,
+                     stop=lambda n: n.op in QUEUES or n.op in VARIABLE_OPS) | {t.node for t in enqueue.inputs[1:]}
+
+
 def _is_pure_initial_value(node):
-    """True if a value depends on no variable, placeholder, iterator or checkpoint: what
-    an initializer computes (constants, random ops, arithmetic on them)."""
+    """True if a value depends on no variable, placeholder, iterator, queue or checkpoint:
+    what an initializer computes (constants, random ops, arithmetic on them)."""
     stack, seen = [node], {node}
     while stack:
         n = stack.pop()
         if (n.op in VARIABLE_OPS or n.op in PLACEHOLDERS or n.op in SAVER_OPS
-                or n.op in ITERATOR_GET_NEXT):
+                or n.op in ITERATOR_GET_NEXT or n.op in QUEUE_BATCH_DEQUEUES):
             return False
         for t in n.inputs:
             if t.node not in seen:

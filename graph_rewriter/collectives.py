@@ -23,8 +23,9 @@ the key space stays bounded, and padding costs at most a factor of two.
 """
 
 import hashlib
-from graph_rewriter.errors import GraphRewriteError
 
+from graph_rewriter import dtypes
+from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, make_op
 
 _INSTANCE_SLOTS = 1 << 13
@@ -135,9 +136,7 @@ def key_of(node, arg):
     producer = node.inputs[opdefs.input_arg_slices(node)[arg][0]].node
     if producer.op != "Const":
         return None
-    tensor = producer.attr["value"].tensor
-    values = list(tensor.int_val) or list(tensor.int64_val)
-    return values[0] if values else 0
+    return dtypes.int_scalar(producer.attr["value"].tensor)
 
 
 def _key_inputs(graph, scope, group_size, gkey, ikey, device):

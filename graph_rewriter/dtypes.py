@@ -140,3 +140,14 @@ def make_tensor_proto(array, dtype):
     else:
         field.extend(flat.tolist())
     return proto
+
+
+def int_scalar(proto):
+    """The first value of an integer TensorProto (a Const's ``value``): from int_val or
+    int64_val, else from tensor_content; 0 when it holds none (a proto's default)."""
+    values = proto.int_val or proto.int64_val
+    if values:
+        return int(values[0])
+    if proto.tensor_content:
+        return int(np.frombuffer(proto.tensor_content, dtype=DType(proto.dtype).as_numpy_dtype)[0])
+    return 0

@@ -7,7 +7,10 @@ its nodes (devices of variables, the collectives and their keys).
 import os
 import re
 
+from graph_rewriter import dtypes
 from graph_rewriter.collectives import NEVER_RUNS
+from graph_rewriter.op_vocabulary import input_kind
+from graph_rewriter.plan import DRAWN
 from graph_rewriter.verifier import COLLECTIVES
 
 _INDEX_BYTES = {"int32": 4, "int64": 8}
@@ -43,9 +46,7 @@ def _const_value(nodes, name):
     n = nodes.get(name.split(":")[0])
     if n is None or n.op != "Const":
         return None
-    t = n.attr["value"].tensor
-    vals = list(t.int_val) or list(t.int64_val)
-    return vals[0] if vals else None
+    return dtypes.int_scalar(n.attr["value"].tensor)
 
 
 def report(result, batch_size=None):
@@ -148,7 +149,7 @@ def _inputs(md, nodes):
     out = []
     for name in md["batch_inputs"]:
         node = nodes.get(name.split(":")[0])
-        kind = "iterator" if node is not None and node.op.startswith("IteratorGetNext") else "placeholder"
+        kind = input_kind(node.op) if node is not None else "placeholder"
         out.append({"name": name, "kind": kind, "mode": "split", "static_batch": None, "global_batch": None})
     return out
 
@@ -250,7 +251,7 @@ def format_report(rep):
             elif i["mode"] == "per_replica":
                 total = f"{rep['num_replicas']} x the batch"
             else:
-                total = "as " + ("drawn" if i["kind"] == "iterator" else "fed")
+                total = "as " + ("drawn" if i["kind"] in DRAWN else "fed")
             lines.append(f"  {i['name']:<{width}}  {i['kind']:<11} {i['mode']:<11}  "
                          f"static batch {static}, global batch {total}")
     lines.append("variables:")

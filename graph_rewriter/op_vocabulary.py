@@ -49,6 +49,20 @@ def shardable_user(node):
 
 PLACEHOLDERS = frozenset(("Placeholder", "PlaceholderV2", "PlaceholderWithDefault"))
 ITERATOR_GET_NEXT = frozenset(("IteratorGetNext", "IteratorGetNextSync"))
+# TF1 queue-based input (tf.train.batch, shuffle_batch, the input producers): a batch is
+# dequeued many elements at a time; QueueRunner threads run the enqueues.
+QUEUE_BATCH_DEQUEUES = frozenset(("QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeueMany",
+                                  "QueueDequeueUpTo"))
+QUEUES = frozenset(("FIFOQueueV2", "RandomShuffleQueueV2", "PaddingFIFOQueueV2", "PriorityQueueV2",
+                    "FIFOQueue", "RandomShuffleQueue", "PaddingFIFOQueue", "PriorityQueue"))
+
+
+def input_kind(op):
+    """How a batch input's op gets its rows: "iterator" and "queue" are drawn, a
+    "placeholder" is fed."""
+    if op in ITERATOR_GET_NEXT:
+        return "iterator"
+    return "queue" if op in QUEUE_BATCH_DEQUEUES else "placeholder"
 SAVER_OPS = frozenset(("SaveV2", "RestoreV2", "Save", "Restore", "RestoreSlice", "SaveSlices",
                        "MergeV2Checkpoints"))
 

@@ -72,6 +72,9 @@ class VariablePlan:
     shards: list = None          # placement "ps", sharded: [{"ps_task": k, "rows": n}, ...]
 
 
+DRAWN = frozenset(("iterator", "queue"))   # InputPlan kinds whose batches are drawn, not fed
+
+
 @dataclasses.dataclass
 class InputPlan:
     """How one batch input reaches the replicas.
@@ -83,7 +86,7 @@ class InputPlan:
     static; ``global_batch``: the rows one step trains on across every replica of the
     group (all workers), when that is fixed."""
     name: str
-    kind: str                   # "placeholder" | "iterator"
+    kind: str                   # "placeholder" (fed) | "iterator" | "queue" (drawn)
     mode: str                   # "split" | "per_replica"
     static_batch: int = None
     global_batch: int = None

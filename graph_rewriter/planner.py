@@ -19,9 +19,9 @@ import hashlib
 from graph_rewriter import cost_model
 from graph_rewriter.cost_model import Topology
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.op_vocabulary import shardable_user
+from graph_rewriter.op_vocabulary import input_kind, shardable_user
 from graph_rewriter.options import COMMUNICATIONS, DEFAULT_BYTES_PER_PACK
-from graph_rewriter.plan import DENSE_SYNCS, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan
+from graph_rewriter.plan import DENSE_SYNCS, DRAWN, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan
 
 
 def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
@@ -47,6 +47,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _choose_communication(result, options)
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
+    _note_queues_without_runners(result, graph, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -132,6 +133,24 @@ def _note_hybrid_without_sparse(plan, log):
     log(f"plan: {HYBRID_WITHOUT_SPARSE} (as with strategy allreduce)")
 
 
+QUEUES_WITHOUT_RUNNERS = ("the batches come from queues, but the input has no QueueRunners to fill them "
+                          "(a GraphDef has no collections): rewrite the MetaGraphDef "
+                          "(tf.compat.v1.train.export_meta_graph) to keep them")
+
+
+def _note_queues_without_runners(plan, graph, log):
+    """A batch dequeued from a queue (tf.train.batch) waits for QueueRunner threads that
+    only a MetaGraphDef's ``queue_runners`` collection describes; from a GraphDef, nothing
+    would start them and the first step would wait until its timeout."""
+    notes = [n for n in plan.notes or [] if n != QUEUES_WITHOUT_RUNNERS]
+    queued = any(input_kind(graph.tensor(name).node.op) == "queue" for name in plan.batch_inputs)
+    meta = graph.meta_graph
+    if queued and (meta is None or "queue_runners" not in meta.collection_def):
+        notes.append(QUEUES_WITHOUT_RUNNERS)
+        log(f"plan: {QUEUES_WITHOUT_RUNNERS}")
+    plan.notes = notes or None
+
+
 def _check_plannable(graph, analysis, options, cluster, num_replicas):
     """Rejects graphs that do not train (no variables, or no update that depends on the
     batch), a batch-less graph for several replicas, merge names that are not tensors,
@@ -194,18 +213,18 @@ def _tf2_function_graph(graph):
 def plan_inputs(analysis, batch_split, num_replicas):
     """The InputPlans of the analysis' batch inputs, or None if every one is split: inputs
     with a static first dimension are per replica, the others as ``batch_split`` says.
-    An iterator is drawn as a whole, so all its outputs share one mode."""
+    An iterator (or a queue) is drawn as a whole, so all its outputs share one mode."""
     out = []
     for t in analysis.batch_inputs:
-        iterator = t.node.op in ("IteratorGetNext", "IteratorGetNextSync")
+        kind = input_kind(t.node.op)
         if t.name in analysis.static_batch:
             b = analysis.static_batch[t.name]
-            out.append(InputPlan(name=t.name, kind="iterator" if iterator else "placeholder",
+            out.append(InputPlan(name=t.name, kind=kind,
                                  mode="per_replica", static_batch=b,
                                  global_batch=b * num_replicas if b is not None else None))
         else:
             mode = "per_replica" if batch_split == "per_replica" else "split"
-            out.append(InputPlan(name=t.name, kind="iterator" if iterator else "placeholder", mode=mode))
+            out.append(InputPlan(name=t.name, kind=kind, mode=mode))
     if not any(i.mode == "per_replica" for i in out):
         return None
     return out
@@ -583,10 +602,10 @@ def describe_input(ip, num_replicas):
     """One line on how a batch input (an InputPlan) reaches the replicas: its mode, static
     batch and global batch."""
     if ip.mode == "split":
-        return (f"split, the {'drawn' if ip.kind == 'iterator' else 'fed'} batch divided across "
-                f"{num_replicas} replica(s) (static batch none, global batch as "
-                f"{'drawn' if ip.kind == 'iterator' else 'fed'})")
-    source = ("drawn once per replica, replica 0 first" if ip.kind == "iterator"
+        how = "drawn" if ip.kind in DRAWN else "fed"
+        return (f"split, the {how} batch divided across {num_replicas} replica(s) (static batch "
+                f"none, global batch as {how})")
+    source = ("drawn once per replica, replica 0 first" if ip.kind in DRAWN
               else "fed as the replicas' batches concatenated in replica order")
     if ip.static_batch is None:
         return f"per_replica, {source} (static batch none, global batch {num_replicas} x the batch)"

@@ -106,6 +106,7 @@ class Session(tf.compat.v1.Session):
         graph = tf.Graph()
         with graph.as_default():
             tf.compat.v1.import_graph_def(self.result.graph_def, name="")
+            _add_queue_runners(self.result.meta_graph)
         self._config = session_config(md["session_config"], config)
         self._heartbeat = None
         super().__init__(target=target, graph=graph, config=self._config)
@@ -404,6 +405,19 @@ def wait_for_chief_reset(run, md, limit):
                 "chief starts a run with its init op or a restore (MonitoredTrainingSession does); check "
                 "the chief's client")
         time.sleep(0.1)
+
+
+def _add_queue_runners(meta_graph):
+    """The input's QueueRunners (a MetaGraphDef's ``queue_runners`` collection: the
+    threads filling the queues of tf.train.batch and its kin) in the default graph's
+    collection, so that ``tf.compat.v1.train.start_queue_runners(sess)`` starts them as
+    in the single-device script. The queues are the input's own nodes, kept once."""
+    if meta_graph is None or "queue_runners" not in meta_graph.collection_def:
+        return
+    from tensorflow.core.protobuf import queue_runner_pb2
+    for raw in meta_graph.collection_def["queue_runners"].bytes_list.value:
+        runner = tf.compat.v1.train.QueueRunner(queue_runner_def=queue_runner_pb2.QueueRunnerDef.FromString(raw))
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS, runner)
 
 
 def _build(plan, values):

@@ -11,6 +11,7 @@ demo and the multi-process tests; also a template for a user's own worker script
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="trai
     import graph_rewriter as gr
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout * 1000)) if timeout else None
     losses, times = [], []
-    with gr.Session(graph, target=target) as sess:
+    with gr.Session(graph, target=target) as sess, _queue_runners(sess):
         sess.run(init, options=options)
         for step in range(steps):
             feed = {name.split("/", 1)[1]: value for name, value in feeds.items()
@@ -41,6 +42,21 @@ def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="trai
                 time.sleep(delay)
         values = dict(zip(reads, sess.run(list(reads), options=options))) if reads else {}
     return losses, values, times
+
+
+@contextlib.contextmanager
+def _queue_runners(sess):
+    """Runs the graph's QueueRunners (tf.train.batch and its kin; none for other graphs)
+    while the block runs, as a TF1 script's start_queue_runners does: the threads fill
+    the queues the steps dequeue from; on the way out they are stopped and joined."""
+    import tensorflow as tf
+    coord = tf.compat.v1.train.Coordinator()
+    threads = tf.compat.v1.train.start_queue_runners(sess, coord=coord)
+    try:
+        yield
+    finally:
+        coord.request_stop()
+        coord.join(threads, stop_grace_period_secs=10)
 
 
 def main(argv=None):

@@ -3,7 +3,8 @@
     x (global batch, host CPU) ─> Split(num_split=R) ─┬─:0─> replica 0's readers of x
                                                       └─:1─> replica 1's readers of x
 
-Batch inputs are placeholders and tf.data iterator outputs (the plan lists them). The
+Batch inputs are placeholders, tf.data iterator outputs and TF1 queues' DequeueMany/UpTo
+outputs (the plan lists them). The
 split runs on the host CPU where the batch arrives; a batch whose rows do not divide
 evenly by R fails the step with TensorFlow's error from this Split (the Session wrapper
 checks fed batches first and names the input).
@@ -17,7 +18,8 @@ of its own:
   same Split hands replica k rows k*B..(k+1)*B-1, whose static shape [B, ...] is what
   the constants TensorFlow folded while building the graph (tf.shape(x), the gradient
   of a mean) assume. A dynamic one is split as above: R equal batches.
-- an iterator is drawn once per replica from the one shared iterator, in replica order
+- an iterator (or a queue's DequeueMany) is drawn once per replica from the one shared
+  iterator (queue), in replica order
   (each draw has a control edge on the previous one, so replica k's batch is the k-th
   drawn in the step), and an IdentityN per output hands replica k draw k:
 
@@ -35,11 +37,16 @@ Between-graph, each worker's client feeds its own batches; a worker that reads i
 batches from an in-graph tf.data pipeline reads its own shard of the data: a
 ShardDataset(num_workers, worker index) goes in front of every batching dataset op, so
 worker k batches elements k, k+W, k+2W, ... (in a one-shot iterator's dataset_factory
-function too: that is where its pipeline is built).
+function too: that is where its pipeline is built). A TF1 input producer enqueues the
+worker's part of its list instead (_shard_queue_producers).
 """
 
+from graph_rewriter import opdefs
+from graph_rewriter.analysis import enqueued_from
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, function_const, function_node, make_op
+from graph_rewriter.op_vocabulary import PLACEHOLDERS, QUEUES
+from graph_rewriter.plan import DRAWN
 from graph_rewriter.protos import attr_value_pb2
 
 BATCH_DATASETS = frozenset(("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
@@ -66,7 +73,7 @@ class SplitInputsPass(Pass):
         for name in ctx.plan.batch_inputs:
             x = graph.tensor(name)
             ip = modes[name]
-            if ip.mode == "per_replica" and ip.kind == "iterator":
+            if ip.mode == "per_replica" and ip.kind in DRAWN:
                 drawn.setdefault(x.node, None)
                 continue
             if ip.mode == "per_replica" and ip.static_batch is not None:
@@ -98,7 +105,7 @@ class SplitInputsPass(Pass):
             draw.replica = GLOBAL
             draws.append(draw)
         checks = _equal_rows(graph, rm, node, draws)
-        for i in range(len(node.attr["output_types"].list.type)):
+        for i in range(opdefs.num_outputs(node)):
             readers = [(c, pos) for c, pos in node.consumers(i) if c not in draws]
             replicas = [(c, pos, rm.replica_of(graph, c.name)) for c, pos in readers]
             replicas = [(c, pos, k) for c, pos, k in replicas if k is not None]
@@ -127,7 +134,40 @@ class SplitInputsPass(Pass):
                              const(graph, f"{batch.name}/worker_index", me, "int64", host)],
                             attrs=_element_attrs(batch.attr), device=host)
             batch.set_input(0, shard.output(0))
-        return _shard_one_shot_factories(graph, len(workers), me) or bool(batching)
+        producers = _shard_queue_producers(graph, len(workers), me, host)
+        return _shard_one_shot_factories(graph, len(workers), me) or producers or bool(batching)
+
+
+def _shard_queue_producers(graph, num_workers, me, host):
+    """TF1's input producers (string_input_producer's file names, slice_input_producer's
+    row indices, range_input_producer) enqueue a whole list, computed in the graph, on
+    every worker. Each worker's producer takes its own part, elements k, k+W, k+2W, ...:
+    a StridedSlice [k::W] of the list, in front of the producer's shuffle and epoch limit
+    (its RandomShuffle and Identity). Enqueues of other values (another queue's
+    elements, a reader's records, a feed) are left alone: they follow from the
+    producers, or each worker's client feeds its own."""
+    sliced = False
+    for enqueue in [n for n in graph if n.op in ("QueueEnqueueManyV2", "QueueEnqueueMany")]:
+        queue = enqueue.inputs[0].node
+        if queue.op not in QUEUES or (
+                "shared_name" in queue.attr and queue.attr["shared_name"].s.startswith(b"graph_rewriter/")):
+            continue
+        if any(n.op in QUEUES or n.op in PLACEHOLDERS or n.op.startswith("Reader") for n in enqueued_from(enqueue)):
+            continue
+        for pos in range(1, len(enqueue.inputs)):
+            holder, at = enqueue, pos
+            while holder.inputs[at].node.op in ("RandomShuffle", "Identity"):
+                holder, at = holder.inputs[at].node, 0
+            listed = holder.inputs[at]
+            scope = f"{listed.node.name}/shard_for_worker"
+            part = make_op(graph, "StridedSlice", scope,
+                           [listed, const(graph, f"{scope}/begin", [me], "int32", host),
+                            const(graph, f"{scope}/end", [0], "int32", host),
+                            const(graph, f"{scope}/strides", [num_workers], "int32", host)],
+                           attrs={"end_mask": 1}, device=host)
+            holder.set_input(at, part.output(0))
+            sliced = True
+    return sliced
 
 
 def _element_attrs(batch_attrs):
@@ -210,9 +250,13 @@ def _set_first_dimension(node, rows):
 
 def _equal_rows(graph, rm, node, draws):
     """Asserts (run before any replica reads a draw) that every draw has as many rows as
-    the first, when the iterator's batch dimension is dynamic; [] when it is static."""
-    shapes = node.attr["output_shapes"].list.shape
-    dynamic = [i for i, s in enumerate(shapes) if not s.unknown_rank and s.dim and s.dim[0].size < 0]
+    the first, when the iterator's batch dimension is dynamic (a queue's DequeueUpTo:
+    fewer at the end); [] when it is static."""
+    if "output_shapes" in node.attr:
+        shapes = node.attr["output_shapes"].list.shape
+        dynamic = [i for i, s in enumerate(shapes) if not s.unknown_rank and s.dim and s.dim[0].size < 0]
+    else:
+        dynamic = [0] if "UpTo" in node.op else []
     if not dynamic or len(draws) < 2:
         return []
     from graph_rewriter import dtypes

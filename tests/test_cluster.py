@@ -719,16 +719,18 @@ def test_start_server_in_a_subprocess_serves_rewritten_graphs(procs, pool):
                     pytrace=False)
 
 
-@pytest.mark.parametrize("one_shot", [False, True], ids=["initializable", "one_shot"])
-def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(one_shot, pool, procs, tmp_path):
-    """The "iterator" model reads batches from an in-graph tf.data pipeline. Between-graph,
+@pytest.mark.parametrize("pipeline", ["initializable", "one_shot", "queue"])
+def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipeline, pool, procs, tmp_path):
+    """The "iterator" model reads batches from an in-graph pipeline. Between-graph,
     worker k's graph shards the data before batching (elements k, k+2, ...), so one step
     of the two workers trains on the concatenation of their batches: the same as the
     "mlp" model (same layers and seeds) fed those rows on one device. A one-shot
     iterator's pipeline is built by its dataset_factory function: that is where the
-    shard goes."""
+    shard goes. TF1 queues (tf.train.batch over slice_input_producer): each worker's
+    producer enqueues its own part of the row indices; the client starts the
+    QueueRunners the rewritten MetaGraphDef carries."""
     seed, per_worker, steps = 7, 4, 3
-    it = _build("iterator", "sgd", seed, batch_size=per_worker, one_shot=one_shot)
+    it = _build("iterator", "sgd", seed, batch_size=per_worker, pipeline=pipeline)
     mlp = _build("mlp", "sgd", seed)
     # the two models start from the same weights (so the comparison below means something)
     _, start_it = harness.run_single(it, steps=0)
@@ -746,14 +748,16 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(one_
     with pool.use(2, 0, SERVER_DEVICES) as cluster:
         outs = []
         for k in range(2):
-            result = gr.rewrite(it.graph_def, cluster.spec, device_type="CPU", devices_per_worker=1,
-                                task=f"worker:{k}")
-            shard = [n for n in result.graph_def.node if n.op == "ShardDataset"]
-            assert len(shard) == 1, "one shard before the one batching op"
-            if one_shot:
+            result = gr.rewrite(it.meta_graph() if pipeline == "queue" else it.graph_def, cluster.spec,
+                                device_type="CPU", devices_per_worker=1, task=f"worker:{k}")
+            shard = [n for n in result.graph_def.node
+                     if n.op == ("StridedSlice" if pipeline == "queue" else "ShardDataset")
+                     and n.name.endswith("/shard_for_worker")]
+            assert len(shard) == 1, "one shard before the one batching op (of the one producer's list)"
+            if pipeline == "one_shot":
                 (iterator,) = [n for n in result.graph_def.node if n.op == "OneShotIterator"]
                 assert iterator.attr["dataset_factory"].func.name.endswith(f"_shard_{k}_of_2")
-            path = str(tmp_path / f"it{k}.pb")
+            path = str(tmp_path / f"it{k}.{'meta' if pipeline == 'queue' else 'pb'}")
             result.save(path)
             out = str(tmp_path / f"it{k}.npz")
             cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,

@@ -66,6 +66,16 @@ class Example:
     tensors: dict = dataclasses.field(default_factory=dict)    # named inner tensors (tests)
     seed: int = 0
     batch_size: typing.Optional[int] = None  # fixed batch of the in-graph input pipeline
+    queue_runners: list = dataclasses.field(default_factory=list)  # serialized QueueRunnerDefs
+
+    def meta_graph(self):
+        """The graph as a MetaGraphDef carrying its QueueRunners (a GraphDef cannot)."""
+        from tensorflow.core.protobuf import meta_graph_pb2
+        meta = meta_graph_pb2.MetaGraphDef()
+        meta.graph_def.CopyFrom(self.graph_def)
+        if self.queue_runners:
+            meta.collection_def["queue_runners"].bytes_list.value.extend(self.queue_runners)
+        return meta
 
     def batch(self, step, size=8, seed=0):
         """The feed dict of training step ``step``: ``size`` rows, seeded by (seed, step)
@@ -125,8 +135,9 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     """Builds one example graph; see the module doc for the names it follows.
 
     Options: ``control_flow`` ("v1"/"v2") for "cond" (default: TensorFlow's current
-    setting, v2 in TF 2.x); ``batch_size`` and ``one_shot`` (a one-shot iterator instead of
-    an initializable one) for "iterator" (default 8, False); ``update_ops``
+    setting, v2 in TF 2.x); ``batch_size`` and ``pipeline`` for "iterator" (default 8, and
+    "initializable": a tf.data initializable iterator; "one_shot": a one-shot iterator;
+    "queue": TF1 queues, tf.train.batch over slice_input_producer); ``update_ops``
     for "batchnorm": "group" (default: tf.group(minimize, *UPDATE_OPS)) or "control"
     (minimize() built under tf.control_dependencies(UPDATE_OPS)); ``learning_rate``
     to override the optimizer's default. Keras models always use resource variables
@@ -142,7 +153,7 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     if optimizer not in allowed:
         raise ValueError(f"model {model!r} takes an optimizer from {', '.join(allowed)}, "
                          f"got {optimizer!r}")
-    unknown = set(kw) - {"control_flow", "batch_size", "one_shot", "learning_rate", "update_ops"}
+    unknown = set(kw) - {"control_flow", "batch_size", "pipeline", "learning_rate", "update_ops"}
     if unknown:
         raise TypeError(f"build() got unknown options {sorted(unknown)}")
     if kw.get("update_ops", "group") not in ("group", "control"):
@@ -169,7 +180,9 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
         graph_def=canonical_function_names(graph.as_graph_def()), model=model,
         optimizer=optimizer, resource=resource, feeds=list(b.feeds), variables=variables,
         step_counter=variables[step.op.name] if step is not None else None,
-        tensors=dict(b.tensors), seed=seed, batch_size=b.batch_size)
+        tensors=dict(b.tensors), seed=seed, batch_size=b.batch_size,
+        queue_runners=[qr.to_proto().SerializeToString()
+                       for qr in graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)])
 
 
 class _ControlFlow:
@@ -510,13 +523,20 @@ class _V1Builder:
         ys = (np.sin(xs.sum(axis=1))[:, None] + 0.1 * rng.normal(size=(ITERATOR_ROWS, 1))).astype(np.float32)
         # batch before repeat, without drop_remainder: the batch dimension stays unknown
         # (None) in the iterator's output shapes, which is what marks it as a batch input.
-        ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(self.batch_size).repeat()
-        if self.kw.get("one_shot"):   # the pipeline lives in a function the iterator calls
-            iterator = tf.compat.v1.data.make_one_shot_iterator(ds)
+        pipeline = self.kw.get("pipeline", "initializable")
+        if pipeline == "queue":
+            # TF1 queues: a producer of row indices in order, tf.train.batch's one thread
+            # (the rows stay in order), QueueRunners to fill both (Example.queue_runners)
+            x1, y1 = tf.compat.v1.train.slice_input_producer([tf.constant(xs), tf.constant(ys)], shuffle=False)
+            x, y = tf.compat.v1.train.batch([x1, y1], batch_size=self.batch_size)
         else:
-            iterator = tf.compat.v1.data.make_initializable_iterator(ds)
-            tf.compat.v1.add_to_collection("example_init_ops", iterator.initializer)
-        x, y = iterator.get_next()
+            ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(self.batch_size).repeat()
+            if pipeline == "one_shot":   # the pipeline lives in a function the iterator calls
+                iterator = tf.compat.v1.data.make_one_shot_iterator(ds)
+            else:
+                iterator = tf.compat.v1.data.make_initializable_iterator(ds)
+                tf.compat.v1.add_to_collection("example_init_ops", iterator.initializer)
+            x, y = iterator.get_next()
         self.tensors.update(x=x.name, y=y.name)
         h = self.dense(x, HIDDEN, "hidden", tf.tanh)
         return self.mse(self.dense(h, 1, "output"), y)

@@ -1,0 +1,404 @@
+"""TF1 queue-based input: tf.train.batch, shuffle_batch and the input producers.
+
+A TF1 script that reads its data through queues dequeues each batch from a queue that
+QueueRunner threads fill (MonitoredTrainingSession starts them; a plain session's script
+calls ``tf.compat.v1.train.start_queue_runners``). The rewrite keeps the queues, their
+enqueues and the producers once, on the host, and draws a batch per replica:
+
+    batch/fifo_queue ─> batch (DequeueMany 8) ───────────────┐
+                    └─> batch/draw_1 (DequeueMany 8, ^batch) ─┴─> batch/per_replica_i ─:k─> replica k
+
+so replica k takes the k-th batch of the step: R replicas of batch B compute what one
+device computes on a batch of R x B (the queue is first in, first out). A DequeueUpTo
+(``allow_smaller_final_batch``) has no static batch: its batch is split. Between-graph,
+each worker's producer enqueues its own part of the list (elements k, k+W, ...).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graph_rewriter as gr
+from graph_rewriter import graph_io
+from graph_rewriter.pass_manager import run_passes
+from graph_rewriter.passes import PlanPass, ReplicatePass, SplitInputsPass
+from pass_graphs import WORKERS2, context
+
+tf1 = tf.compat.v1
+ROWS, FEATURES, STEPS = 48, 3, 4
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def script(batch, batcher="batch", shuffle_producer=False, smaller_final=False):
+    """A linear regression trained by SGD (global step, Saver) on ROWS in-graph rows
+    read through queues: slice_input_producer (in order unless ``shuffle_producer``),
+    then tf.train.batch (one thread: the order stays) or tf.train.shuffle_batch.
+    Returns the MetaGraphDef, with its QueueRunners."""
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(0)
+        xs = rng.randn(ROWS, FEATURES).astype(np.float32)
+        ys = (xs @ np.array([[1.0], [2.0], [-1.0]], np.float32) + 0.1).astype(np.float32)
+        x1, y1 = tf1.train.slice_input_producer([tf.constant(xs), tf.constant(ys)], shuffle=shuffle_producer,
+                                                seed=1)
+        if batcher == "shuffle_batch":
+            x, y = tf1.train.shuffle_batch([x1, y1], batch_size=batch, capacity=32, min_after_dequeue=8, seed=2)
+        else:
+            x, y = tf1.train.batch([x1, y1], batch_size=batch, allow_smaller_final_batch=smaller_final)
+        return _linear_regression(x, y)
+
+
+def _linear_regression(x, y):
+    """The model both scripts train on their batches (x, y), exported with its Saver."""
+    w = tf1.get_variable("w", [FEATURES, 1], initializer=tf1.zeros_initializer(), use_resource=True)
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y), name="loss")
+    step = tf1.train.get_or_create_global_step()
+    tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
+    tf1.global_variables_initializer()
+    return tf1.train.Saver().export_meta_graph()
+
+
+def records_script(files, batch):
+    """The classic TF1 file pipeline: string_input_producer over TFRecord files (in
+    order), a TFRecordReader, parse_single_example, tf.train.batch; the model of
+    ``script``."""
+    g = tf.Graph()
+    with g.as_default():
+        names = tf1.train.string_input_producer(files, shuffle=False)
+        _, record = tf1.TFRecordReader().read(names)
+        parsed = tf1.parse_single_example(record, {"x": tf1.FixedLenFeature([FEATURES], tf.float32),
+                                                   "y": tf1.FixedLenFeature([1], tf.float32)})
+        x, y = tf1.train.batch([parsed["x"], parsed["y"]], batch_size=batch)
+        return _linear_regression(x, y)
+
+
+def write_records(folder, files=2, per_file=16):
+    rng = np.random.RandomState(5)
+    paths = []
+    for f in range(files):
+        path = str(folder / f"part{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(per_file):
+                x = rng.randn(FEATURES).astype(np.float32)
+                example = tf.train.Example(features=tf.train.Features(feature={
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x)),
+                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(x.sum())]))}))
+                writer.write(example.SerializeToString())
+        paths.append(path)
+    return paths
+
+
+IMAGE, CROP, CLASSES = 12, 8, 10   # the tutorial's 32, 24 and 10, scaled down
+
+
+def write_cifar_files(folder, files=2, per_file=32):
+    """CIFAR-10's binary format: records of one label byte and the image's bytes, depth
+    major (3 x IMAGE x IMAGE)."""
+    rng = np.random.RandomState(9)
+    paths = []
+    for f in range(files):
+        labels = rng.randint(0, CLASSES, size=(per_file, 1)).astype(np.uint8)
+        images = rng.randint(0, 256, size=(per_file, 3 * IMAGE * IMAGE)).astype(np.uint8)
+        path = str(folder / f"data_batch_{f + 1}.bin")
+        with open(path, "wb") as out:
+            out.write(np.concatenate([labels, images], axis=1).tobytes())
+        paths.append(path)
+    return paths
+
+
+def cifar10_tutorial(files, batch, distort=False):
+    """TensorFlow's CIFAR-10 tutorial (cifar10_input.py, cifar10.py and cifar10_train.py,
+    from their public description), scaled down: a FixedLengthRecordReader over the
+    binary files, decode_raw, the image transposed to height x width x depth, cropped
+    (``distort``: a random crop and flip, random brightness and contrast, then
+    shuffle_batch; else the centre and tf.train.batch with one thread, so the order is
+    the files'), per_image_standardization; conv, max pool, LRN, conv, LRN, max pool,
+    two locally connected layers with L2 weight decay added to the "losses" collection,
+    a linear softmax layer; the total loss is the sum of that collection; an
+    ExponentialMovingAverage of the losses runs before the gradients, the learning rate
+    decays exponentially with global_step, and after the update an
+    ExponentialMovingAverage of every trainable variable (the train op)."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(11)
+        names = tf1.train.string_input_producer(files, shuffle=distort, seed=3)
+        reader = tf1.FixedLengthRecordReader(record_bytes=1 + 3 * IMAGE * IMAGE)
+        _, value = reader.read(names)
+        record = tf1.decode_raw(value, tf.uint8)
+        label = tf.cast(tf.strided_slice(record, [0], [1]), tf.int32)
+        depth_major = tf.reshape(tf.strided_slice(record, [1], [1 + 3 * IMAGE * IMAGE]), [3, IMAGE, IMAGE])
+        image = tf.cast(tf.transpose(depth_major, [1, 2, 0]), tf.float32)
+        if distort:
+            image = tf1.random_crop(image, [CROP, CROP, 3], seed=4)
+            image = tf.image.random_flip_left_right(image, seed=5)
+            image = tf.image.random_brightness(image, max_delta=63, seed=6)
+            image = tf.image.random_contrast(image, lower=0.2, upper=1.8, seed=7)
+        else:
+            image = tf.image.resize_with_crop_or_pad(image, CROP, CROP)
+        image = tf.image.per_image_standardization(image)
+        image.set_shape([CROP, CROP, 3])
+        label.set_shape([1])
+        if distort:
+            images, labels = tf1.train.shuffle_batch([image, label], batch_size=batch, num_threads=2,
+                                                     capacity=40 + 3 * batch, min_after_dequeue=40, seed=8)
+        else:
+            images, labels = tf1.train.batch([image, label], batch_size=batch, num_threads=1)
+        labels = tf.reshape(labels, [batch])
+
+        def weight(name, shape, stddev, wd):
+            var = tf1.get_variable(name, shape, initializer=tf1.truncated_normal_initializer(stddev=stddev))
+            if wd:
+                tf1.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(var), wd, name="weight_loss"))
+            return var
+
+        def bias(name, size, value):
+            return tf1.get_variable(name, [size], initializer=tf1.constant_initializer(value))
+
+        with tf1.variable_scope("conv1"):
+            h = tf.nn.relu(tf.nn.conv2d(images, weight("weights", [5, 5, 3, 8], 5e-2, 0.0), [1, 1, 1, 1], "SAME")
+                           + bias("biases", 8, 0.0))
+        h = tf.nn.max_pool2d(h, 3, 2, "SAME", name="pool1")
+        h = tf.nn.lrn(h, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name="norm1")
+        with tf1.variable_scope("conv2"):
+            h = tf.nn.relu(tf.nn.conv2d(h, weight("weights", [5, 5, 8, 8], 5e-2, 0.0), [1, 1, 1, 1], "SAME")
+                           + bias("biases", 8, 0.1))
+        h = tf.nn.lrn(h, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name="norm2")
+        h = tf.nn.max_pool2d(h, 3, 2, "SAME", name="pool2")
+        h = tf.reshape(h, [batch, -1])
+        for scope, units in (("local3", 32), ("local4", 16)):
+            with tf1.variable_scope(scope):
+                w = weight("weights", [int(h.shape[1]), units], 0.04, 0.004)
+                h = tf.nn.relu(tf.matmul(h, w) + bias("biases", units, 0.1))
+        with tf1.variable_scope("softmax_linear"):
+            logits = tf.matmul(h, weight("weights", [16, CLASSES], 1 / 16.0, 0.0)) + bias("biases", CLASSES, 0.0)
+        xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+                              name="cross_entropy")
+        tf1.add_to_collection("losses", xent)
+        total = tf.add_n(tf1.get_collection("losses"), name="total_loss")
+        loss = tf.identity(total, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        loss_averages = tf1.train.ExponentialMovingAverage(0.9, name="avg")
+        loss_averages_op = loss_averages.apply(tf1.get_collection("losses") + [total])
+        lr = tf1.train.exponential_decay(0.1, step, 3, 0.5, staircase=True)
+        with tf.control_dependencies([loss_averages_op]):
+            opt = tf1.train.GradientDescentOptimizer(lr)
+            grads = opt.compute_gradients(total)
+        apply_op = opt.apply_gradients(grads, global_step=step)
+        averages = tf1.train.ExponentialMovingAverage(0.9999, step)
+        with tf.control_dependencies([apply_op]):
+            averages_op = averages.apply(tf1.trainable_variables())
+        tf.group(averages_op, name="train_op")
+        tf1.global_variables_initializer()
+        return tf1.train.Saver().export_meta_graph()
+
+
+def monitored(meta, steps, config=None):
+    """(losses, w) after ``steps`` steps under MonitoredTrainingSession, which starts the
+    graph's QueueRunners. The losses are the graph's "loss:0" (replica 0's, rewritten)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(meta)
+        with tf1.train.MonitoredTrainingSession(config=config) as sess:
+            losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(steps)]
+            w = sess.run(graph.get_tensor_by_name("w/Read/ReadVariableOp:0"))
+    return losses, w
+
+
+def with_runners(result, steps):
+    """(losses, w) through gr.Session, its QueueRunners started as a TF1 script does."""
+    with gr.Session(result) as sess:
+        sess.run("init")
+        coord = tf1.train.Coordinator()
+        threads = tf1.train.start_queue_runners(sess, coord=coord)
+        try:
+            losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(steps)]
+            w = sess.run("w/Read/ReadVariableOp:0")
+        finally:
+            coord.request_stop()
+            coord.join(threads, stop_grace_period_secs=10)
+    return losses, w
+
+
+def rewrite(meta, replicas=2):
+    return gr.rewrite(meta, devices_per_worker=replicas, device_type="CPU")
+
+
+def test_each_replica_draws_its_own_batch_from_the_one_queue():
+    result = rewrite(script(8))
+    nodes = {n.name: n for n in result.graph_def.node}
+    assert nodes["batch"].op == nodes["batch/draw_1"].op == "QueueDequeueManyV2"
+    assert list(nodes["batch/draw_1"].input) == ["batch/fifo_queue", "batch/n", "^batch"]
+    assert list(nodes["batch/per_replica_0"].input) == ["batch", "batch/draw_1"]
+    assert nodes["MatMul"].input[0] == "batch/per_replica_0"
+    assert nodes["replica_1/MatMul"].input[0] == "batch/per_replica_0:1"
+    queue_ops = [n for n in nodes.values() if n.op.startswith("Queue") or n.op.endswith("QueueV2")]
+    assert not [n.name for n in queue_ops if n.name.startswith("replica_1/")], "the pipeline exists once"
+    # and so does the queue-size summary tf.train.batch adds
+    assert "batch/fraction_of_32_full" in nodes and not [n for n in nodes if "fraction_of" in n and "replica_" in n]
+    assert {n.device for n in queue_ops} == {"/device:CPU:0"}
+    assert result.metadata["inputs"] == [
+        {"name": f"batch:{i}", "kind": "queue", "mode": "per_replica", "static_batch": 8, "global_batch": 16}
+        for i in range(2)]
+    assert not result.metadata["plan"].get("notes")   # the MetaGraphDef has its QueueRunners
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_monitored_training_session_trains_as_one_device_on_the_replicas_batches(replicas, tmp_path):
+    """MonitoredTrainingSession starts the rewritten MetaGraphDef's QueueRunners; the
+    replicas' batches are one device's batch of R x 8 rows, in order."""
+    want_losses, want_w = monitored(script(8 * replicas), STEPS)
+    result = rewrite(script(8), replicas)
+    path = result.save(str(tmp_path / "rewritten.meta"))
+    _, w = monitored(path, STEPS, result.session_config())
+    np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
+    losses, w = with_runners(result, STEPS)   # gr.Session: the loss merged over the replicas
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
+
+
+def test_a_tfrecord_reader_pipeline_trains_as_one_device(tmp_path):
+    """string_input_producer -> TFRecordReader -> parse_single_example -> tf.train.batch."""
+    files = write_records(tmp_path)
+    want_losses, want_w = monitored(records_script(files, 16), STEPS)
+    result = rewrite(records_script(files, 8))
+    losses, w = with_runners(result, STEPS)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
+
+
+def _variables(meta, steps, config=None):
+    """Every global variable (weights, both moving averages, global_step) after ``steps``
+    steps under MonitoredTrainingSession, by name."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(meta)
+        with tf1.train.MonitoredTrainingSession(config=config) as sess:
+            for _ in range(steps):
+                sess.run("train_op")
+            return sess.run({v.op.name: v for v in tf1.global_variables()})
+
+
+def test_the_cifar10_tutorial_trains_as_one_device(tmp_path):
+    """Its reader pipeline, weight decay in a collection, the loss moving average before
+    the gradients, the decayed learning rate and the variables' moving average after
+    the update: 2 replicas of batch 8 end where one device with batch 16 ends."""
+    files = write_cifar_files(tmp_path)
+    want = _variables(cifar10_tutorial(files, 16), STEPS)
+    result = rewrite(cifar10_tutorial(files, 8))
+    got = _variables(result.save(str(tmp_path / "rewritten.meta")), STEPS, result.session_config())
+    assert sorted(got) == sorted(want)
+    assert want["global_step"] == STEPS
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_the_distorted_cifar10_tutorial_trains_under_monitored_training_session(tmp_path):
+    """Random crops and flips, shuffle_batch with two threads: no run repeats another;
+    the rewritten graph trains with MonitoredTrainingSession and its hooks."""
+    files = write_cifar_files(tmp_path)
+    result = rewrite(cifar10_tutorial(files, 8, distort=True))
+    path = result.save(str(tmp_path / "rewritten.meta"))
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(path)
+        loss = graph.get_tensor_by_name("loss:0")
+        hooks = [tf1.train.StopAtStepHook(last_step=6), tf1.train.NanTensorHook(loss)]
+        with tf1.train.MonitoredTrainingSession(config=result.session_config(), hooks=hooks,
+                                                checkpoint_dir=str(tmp_path / "ckpt")) as sess:
+            while not sess.should_stop():
+                sess.run("train_op")
+    assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("model.ckpt-6")
+
+
+def test_a_dequeue_up_to_is_split_across_the_replicas():
+    """allow_smaller_final_batch: DequeueUpTo, no static batch; the batch of 8 is split
+    into 2 x 4, as one device computes on those 8 rows."""
+    meta = script(8, smaller_final=True)
+    result = rewrite(meta)
+    nodes = {n.name: n for n in result.graph_def.node}
+    assert nodes["batch"].op == "QueueDequeueUpToV2" and "batch/draw_1" not in nodes
+    assert nodes["batch/split_for_replicas"].op == "Split"
+    assert result.metadata["batch_inputs"] == ["batch:0", "batch:1"] and "inputs" not in result.metadata
+    want_losses, want_w = monitored(meta, STEPS)
+    losses, w = with_runners(result, STEPS)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
+
+
+def test_shuffle_batch_is_drawn_per_replica_and_trains():
+    """A RandomShuffleQueue's order depends on its threads: no one-device twin to compare
+    with, but each replica draws a batch of 8 and the model learns."""
+    result = rewrite(script(8, batcher="shuffle_batch", shuffle_producer=True))
+    nodes = {n.name: n for n in result.graph_def.node}
+    assert nodes["shuffle_batch"].op == "QueueDequeueManyV2" and "shuffle_batch/draw_1" in nodes
+    assert nodes["shuffle_batch/random_shuffle_queue"].op == "RandomShuffleQueueV2"
+    losses, _ = with_runners(result, 30)
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_a_graph_def_has_no_queue_runners_and_the_plan_says_so():
+    meta = script(8)
+    result = rewrite(meta.graph_def)
+    (note,) = result.metadata["plan"]["notes"]
+    assert "QueueRunners" in note and "export_meta_graph" in note
+    assert "note: " + note in result.summary()
+
+
+# ----- between-graph: each worker's producer enqueues its own part -------------------------
+
+def _worker_graph(meta, task):
+    g = graph_io.load_graph(meta)
+    run_passes(g, context(WORKERS2, task=task), PlanPass(), ReplicatePass(), SplitInputsPass())
+    return g
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_between_graph_each_producer_enqueues_its_workers_part_of_the_list(shuffle):
+    """
+        range(ROWS) ─> [RandomShuffle] ─> EnqueueMany(input_producer)
+        worker k:  range(ROWS) ─> StridedSlice[k::2] ─> [RandomShuffle] ─> EnqueueMany
+    (before the shuffle: the parts stay disjoint whatever each worker's shuffle does)
+    """
+    for k in range(2):
+        g = _worker_graph(script(8, shuffle_producer=shuffle), f"worker:{k}")
+        (enqueue,) = [n for n in g if n.op == "QueueEnqueueManyV2"]
+        head = enqueue.inputs[1].node
+        if shuffle:
+            assert head.op == "RandomShuffle"
+            head = head.inputs[0].node
+        assert head.op == "StridedSlice" and head.name.endswith("/shard_for_worker")
+        assert head.inputs[0].node.op == "Range"
+        begin, end, strides = (tf.make_ndarray(t.node.attr["value"].tensor) for t in head.inputs[1:])
+        assert (list(begin), list(end), list(strides), head.attr["end_mask"].i) == ([k], [0], [2], 1)
+        # the batch queue is filled from the producer's queue: not sliced again
+        assert len([n for n in g if n.op == "StridedSlice" and n.name.endswith("/shard_for_worker")]) == 1
+
+
+def test_between_graph_each_worker_reads_its_own_files(tmp_path):
+    """The file names are the producer's list: worker k reads files k, k+2, ...; the
+    reader's records reach the batch queue unsliced."""
+    files = [str(tmp_path / f"part{f}.tfrecord") for f in range(4)]
+    g = _worker_graph(records_script(files, 8), "worker:1")
+    (part,) = [n for n in g if n.op == "StridedSlice" and n.name.endswith("/shard_for_worker")]
+    assert part.inputs[0].node.op == "Const"   # the file names
+    enqueued = g.node("input_producer/input_producer_EnqueueMany").inputs[1].node
+    assert enqueued.op == "Identity" and enqueued.inputs[0].node is part   # in front of the producer's Identity
+    values = tf.make_ndarray(part.inputs[0].node.attr["value"].tensor)
+    assert [v.decode() for v in values[1::2]] == files[1::2]
+
+
+def test_between_graph_a_queue_fed_from_a_placeholder_is_left_to_its_client():
+    """An enqueue of fed values: each worker's client feeds its own rows."""
+    g = tf.Graph()
+    with g.as_default():
+        rows = tf1.placeholder(tf.float32, [None, FEATURES], name="rows")
+        queue = tf1.FIFOQueue(64, [tf.float32], shapes=[[FEATURES]])
+        queue.enqueue_many([rows], name="feed_rows")
+        x = queue.dequeue_many(4, name="batch")
+        w = tf1.get_variable("w", [FEATURES, 1], use_resource=True)
+        loss = tf.reduce_mean(tf.matmul(x, w), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    worker = _worker_graph(g.as_graph_def(), "worker:1")
+    assert not [n for n in worker if n.op == "StridedSlice"]
+    assert worker.node("feed_rows").inputs[1].node.name == "rows"

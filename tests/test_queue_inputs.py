@@ -219,8 +219,8 @@ def with_runners(result, steps):
     return losses, w
 
 
-def rewrite(meta, replicas=2):
-    return gr.rewrite(meta, devices_per_worker=replicas, device_type="CPU")
+def rewrite(meta, replicas=2, **options):
+    return gr.rewrite(meta, devices_per_worker=replicas, device_type="CPU", **options)
 
 
 def test_each_replica_draws_its_own_batch_from_the_one_queue():
@@ -242,12 +242,12 @@ def test_each_replica_draws_its_own_batch_from_the_one_queue():
     assert not result.metadata["plan"].get("notes")   # the MetaGraphDef has its QueueRunners
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_monitored_training_session_trains_as_one_device_on_the_replicas_batches(replicas, tmp_path):
+@pytest.mark.parametrize("replicas, strategy", [(2, "allreduce"), (3, "allreduce"), (2, "ps")])
+def test_monitored_training_session_trains_as_one_device_on_the_replicas_batches(replicas, strategy, tmp_path):
     """MonitoredTrainingSession starts the rewritten MetaGraphDef's QueueRunners; the
     replicas' batches are one device's batch of R x 8 rows, in order."""
     want_losses, want_w = monitored(script(8 * replicas), STEPS)
-    result = rewrite(script(8), replicas)
+    result = rewrite(script(8), replicas, strategy=strategy)
     path = result.save(str(tmp_path / "rewritten.meta"))
     _, w = monitored(path, STEPS, result.session_config())
     np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)

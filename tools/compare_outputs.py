@@ -89,6 +89,8 @@ def build_inputs(out_dir, keras=False):
             graphs[f"{model}_{optimizer}"] = zoo.build(model, optimizer).graph_def
     graphs["cond_v1_sgd"] = zoo.build("cond", "sgd", control_flow="v1").graph_def
     graphs["mlp_ftrl_ref"] = zoo.build("mlp", "ftrl", resource=False).graph_def
+    for pipeline in ("one_shot", "queue"):   # the other input pipelines a TF1 script uses
+        graphs[f"iterator_{pipeline}_adam"] = zoo.build("iterator", "adam", pipeline=pipeline).graph_def
     for model in REAL_MODELS:
         graphs[f"real_{model}"] = real_models.build(model)[0].graph_def
     if keras:

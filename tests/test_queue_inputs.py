@@ -29,9 +29,10 @@ ROWS, FEATURES, STEPS = 48, 3, 4
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def script(batch, batcher="batch", shuffle_producer=False, smaller_final=False):
+def script(batch, batcher="batch", shuffle_producer=False, smaller_final=False, num_epochs=None):
     """A linear regression trained by SGD (global step, Saver) on ROWS in-graph rows
-    read through queues: slice_input_producer (in order unless ``shuffle_producer``),
+    read through queues: slice_input_producer (in order unless ``shuffle_producer``;
+    ``num_epochs``: then the queues close, and the step raises OutOfRangeError),
     then tf.train.batch (one thread: the order stays) or tf.train.shuffle_batch.
     Returns the MetaGraphDef, with its QueueRunners."""
     g = tf.Graph()
@@ -40,7 +41,7 @@ def script(batch, batcher="batch", shuffle_producer=False, smaller_final=False):
         xs = rng.randn(ROWS, FEATURES).astype(np.float32)
         ys = (xs @ np.array([[1.0], [2.0], [-1.0]], np.float32) + 0.1).astype(np.float32)
         x1, y1 = tf1.train.slice_input_producer([tf.constant(xs), tf.constant(ys)], shuffle=shuffle_producer,
-                                                seed=1)
+                                                seed=1, num_epochs=num_epochs)
         if batcher == "shuffle_batch":
             x, y = tf1.train.shuffle_batch([x1, y1], batch_size=batch, capacity=32, min_after_dequeue=8, seed=2)
         else:
@@ -308,6 +309,27 @@ def test_the_distorted_cifar10_tutorial_trains_under_monitored_training_session(
             while not sess.should_stop():
                 sess.run("train_op")
     assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("model.ckpt-6")
+
+
+def _steps_until_the_data_ends(meta, config=None):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(meta)
+        steps = 0
+        with tf1.train.MonitoredTrainingSession(config=config) as sess:
+            while not sess.should_stop():   # an OutOfRangeError from the dequeue stops it
+                sess.run("train_op")
+                steps += 1
+    return steps
+
+
+def test_num_epochs_ends_training_at_one_devices_step(tmp_path):
+    """slice_input_producer(num_epochs=2): 2 x ROWS rows, then the queues close;
+    MonitoredTrainingSession stops at the step one device with batch 16 stops at."""
+    want = _steps_until_the_data_ends(script(16, num_epochs=2))
+    assert want == 2 * ROWS // 16
+    result = rewrite(script(8, num_epochs=2))
+    assert _steps_until_the_data_ends(result.save(str(tmp_path / "rewritten.meta")), result.session_config()) == want
 
 
 def test_a_dequeue_up_to_is_split_across_the_replicas():

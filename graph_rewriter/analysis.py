@@ -37,7 +37,7 @@ from graph_rewriter.op_vocabulary import (
     DENSE_ASSIGNS, ELEMENTWISE, FUNCTION_CALLS, INCREMENTS, ITERATOR_GET_NEXT, LINEAR_SCATTERS,
     PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, QUEUE_BATCH_DEQUEUES, QUEUES, READERS, SAVER_OPS,
     VARIABLE_OPS)
-from graph_rewriter.traversal import absorb_exclusive_ancestors, ancestors, topological_order
+from graph_rewriter.traversal import absorb_exclusive_ancestors, ancestors, descendants, topological_order
 
 HINTS_COLLECTION = "graph_rewriter_gradients"
 
@@ -98,6 +98,9 @@ class GradientCut:
     # types of the post-processing between (clipping, unscaling, all-finite conds, ...).
     received: list = dataclasses.field(default_factory=list)
     post_processing: list = dataclasses.field(default_factory=list)
+    # The ops nothing reads whose run applies this update, when they differ between cuts
+    # (a GAN's discriminator and generator train ops, each run at steps of its own).
+    train_ops: list = None
 
 
 @dataclasses.dataclass
@@ -219,6 +222,7 @@ class _Analyzer:
         self._check_cuts_independent(cuts, variant)
         init_ops = self._find_initializers()
         cuts.sort(key=lambda c: self.position[c.values.node])
+        _set_train_ops(cuts, self.variables, self.saver_nodes)
         coupled = self._coupled(cuts, variant)
         return Analysis(
             coupled=coupled,
@@ -715,6 +719,23 @@ def variant_nodes(seeds, cuts):
             variant.add(c)
             stack.append(c)
     return variant
+
+
+def _set_train_ops(cuts, variables, saver_nodes):
+    """Each cut's train ops (the ops nothing reads downstream of its variable's updates,
+    its initializer and the Saver's restore aside, and not counting reads nothing uses),
+    kept only when they differ between cuts: the planner packs gradients of different
+    train ops apart, since running one of them would otherwise compute the others'
+    gradients for the pack it all-reduces."""
+    found = {}
+    for c in cuts:
+        var = variables[c.variable]
+        updates = [w for w in var.writers if w is not var.initializer and w not in saver_nodes]
+        found[c.variable] = sorted({n.name for n in descendants(updates) | set(updates)
+                                    if not n.readers() and n.op not in READERS and n.op not in PASS_THROUGH})
+    if len({tuple(r) for r in found.values()}) > 1:
+        for c in cuts:
+            c.train_ops = found[c.variable]
 
 
 def _input_queue_ops(order):

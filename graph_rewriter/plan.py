@@ -42,6 +42,9 @@ class CutPlan:
     # average (``values``) and them, when the two differ (clipping, unscaling, ...)
     received: list = dataclasses.field(default_factory=list)
     post_processing: list = dataclasses.field(default_factory=list)
+    # the train ops that apply this update, when not every gradient's are the same (a
+    # GAN): gradients of different train ops go in different packs; None: absent from the JSON
+    train_ops: list = None
 
 
 @dataclasses.dataclass
@@ -186,6 +189,9 @@ class Plan:
             del d["notes"]
         if d["alone_bytes"] is None:
             del d["alone_bytes"]
+        for c in d["cuts"]:
+            if c["train_ops"] is None:
+                del c["train_ops"]
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]

@@ -262,7 +262,7 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
             deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
             sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
             variables=list(c.variables), received=list(c.received),
-            post_processing=list(c.post_processing),
+            post_processing=list(c.post_processing), train_ops=c.train_ops,
             rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
             index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
@@ -391,7 +391,8 @@ def balance_ps(plan, shard_bytes, shard_counts=None):
 def assign_packs(plan, bytes_per_pack, alone_bytes=None):
     """Groups allreduced cuts into same-dtype packs of at most ``bytes_per_pack`` bytes
     (0: one pack per dtype), keeping the cuts' order: gradients that backprop produces
-    first are issued first, so communication overlaps the rest of backprop. A gradient of
+    first are issued first, so communication overlaps the rest of backprop. Gradients
+    applied by different train ops (a GAN's) never share a pack. A gradient of
     at least ``alone_bytes`` bytes (None: no such size) gets a pack of its own, which
     needs no concatenation (``alone_bytes_for``). A pack made again with the same
     gradients keeps the communication and algorithm a (given) plan chose for it."""
@@ -408,7 +409,7 @@ def assign_packs(plan, bytes_per_pack, alone_bytes=None):
         if c.sync != "allreduce":
             continue
         size = c.bytes
-        key = (c.dtype, c.role == "state")
+        key = (c.dtype, c.role == "state", tuple(c.train_ops or ()))
         p = open_pack.get(key)
         alone = alone_bytes is not None and size is not None and size >= alone_bytes
         if p is None or size is None or alone or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):

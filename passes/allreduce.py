@@ -10,6 +10,8 @@ backprop produces them):
 
 Each pack's collective waits for the previous pack's, so every replica issues them in
 the same order (NCCL requires it), while later packs' gradients are still computed.
+Packs of different train ops (a GAN's, run at different steps) form chains of their own:
+running one train op must not wait for the other's gradients.
 
 A pack the plan makes "hierarchical" is averaged in two levels instead of one ring:
 
@@ -74,14 +76,16 @@ class AllReducePass(Pass):
                     with graph.adding_to_replica(i):   # it reads the global mean only
                         self._unpack(graph, ctx, memo, i, p, members, mean, *packed[i][1:])
         for i in rm.built:
-            previous = None
+            previous = {}   # per train op: a GAN's two train ops each run their own packs
             for p, pack in enumerate(plan.packs):
                 if pack.algorithm == "reduce_to_one":
                     continue
                 members = [cuts[v] for v in pack.cuts]
+                train_ops = tuple(members[0].train_ops or ())
                 packed, sizes, readers, compressed = self._pack(graph, ctx, memo, i, p, members)
-                previous = self._reduce(graph, ctx, i, p, packed, sum(sizes), compressed, gkey, previous)
-                self._unpack(graph, ctx, memo, i, p, members, previous.output(0), sizes, readers, compressed)
+                reduced = previous[train_ops] = self._reduce(graph, ctx, i, p, packed, sum(sizes), compressed,
+                                                             gkey, previous.get(train_ops))
+                self._unpack(graph, ctx, memo, i, p, members, reduced.output(0), sizes, readers, compressed)
         return True
 
     def _pack(self, graph, ctx, memo, i, p, cuts):

@@ -133,15 +133,16 @@ def _note_hybrid_without_sparse(plan, log):
     log(f"plan: {HYBRID_WITHOUT_SPARSE} (as with strategy allreduce)")
 
 
-QUEUES_WITHOUT_RUNNERS = ("the batches come from queues, but the input has no QueueRunners to fill them "
-                          "(a GraphDef has no collections): rewrite the MetaGraphDef "
-                          "(tf.compat.v1.train.export_meta_graph) to keep them")
+QUEUES_WITHOUT_RUNNERS = ("the batches come from queues, and the input, a GraphDef, has no QueueRunners: "
+                          "the rewrite rebuilds them into the output's MetaGraphDef, which a .pb "
+                          "does not keep (save the result as .meta, or use it in this process)")
 
 
 def _note_queues_without_runners(plan, graph, log):
     """A batch dequeued from a queue (tf.train.batch) waits for QueueRunner threads that
-    only a MetaGraphDef's ``queue_runners`` collection describes; from a GraphDef, nothing
-    would start them and the first step would wait until its timeout."""
+    only a MetaGraphDef's ``queue_runners`` collection describes. From a GraphDef the
+    meta_graph pass rebuilds them, but a result saved as .pb loses them again, and its
+    first step would wait until its timeout: the plan says so."""
     notes = [n for n in plan.notes or [] if n != QUEUES_WITHOUT_RUNNERS]
     queued = any(input_kind(graph.tensor(name).node.op) == "queue" for name in plan.batch_inputs)
     meta = graph.meta_graph

@@ -35,6 +35,7 @@ _FILES = {
     "meta_graph_pb2": ("tensorflow.core.protobuf.meta_graph_pb2", "tensorflow/core/protobuf/meta_graph.proto"),
     "saved_model_pb2": ("tensorflow.core.protobuf.saved_model_pb2", "tensorflow/core/protobuf/saved_model.proto"),
     "saver_pb2": ("tensorflow.core.protobuf.saver_pb2", "tensorflow/core/protobuf/saver.proto"),
+    "queue_runner_pb2": ("tensorflow.core.protobuf.queue_runner_pb2", "tensorflow/core/protobuf/queue_runner.proto"),
 }
 SHIPPED = os.path.join(os.path.dirname(__file__), "data", "tf_protos.pb")
 
@@ -98,6 +99,7 @@ variable_pb2 = _MODULES["variable_pb2"]
 meta_graph_pb2 = _MODULES["meta_graph_pb2"]
 saved_model_pb2 = _MODULES["saved_model_pb2"]
 saver_pb2 = _MODULES["saver_pb2"]
+queue_runner_pb2 = _MODULES["queue_runner_pb2"]
 
 
 def is_message(obj, full_name):

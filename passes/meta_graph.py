@@ -28,21 +28,26 @@ the Scaffold would otherwise build wrongly:
   SavedModel loaders use): the Saver's SaverDef (the saver pass made sure there is
   one), whose restore op the chief runs alone (a between-graph restore that ends with
   a workers' barrier gets a twin without it).
+- ``queue_runners``, for a GraphDef input whose batches come from TF1 queues: one
+  QueueRunnerDef per input queue, rebuilt from the graph (a MetaGraphDef input keeps its
+  own).
 Collections that name nodes which no longer exist are dropped; the others (train_op,
 summaries, losses, global_step, update_ops, cond and while contexts) name replica 0's
 or the merged nodes and stay.
 """
 
+from graph_rewriter.analysis import enqueued_from
 from graph_rewriter.collectives import BROADCAST_VARIABLES
 from graph_rewriter.ir import GLOBAL, split_tensor_name
 from graph_rewriter.op_builder import const, make_op, own_op
-from graph_rewriter.op_vocabulary import COLLECTIVES
+from graph_rewriter.op_vocabulary import COLLECTIVES, PLACEHOLDERS, QUEUES
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.protos import meta_graph_pb2, saver_pb2
+from graph_rewriter.protos import meta_graph_pb2, queue_runner_pb2, saver_pb2
 from graph_rewriter.protos import variable_pb2
 from graph_rewriter.ps_state import INIT_BARRIER
 
 RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
+OUT_OF_RANGE = 11   # tensorflow.error.Code: what a closed queue's dequeue raises
 RECEIVES = ("CollectiveBcastRecvV2", "CollectiveBcastRecv")
 RELEASE = f"{INIT_BARRIER}/release"   # sync_queues: the chief's init tells the workers' it is done
 
@@ -66,6 +71,9 @@ class MetaGraphPass(Pass):
         meta = graph.meta_graph
         if meta is None:
             meta = graph.meta_graph = meta_graph_pb2.MetaGraphDef()
+        if not meta.collection_def:   # a GraphDef input (the saver pass may have added a saver_def)
+            with graph.adding_to_replica(GLOBAL):
+                _rebuild_queue_runners(graph, meta)
         between = ctx.cluster.task is not None
         with graph.adding_to_replica(GLOBAL):
             collections = _variable_collections(graph, plan, meta)
@@ -119,6 +127,39 @@ def _saver_for_one_client(graph, saver_def):
     out.CopyFrom(saver_def)
     out.restore_op_name = alone.name
     return out
+
+
+def _rebuild_queue_runners(graph, meta):
+    """A GraphDef keeps the queues of tf.train.batch and its kin but not the QueueRunners
+    that fill them (they are a MetaGraphDef collection): one per input queue, running its
+    enqueues, with its close and cancel ops (made when the graph has none), as
+    tf.compat.v1.train.QueueRunner describes them. An enqueue of fed values is the
+    script's own thread's to run; the rewrite's queues are not inputs."""
+    runners = []
+    for queue in [n for n in graph if n.op in QUEUES]:
+        if "shared_name" in queue.attr and queue.attr["shared_name"].s.startswith(b"graph_rewriter/"):
+            continue
+        readers = queue.readers()
+        enqueues = [r for r in readers if r.op.startswith("QueueEnqueue")
+                    and not any(n.op in PLACEHOLDERS for n in enqueued_from(r))]
+        if not enqueues:
+            continue
+        close, cancel = (_close_op(graph, queue, readers, cancel) for cancel in (False, True))
+        runners.append(queue_runner_pb2.QueueRunnerDef(
+            queue_name=queue.name, enqueue_op_name=[e.name for e in enqueues], close_op_name=close.name,
+            cancel_op_name=cancel.name, queue_closed_exception_types=[OUT_OF_RANGE]))
+    if runners:
+        meta.collection_def["queue_runners"].bytes_list.value.extend(r.SerializeToString() for r in runners)
+
+
+def _close_op(graph, queue, readers, cancel):
+    """The queue's close op (``cancel``: the one that also cancels pending enqueues)."""
+    for r in readers:
+        if r.op in ("QueueCloseV2", "QueueClose") and bool(r.attr["cancel_pending_enqueues"].b) == cancel:
+            return r
+    op = "QueueCloseV2" if queue.op.endswith("V2") else "QueueClose"
+    return make_op(graph, op, f"{queue.name}/{'cancel' if cancel else 'close'}", [queue.output(0)],
+                   attrs={"cancel_pending_enqueues": cancel})
 
 
 def _set_nodes(meta, key, names):

@@ -358,12 +358,28 @@ def test_shuffle_batch_is_drawn_per_replica_and_trains():
     assert losses[-1] < 0.2 * losses[0], losses
 
 
-def test_a_graph_def_has_no_queue_runners_and_the_plan_says_so():
+def _runners(meta):
+    from tensorflow.core.protobuf import queue_runner_pb2
+    return [queue_runner_pb2.QueueRunnerDef.FromString(raw)
+            for raw in meta.collection_def["queue_runners"].bytes_list.value]
+
+
+def test_a_graph_defs_queue_runners_are_rebuilt_from_its_queues(tmp_path):
+    """A GraphDef has no collections: the output's MetaGraphDef gets the QueueRunners the
+    script had (the queues' enqueues, close and cancel ops), so gr.Session and a .meta
+    output train as the MetaGraphDef input does; the plan notes that a .pb loses them."""
     meta = script(8)
     result = rewrite(meta.graph_def)
+    assert sorted(map(str, _runners(result.meta_graph))) == sorted(map(str, _runners(meta)))
     (note,) = result.metadata["plan"]["notes"]
-    assert "QueueRunners" in note and "export_meta_graph" in note
+    assert "QueueRunners" in note and ".meta" in note
     assert "note: " + note in result.summary()
+    want_losses, want_w = monitored(script(16), STEPS)
+    losses, w = with_runners(result, STEPS)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
+    _, w = monitored(result.save(str(tmp_path / "rewritten.meta")), STEPS, result.session_config())
+    np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
 
 
 # ----- between-graph: each worker's producer enqueues its own part -------------------------
@@ -424,3 +440,6 @@ def test_between_graph_a_queue_fed_from_a_placeholder_is_left_to_its_client():
     worker = _worker_graph(g.as_graph_def(), "worker:1")
     assert not [n for n in worker if n.op == "StridedSlice"]
     assert worker.node("feed_rows").inputs[1].node.name == "rows"
+    # nor is its enqueue a QueueRunner's, when the runners are rebuilt for a GraphDef
+    result = gr.rewrite(g.as_graph_def(), devices_per_worker=2, device_type="CPU")
+    assert "queue_runners" not in result.meta_graph.collection_def

@@ -22,175 +22,13 @@ import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.pass_manager import run_passes
 from graph_rewriter.passes import PlanPass, ReplicatePass, SplitInputsPass
+from graph_rewriter.testing.tf1_scripts import (
+    FEATURES, ROWS, cifar10_tutorial, queue_regression, tfrecord_regression, write_cifar_files, write_records)
 from pass_graphs import WORKERS2, context
 
 tf1 = tf.compat.v1
-ROWS, FEATURES, STEPS = 48, 3, 4
+STEPS = 4
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def script(batch, batcher="batch", shuffle_producer=False, smaller_final=False, num_epochs=None):
-    """A linear regression trained by SGD (global step, Saver) on ROWS in-graph rows
-    read through queues: slice_input_producer (in order unless ``shuffle_producer``;
-    ``num_epochs``: then the queues close, and the step raises OutOfRangeError),
-    then tf.train.batch (one thread: the order stays) or tf.train.shuffle_batch.
-    Returns the MetaGraphDef, with its QueueRunners."""
-    g = tf.Graph()
-    with g.as_default():
-        rng = np.random.RandomState(0)
-        xs = rng.randn(ROWS, FEATURES).astype(np.float32)
-        ys = (xs @ np.array([[1.0], [2.0], [-1.0]], np.float32) + 0.1).astype(np.float32)
-        x1, y1 = tf1.train.slice_input_producer([tf.constant(xs), tf.constant(ys)], shuffle=shuffle_producer,
-                                                seed=1, num_epochs=num_epochs)
-        if batcher == "shuffle_batch":
-            x, y = tf1.train.shuffle_batch([x1, y1], batch_size=batch, capacity=32, min_after_dequeue=8, seed=2)
-        else:
-            x, y = tf1.train.batch([x1, y1], batch_size=batch, allow_smaller_final_batch=smaller_final)
-        return _linear_regression(x, y)
-
-
-def _linear_regression(x, y):
-    """The model both scripts train on their batches (x, y), exported with its Saver."""
-    w = tf1.get_variable("w", [FEATURES, 1], initializer=tf1.zeros_initializer(), use_resource=True)
-    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y), name="loss")
-    step = tf1.train.get_or_create_global_step()
-    tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
-    tf1.global_variables_initializer()
-    return tf1.train.Saver().export_meta_graph()
-
-
-def records_script(files, batch):
-    """The classic TF1 file pipeline: string_input_producer over TFRecord files (in
-    order), a TFRecordReader, parse_single_example, tf.train.batch; the model of
-    ``script``."""
-    g = tf.Graph()
-    with g.as_default():
-        names = tf1.train.string_input_producer(files, shuffle=False)
-        _, record = tf1.TFRecordReader().read(names)
-        parsed = tf1.parse_single_example(record, {"x": tf1.FixedLenFeature([FEATURES], tf.float32),
-                                                   "y": tf1.FixedLenFeature([1], tf.float32)})
-        x, y = tf1.train.batch([parsed["x"], parsed["y"]], batch_size=batch)
-        return _linear_regression(x, y)
-
-
-def write_records(folder, files=2, per_file=16):
-    rng = np.random.RandomState(5)
-    paths = []
-    for f in range(files):
-        path = str(folder / f"part{f}.tfrecord")
-        with tf.io.TFRecordWriter(path) as writer:
-            for _ in range(per_file):
-                x = rng.randn(FEATURES).astype(np.float32)
-                example = tf.train.Example(features=tf.train.Features(feature={
-                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x)),
-                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(x.sum())]))}))
-                writer.write(example.SerializeToString())
-        paths.append(path)
-    return paths
-
-
-IMAGE, CROP, CLASSES = 12, 8, 10   # the tutorial's 32, 24 and 10, scaled down
-
-
-def write_cifar_files(folder, files=2, per_file=32):
-    """CIFAR-10's binary format: records of one label byte and the image's bytes, depth
-    major (3 x IMAGE x IMAGE)."""
-    rng = np.random.RandomState(9)
-    paths = []
-    for f in range(files):
-        labels = rng.randint(0, CLASSES, size=(per_file, 1)).astype(np.uint8)
-        images = rng.randint(0, 256, size=(per_file, 3 * IMAGE * IMAGE)).astype(np.uint8)
-        path = str(folder / f"data_batch_{f + 1}.bin")
-        with open(path, "wb") as out:
-            out.write(np.concatenate([labels, images], axis=1).tobytes())
-        paths.append(path)
-    return paths
-
-
-def cifar10_tutorial(files, batch, distort=False):
-    """TensorFlow's CIFAR-10 tutorial (cifar10_input.py, cifar10.py and cifar10_train.py,
-    from their public description), scaled down: a FixedLengthRecordReader over the
-    binary files, decode_raw, the image transposed to height x width x depth, cropped
-    (``distort``: a random crop and flip, random brightness and contrast, then
-    shuffle_batch; else the centre and tf.train.batch with one thread, so the order is
-    the files'), per_image_standardization; conv, max pool, LRN, conv, LRN, max pool,
-    two locally connected layers with L2 weight decay added to the "losses" collection,
-    a linear softmax layer; the total loss is the sum of that collection; an
-    ExponentialMovingAverage of the losses runs before the gradients, the learning rate
-    decays exponentially with global_step, and after the update an
-    ExponentialMovingAverage of every trainable variable (the train op)."""
-    g = tf.Graph()
-    with g.as_default():
-        tf1.set_random_seed(11)
-        names = tf1.train.string_input_producer(files, shuffle=distort, seed=3)
-        reader = tf1.FixedLengthRecordReader(record_bytes=1 + 3 * IMAGE * IMAGE)
-        _, value = reader.read(names)
-        record = tf1.decode_raw(value, tf.uint8)
-        label = tf.cast(tf.strided_slice(record, [0], [1]), tf.int32)
-        depth_major = tf.reshape(tf.strided_slice(record, [1], [1 + 3 * IMAGE * IMAGE]), [3, IMAGE, IMAGE])
-        image = tf.cast(tf.transpose(depth_major, [1, 2, 0]), tf.float32)
-        if distort:
-            image = tf1.random_crop(image, [CROP, CROP, 3], seed=4)
-            image = tf.image.random_flip_left_right(image, seed=5)
-            image = tf.image.random_brightness(image, max_delta=63, seed=6)
-            image = tf.image.random_contrast(image, lower=0.2, upper=1.8, seed=7)
-        else:
-            image = tf.image.resize_with_crop_or_pad(image, CROP, CROP)
-        image = tf.image.per_image_standardization(image)
-        image.set_shape([CROP, CROP, 3])
-        label.set_shape([1])
-        if distort:
-            images, labels = tf1.train.shuffle_batch([image, label], batch_size=batch, num_threads=2,
-                                                     capacity=40 + 3 * batch, min_after_dequeue=40, seed=8)
-        else:
-            images, labels = tf1.train.batch([image, label], batch_size=batch, num_threads=1)
-        labels = tf.reshape(labels, [batch])
-
-        def weight(name, shape, stddev, wd):
-            var = tf1.get_variable(name, shape, initializer=tf1.truncated_normal_initializer(stddev=stddev))
-            if wd:
-                tf1.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(var), wd, name="weight_loss"))
-            return var
-
-        def bias(name, size, value):
-            return tf1.get_variable(name, [size], initializer=tf1.constant_initializer(value))
-
-        with tf1.variable_scope("conv1"):
-            h = tf.nn.relu(tf.nn.conv2d(images, weight("weights", [5, 5, 3, 8], 5e-2, 0.0), [1, 1, 1, 1], "SAME")
-                           + bias("biases", 8, 0.0))
-        h = tf.nn.max_pool2d(h, 3, 2, "SAME", name="pool1")
-        h = tf.nn.lrn(h, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name="norm1")
-        with tf1.variable_scope("conv2"):
-            h = tf.nn.relu(tf.nn.conv2d(h, weight("weights", [5, 5, 8, 8], 5e-2, 0.0), [1, 1, 1, 1], "SAME")
-                           + bias("biases", 8, 0.1))
-        h = tf.nn.lrn(h, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name="norm2")
-        h = tf.nn.max_pool2d(h, 3, 2, "SAME", name="pool2")
-        h = tf.reshape(h, [batch, -1])
-        for scope, units in (("local3", 32), ("local4", 16)):
-            with tf1.variable_scope(scope):
-                w = weight("weights", [int(h.shape[1]), units], 0.04, 0.004)
-                h = tf.nn.relu(tf.matmul(h, w) + bias("biases", units, 0.1))
-        with tf1.variable_scope("softmax_linear"):
-            logits = tf.matmul(h, weight("weights", [16, CLASSES], 1 / 16.0, 0.0)) + bias("biases", CLASSES, 0.0)
-        xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
-                              name="cross_entropy")
-        tf1.add_to_collection("losses", xent)
-        total = tf.add_n(tf1.get_collection("losses"), name="total_loss")
-        loss = tf.identity(total, name="loss")
-        step = tf1.train.get_or_create_global_step()
-        loss_averages = tf1.train.ExponentialMovingAverage(0.9, name="avg")
-        loss_averages_op = loss_averages.apply(tf1.get_collection("losses") + [total])
-        lr = tf1.train.exponential_decay(0.1, step, 3, 0.5, staircase=True)
-        with tf.control_dependencies([loss_averages_op]):
-            opt = tf1.train.GradientDescentOptimizer(lr)
-            grads = opt.compute_gradients(total)
-        apply_op = opt.apply_gradients(grads, global_step=step)
-        averages = tf1.train.ExponentialMovingAverage(0.9999, step)
-        with tf.control_dependencies([apply_op]):
-            averages_op = averages.apply(tf1.trainable_variables())
-        tf.group(averages_op, name="train_op")
-        tf1.global_variables_initializer()
-        return tf1.train.Saver().export_meta_graph()
 
 
 def monitored(meta, steps, config=None):
@@ -225,7 +63,7 @@ def rewrite(meta, replicas=2, **options):
 
 
 def test_each_replica_draws_its_own_batch_from_the_one_queue():
-    result = rewrite(script(8))
+    result = rewrite(queue_regression(8))
     nodes = {n.name: n for n in result.graph_def.node}
     assert nodes["batch"].op == nodes["batch/draw_1"].op == "QueueDequeueManyV2"
     assert list(nodes["batch/draw_1"].input) == ["batch/fifo_queue", "batch/n", "^batch"]
@@ -247,8 +85,8 @@ def test_each_replica_draws_its_own_batch_from_the_one_queue():
 def test_monitored_training_session_trains_as_one_device_on_the_replicas_batches(replicas, strategy, tmp_path):
     """MonitoredTrainingSession starts the rewritten MetaGraphDef's QueueRunners; the
     replicas' batches are one device's batch of R x 8 rows, in order."""
-    want_losses, want_w = monitored(script(8 * replicas), STEPS)
-    result = rewrite(script(8), replicas, strategy=strategy)
+    want_losses, want_w = monitored(queue_regression(8 * replicas), STEPS)
+    result = rewrite(queue_regression(8), replicas, strategy=strategy)
     path = result.save(str(tmp_path / "rewritten.meta"))
     _, w = monitored(path, STEPS, result.session_config())
     np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
@@ -260,8 +98,8 @@ def test_monitored_training_session_trains_as_one_device_on_the_replicas_batches
 def test_a_tfrecord_reader_pipeline_trains_as_one_device(tmp_path):
     """string_input_producer -> TFRecordReader -> parse_single_example -> tf.train.batch."""
     files = write_records(tmp_path)
-    want_losses, want_w = monitored(records_script(files, 16), STEPS)
-    result = rewrite(records_script(files, 8))
+    want_losses, want_w = monitored(tfrecord_regression(files, 16), STEPS)
+    result = rewrite(tfrecord_regression(files, 8))
     losses, w = with_runners(result, STEPS)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
@@ -279,18 +117,37 @@ def _variables(meta, steps, config=None):
             return sess.run({v.op.name: v for v in tf1.global_variables()})
 
 
-def test_the_cifar10_tutorial_trains_as_one_device(tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_the_cifar10_tutorial_trains_as_one_device(strategy, tmp_path):
     """Its reader pipeline, weight decay in a collection, the loss moving average before
     the gradients, the decayed learning rate and the variables' moving average after
     the update: 2 replicas of batch 8 end where one device with batch 16 ends."""
     files = write_cifar_files(tmp_path)
     want = _variables(cifar10_tutorial(files, 16), STEPS)
-    result = rewrite(cifar10_tutorial(files, 8))
+    result = rewrite(cifar10_tutorial(files, 8), strategy=strategy)
     got = _variables(result.save(str(tmp_path / "rewritten.meta")), STEPS, result.session_config())
     assert sorted(got) == sorted(want)
     assert want["global_step"] == STEPS
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "hybrid", pytest.param("ps", marks=pytest.mark.xfail(
+    strict=True, raises=gr.GraphRewriteError, reason=(
+        "limit: between-graph ps, the loss averages are a batch statistic accumulated on the "
+        "parameter servers whose take the backward pass waits for (the script's "
+        "control_dependencies), and whose value total_loss reads: the sync_queues pass refuses "
+        "the graph (the chief: a cycle through gradients_applied; another worker: the take it "
+        "cannot remove). In-graph ps trains; documented in docs/semantics.md")))])
+def test_the_cifar10_tutorial_rewrites_between_graph(strategy):
+    """Each worker's graph of a two-worker cluster (with a ps task for ps and hybrid)."""
+    cluster = {"worker": ["w0:2222", "w1:2222"]}
+    if strategy != "allreduce":
+        cluster["ps"] = ["p0:2222"]
+    meta = cifar10_tutorial(["data_batch_1.bin", "data_batch_2.bin"], 8)
+    for task in ("worker:0", "worker:1"):
+        result = gr.rewrite(meta, cluster, task=task, strategy=strategy, device_type="CPU")
+        assert result.metadata["plan"]["strategy"] == strategy
 
 
 def test_the_distorted_cifar10_tutorial_trains_under_monitored_training_session(tmp_path):
@@ -326,16 +183,16 @@ def _steps_until_the_data_ends(meta, config=None):
 def test_num_epochs_ends_training_at_one_devices_step(tmp_path):
     """slice_input_producer(num_epochs=2): 2 x ROWS rows, then the queues close;
     MonitoredTrainingSession stops at the step one device with batch 16 stops at."""
-    want = _steps_until_the_data_ends(script(16, num_epochs=2))
+    want = _steps_until_the_data_ends(queue_regression(16, num_epochs=2))
     assert want == 2 * ROWS // 16
-    result = rewrite(script(8, num_epochs=2))
+    result = rewrite(queue_regression(8, num_epochs=2))
     assert _steps_until_the_data_ends(result.save(str(tmp_path / "rewritten.meta")), result.session_config()) == want
 
 
 def test_a_dequeue_up_to_is_split_across_the_replicas():
     """allow_smaller_final_batch: DequeueUpTo, no static batch; the batch of 8 is split
     into 2 x 4, as one device computes on those 8 rows."""
-    meta = script(8, smaller_final=True)
+    meta = queue_regression(8, smaller_final=True)
     result = rewrite(meta)
     nodes = {n.name: n for n in result.graph_def.node}
     assert nodes["batch"].op == "QueueDequeueUpToV2" and "batch/draw_1" not in nodes
@@ -350,7 +207,7 @@ def test_a_dequeue_up_to_is_split_across_the_replicas():
 def test_shuffle_batch_is_drawn_per_replica_and_trains():
     """A RandomShuffleQueue's order depends on its threads: no one-device twin to compare
     with, but each replica draws a batch of 8 and the model learns."""
-    result = rewrite(script(8, batcher="shuffle_batch", shuffle_producer=True))
+    result = rewrite(queue_regression(8, batcher="shuffle_batch", shuffle_producer=True))
     nodes = {n.name: n for n in result.graph_def.node}
     assert nodes["shuffle_batch"].op == "QueueDequeueManyV2" and "shuffle_batch/draw_1" in nodes
     assert nodes["shuffle_batch/random_shuffle_queue"].op == "RandomShuffleQueueV2"
@@ -368,13 +225,13 @@ def test_a_graph_defs_queue_runners_are_rebuilt_from_its_queues(tmp_path):
     """A GraphDef has no collections: the output's MetaGraphDef gets the QueueRunners the
     script had (the queues' enqueues, close and cancel ops), so gr.Session and a .meta
     output train as the MetaGraphDef input does; the plan notes that a .pb loses them."""
-    meta = script(8)
+    meta = queue_regression(8)
     result = rewrite(meta.graph_def)
     assert sorted(map(str, _runners(result.meta_graph))) == sorted(map(str, _runners(meta)))
     (note,) = result.metadata["plan"]["notes"]
     assert "QueueRunners" in note and ".meta" in note
     assert "note: " + note in result.summary()
-    want_losses, want_w = monitored(script(16), STEPS)
+    want_losses, want_w = monitored(queue_regression(16), STEPS)
     losses, w = with_runners(result, STEPS)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(w, want_w, rtol=RTOL, atol=ATOL)
@@ -398,7 +255,7 @@ def test_between_graph_each_producer_enqueues_its_workers_part_of_the_list(shuff
     (before the shuffle: the parts stay disjoint whatever each worker's shuffle does)
     """
     for k in range(2):
-        g = _worker_graph(script(8, shuffle_producer=shuffle), f"worker:{k}")
+        g = _worker_graph(queue_regression(8, shuffle_producer=shuffle), f"worker:{k}")
         (enqueue,) = [n for n in g if n.op == "QueueEnqueueManyV2"]
         head = enqueue.inputs[1].node
         if shuffle:
@@ -416,7 +273,7 @@ def test_between_graph_each_worker_reads_its_own_files(tmp_path):
     """The file names are the producer's list: worker k reads files k, k+2, ...; the
     reader's records reach the batch queue unsliced."""
     files = [str(tmp_path / f"part{f}.tfrecord") for f in range(4)]
-    g = _worker_graph(records_script(files, 8), "worker:1")
+    g = _worker_graph(tfrecord_regression(files, 8), "worker:1")
     (part,) = [n for n in g if n.op == "StridedSlice" and n.name.endswith("/shard_for_worker")]
     assert part.inputs[0].node.op == "Const"   # the file names
     enqueued = g.node("input_producer/input_producer_EnqueueMany").inputs[1].node

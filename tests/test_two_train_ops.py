@@ -13,50 +13,10 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
+from graph_rewriter.testing.tf1_scripts import gan
 tf1 = tf.compat.v1
 STEPS = 6
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def gan():
-    """G: z [., 2] -> dense 8 relu -> dense 4; D: x [., 4] -> dense 8 relu -> dense 1;
-    D's loss on real and generated rows, G's on generated ones; an Adam each
-    ("d_train", then "g_train", which also bumps global_step)."""
-    g = tf.Graph()
-    with g.as_default():
-        tf1.set_random_seed(1)
-        real = tf1.placeholder(tf.float32, [None, 4], name="real")
-        z = tf1.placeholder(tf.float32, [None, 2], name="z")
-
-        def dense(x, units, name, activation=None):
-            with tf1.variable_scope(name):
-                w = tf1.get_variable("kernel", [int(x.shape[1]), units])
-                b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
-                y = tf.matmul(x, w) + b
-                return activation(y) if activation else y
-
-        def generator(v):
-            with tf1.variable_scope("G", reuse=tf1.AUTO_REUSE):
-                return dense(dense(v, 8, "h", tf.nn.relu), 4, "out")
-
-        def discriminator(v):
-            with tf1.variable_scope("D", reuse=tf1.AUTO_REUSE):
-                return dense(dense(v, 8, "h", tf.nn.relu), 1, "out")
-
-        on_real, on_fake = discriminator(real), discriminator(generator(z))
-        xent = tf.nn.sigmoid_cross_entropy_with_logits
-        d_loss = tf.identity(tf.reduce_mean(xent(labels=tf.ones_like(on_real), logits=on_real))
-                             + tf.reduce_mean(xent(labels=tf.zeros_like(on_fake), logits=on_fake)), name="d_loss")
-        g_loss = tf.identity(tf.reduce_mean(xent(labels=tf.ones_like(on_fake), logits=on_fake)), name="g_loss")
-        d_vars = [v for v in tf1.trainable_variables() if v.name.startswith("D/")]
-        g_vars = [v for v in tf1.trainable_variables() if v.name.startswith("G/")]
-        step = tf1.train.get_or_create_global_step()
-        tf1.train.AdamOptimizer(0.01, name="d_adam").minimize(d_loss, var_list=d_vars, name="d_train")
-        tf1.train.AdamOptimizer(0.01, name="g_adam").minimize(g_loss, var_list=g_vars, global_step=step,
-                                                             name="g_train")
-        tf1.global_variables_initializer()
-        names = [v.op.name for v in tf1.global_variables()]
-    return g.as_graph_def(), names
 
 
 def feeds(rows=8):

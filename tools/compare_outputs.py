@@ -81,7 +81,7 @@ def build_inputs(out_dir, keras=False):
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
     from graph_rewriter.testing import models as zoo
-    from graph_rewriter.testing import real_models
+    from graph_rewriter.testing import real_models, tf1_scripts
     os.makedirs(out_dir, exist_ok=True)
     graphs = {}
     for model in zoo.MODELS:
@@ -91,6 +91,9 @@ def build_inputs(out_dir, keras=False):
     graphs["mlp_ftrl_ref"] = zoo.build("mlp", "ftrl", resource=False).graph_def
     for pipeline in ("one_shot", "queue"):   # the other input pipelines a TF1 script uses
         graphs[f"iterator_{pipeline}_adam"] = zoo.build("iterator", "adam", pipeline=pipeline).graph_def
+    graphs["script_cifar10_tutorial"] = tf1_scripts.cifar10_tutorial(["data_batch_1.bin", "data_batch_2.bin"],
+                                                                     8).graph_def
+    graphs["script_gan"] = tf1_scripts.gan()[0]
     for model in REAL_MODELS:
         graphs[f"real_{model}"] = real_models.build(model)[0].graph_def
     if keras:

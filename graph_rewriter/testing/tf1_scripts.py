@@ -1,0 +1,226 @@
+"""Single-device training graphs in the style of TF1 scripts that drive their data and
+their steps themselves: TF1 queue input (tf.train.batch over input producers and
+readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops. Written here from
+the scripts' public descriptions; used by tests/test_queue_inputs.py,
+tests/test_two_train_ops.py and tools/compare_outputs.py.
+"""
+
+import numpy as np
+
+ROWS, FEATURES = 48, 3             # queue_regression's in-graph rows
+IMAGE, CROP, CLASSES = 12, 8, 10   # the CIFAR-10 tutorial's 32, 24 and 10, scaled down
+
+
+def _tf():
+    import tensorflow as tf
+    return tf, tf.compat.v1
+
+
+def queue_regression(batch, batcher="batch", shuffle_producer=False, smaller_final=False, num_epochs=None):
+    """A linear regression trained by SGD (global step, Saver) on ROWS in-graph rows
+    read through queues: slice_input_producer (in order unless ``shuffle_producer``;
+    ``num_epochs``: then the queues close, and the step raises OutOfRangeError),
+    then tf.train.batch (one thread: the order stays) or tf.train.shuffle_batch.
+    Returns the MetaGraphDef, with its QueueRunners."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(0)
+        xs = rng.randn(ROWS, FEATURES).astype(np.float32)
+        ys = (xs @ np.array([[1.0], [2.0], [-1.0]], np.float32) + 0.1).astype(np.float32)
+        x1, y1 = tf1.train.slice_input_producer([tf.constant(xs), tf.constant(ys)], shuffle=shuffle_producer,
+                                                seed=1, num_epochs=num_epochs)
+        if batcher == "shuffle_batch":
+            x, y = tf1.train.shuffle_batch([x1, y1], batch_size=batch, capacity=32, min_after_dequeue=8, seed=2)
+        else:
+            x, y = tf1.train.batch([x1, y1], batch_size=batch, allow_smaller_final_batch=smaller_final)
+        return _linear_regression(x, y)
+
+
+def _linear_regression(x, y):
+    """The model both scripts train on their batches (x, y), exported with its Saver."""
+    tf, tf1 = _tf()
+    w = tf1.get_variable("w", [FEATURES, 1], initializer=tf1.zeros_initializer(), use_resource=True)
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y), name="loss")
+    step = tf1.train.get_or_create_global_step()
+    tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
+    tf1.global_variables_initializer()
+    return tf1.train.Saver().export_meta_graph()
+
+
+def tfrecord_regression(files, batch):
+    """The classic TF1 file pipeline: string_input_producer over TFRecord files (in
+    order), a TFRecordReader, parse_single_example, tf.train.batch; the model of
+    ``queue_regression``."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        names = tf1.train.string_input_producer(files, shuffle=False)
+        _, record = tf1.TFRecordReader().read(names)
+        parsed = tf1.parse_single_example(record, {"x": tf1.FixedLenFeature([FEATURES], tf.float32),
+                                                   "y": tf1.FixedLenFeature([1], tf.float32)})
+        x, y = tf1.train.batch([parsed["x"], parsed["y"]], batch_size=batch)
+        return _linear_regression(x, y)
+
+
+def write_records(folder, files=2, per_file=16):
+    """``files`` TFRecord files of ``per_file`` tf.train.Examples (x: FEATURES floats,
+    y: their sum) in ``folder``; returns their paths, for tfrecord_regression."""
+    tf = _tf()[0]
+    rng = np.random.RandomState(5)
+    paths = []
+    for f in range(files):
+        path = str(folder / f"part{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(per_file):
+                x = rng.randn(FEATURES).astype(np.float32)
+                example = tf.train.Example(features=tf.train.Features(feature={
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x)),
+                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(x.sum())]))}))
+                writer.write(example.SerializeToString())
+        paths.append(path)
+    return paths
+
+
+def write_cifar_files(folder, files=2, per_file=32):
+    """CIFAR-10's binary format: records of one label byte and the image's bytes, depth
+    major (3 x IMAGE x IMAGE)."""
+    rng = np.random.RandomState(9)
+    paths = []
+    for f in range(files):
+        labels = rng.randint(0, CLASSES, size=(per_file, 1)).astype(np.uint8)
+        images = rng.randint(0, 256, size=(per_file, 3 * IMAGE * IMAGE)).astype(np.uint8)
+        path = str(folder / f"data_batch_{f + 1}.bin")
+        with open(path, "wb") as out:
+            out.write(np.concatenate([labels, images], axis=1).tobytes())
+        paths.append(path)
+    return paths
+
+
+def cifar10_tutorial(files, batch, distort=False):
+    """TensorFlow's CIFAR-10 tutorial (cifar10_input.py, cifar10.py and cifar10_train.py,
+    from their public description), scaled down: a FixedLengthRecordReader over the
+    binary files, decode_raw, the image transposed to height x width x depth, cropped
+    (``distort``: a random crop and flip, random brightness and contrast, then
+    shuffle_batch; else the centre and tf.train.batch with one thread, so the order is
+    the files'), per_image_standardization; conv, max pool, LRN, conv, LRN, max pool,
+    two locally connected layers with L2 weight decay added to the "losses" collection,
+    a linear softmax layer; the total loss is the sum of that collection; an
+    ExponentialMovingAverage of the losses runs before the gradients, the learning rate
+    decays exponentially with global_step, and after the update an
+    ExponentialMovingAverage of every trainable variable (the train op)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(11)
+        names = tf1.train.string_input_producer(files, shuffle=distort, seed=3)
+        reader = tf1.FixedLengthRecordReader(record_bytes=1 + 3 * IMAGE * IMAGE)
+        _, value = reader.read(names)
+        record = tf1.decode_raw(value, tf.uint8)
+        label = tf.cast(tf.strided_slice(record, [0], [1]), tf.int32)
+        depth_major = tf.reshape(tf.strided_slice(record, [1], [1 + 3 * IMAGE * IMAGE]), [3, IMAGE, IMAGE])
+        image = tf.cast(tf.transpose(depth_major, [1, 2, 0]), tf.float32)
+        if distort:
+            image = tf1.random_crop(image, [CROP, CROP, 3], seed=4)
+            image = tf.image.random_flip_left_right(image, seed=5)
+            image = tf.image.random_brightness(image, max_delta=63, seed=6)
+            image = tf.image.random_contrast(image, lower=0.2, upper=1.8, seed=7)
+        else:
+            image = tf.image.resize_with_crop_or_pad(image, CROP, CROP)
+        image = tf.image.per_image_standardization(image)
+        image.set_shape([CROP, CROP, 3])
+        label.set_shape([1])
+        if distort:
+            images, labels = tf1.train.shuffle_batch([image, label], batch_size=batch, num_threads=2,
+                                                     capacity=40 + 3 * batch, min_after_dequeue=40, seed=8)
+        else:
+            images, labels = tf1.train.batch([image, label], batch_size=batch, num_threads=1)
+        labels = tf.reshape(labels, [batch])
+
+        def weight(name, shape, stddev, wd):
+            var = tf1.get_variable(name, shape, initializer=tf1.truncated_normal_initializer(stddev=stddev))
+            if wd:
+                tf1.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(var), wd, name="weight_loss"))
+            return var
+
+        def bias(name, size, value):
+            return tf1.get_variable(name, [size], initializer=tf1.constant_initializer(value))
+
+        with tf1.variable_scope("conv1"):
+            h = tf.nn.relu(tf.nn.conv2d(images, weight("weights", [5, 5, 3, 8], 5e-2, 0.0), [1, 1, 1, 1], "SAME")
+                           + bias("biases", 8, 0.0))
+        h = tf.nn.max_pool2d(h, 3, 2, "SAME", name="pool1")
+        h = tf.nn.lrn(h, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name="norm1")
+        with tf1.variable_scope("conv2"):
+            h = tf.nn.relu(tf.nn.conv2d(h, weight("weights", [5, 5, 8, 8], 5e-2, 0.0), [1, 1, 1, 1], "SAME")
+                           + bias("biases", 8, 0.1))
+        h = tf.nn.lrn(h, 4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name="norm2")
+        h = tf.nn.max_pool2d(h, 3, 2, "SAME", name="pool2")
+        h = tf.reshape(h, [batch, -1])
+        for scope, units in (("local3", 32), ("local4", 16)):
+            with tf1.variable_scope(scope):
+                w = weight("weights", [int(h.shape[1]), units], 0.04, 0.004)
+                h = tf.nn.relu(tf.matmul(h, w) + bias("biases", units, 0.1))
+        with tf1.variable_scope("softmax_linear"):
+            logits = tf.matmul(h, weight("weights", [16, CLASSES], 1 / 16.0, 0.0)) + bias("biases", CLASSES, 0.0)
+        xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+                              name="cross_entropy")
+        tf1.add_to_collection("losses", xent)
+        total = tf.add_n(tf1.get_collection("losses"), name="total_loss")
+        loss = tf.identity(total, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        loss_averages = tf1.train.ExponentialMovingAverage(0.9, name="avg")
+        loss_averages_op = loss_averages.apply(tf1.get_collection("losses") + [total])
+        lr = tf1.train.exponential_decay(0.1, step, 3, 0.5, staircase=True)
+        with tf.control_dependencies([loss_averages_op]):
+            opt = tf1.train.GradientDescentOptimizer(lr)
+            grads = opt.compute_gradients(total)
+        apply_op = opt.apply_gradients(grads, global_step=step)
+        averages = tf1.train.ExponentialMovingAverage(0.9999, step)
+        with tf.control_dependencies([apply_op]):
+            averages_op = averages.apply(tf1.trainable_variables())
+        tf.group(averages_op, name="train_op")
+        tf1.global_variables_initializer()
+        return tf1.train.Saver().export_meta_graph()
+
+
+def gan():
+    """G: z [., 2] -> dense 8 relu -> dense 4; D: x [., 4] -> dense 8 relu -> dense 1;
+    D's loss on real and generated rows, G's on generated ones; an Adam each
+    ("d_train", then "g_train", which also bumps global_step)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        real = tf1.placeholder(tf.float32, [None, 4], name="real")
+        z = tf1.placeholder(tf.float32, [None, 2], name="z")
+
+        def dense(x, units, name, activation=None):
+            with tf1.variable_scope(name):
+                w = tf1.get_variable("kernel", [int(x.shape[1]), units])
+                b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+                y = tf.matmul(x, w) + b
+                return activation(y) if activation else y
+
+        def generator(v):
+            with tf1.variable_scope("G", reuse=tf1.AUTO_REUSE):
+                return dense(dense(v, 8, "h", tf.nn.relu), 4, "out")
+
+        def discriminator(v):
+            with tf1.variable_scope("D", reuse=tf1.AUTO_REUSE):
+                return dense(dense(v, 8, "h", tf.nn.relu), 1, "out")
+
+        on_real, on_fake = discriminator(real), discriminator(generator(z))
+        xent = tf.nn.sigmoid_cross_entropy_with_logits
+        d_loss = tf.identity(tf.reduce_mean(xent(labels=tf.ones_like(on_real), logits=on_real))
+                             + tf.reduce_mean(xent(labels=tf.zeros_like(on_fake), logits=on_fake)), name="d_loss")
+        g_loss = tf.identity(tf.reduce_mean(xent(labels=tf.ones_like(on_fake), logits=on_fake)), name="g_loss")
+        d_vars = [v for v in tf1.trainable_variables() if v.name.startswith("D/")]
+        g_vars = [v for v in tf1.trainable_variables() if v.name.startswith("G/")]
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.AdamOptimizer(0.01, name="d_adam").minimize(d_loss, var_list=d_vars, name="d_train")
+        tf1.train.AdamOptimizer(0.01, name="g_adam").minimize(g_loss, var_list=g_vars, global_step=step,
+                                                             name="g_train")
+        tf1.global_variables_initializer()
+        names = [v.op.name for v in tf1.global_variables()]
+    return g.as_graph_def(), names

@@ -721,6 +721,30 @@ def variant_nodes(seeds, cuts):
     return variant
 
 
+def statistic_update_readers(tensor, variables):
+    """The readers of a batch statistic (a state cut's values) that lead to the update of
+    its moving average (an assign to one of ``variables``, by name), as (reader, input
+    position). The forward pass reads the same tensor (BatchNorm normalises with it) and
+    must keep the replica's own statistic."""
+    targets = set(variables)
+    out = []
+    for c, pos in tensor.node.consumers(tensor.index):
+        frontier, seen, hit = [c], {c}, False
+        while frontier and not hit and len(seen) < 256:
+            n = frontier.pop()
+            if n.op in DENSE_ASSIGNS or n.op in FUNCTION_CALLS:
+                if any(v is not None and v.name in targets for v in map(variable_of, n.inputs)):
+                    hit = True
+                    break
+            for d, _ in n.consumers():
+                if d not in seen:
+                    seen.add(d)
+                    frontier.append(d)
+        if hit:
+            out.append((c, pos))
+    return out
+
+
 def _set_train_ops(cuts, variables, saver_nodes):
     """Each cut's train ops (the ops nothing reads downstream of its variable's updates,
     its initializer and the Saver's restore aside, and not counting reads nothing uses),

@@ -39,13 +39,12 @@ averaged the same way.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.analysis import variable_of
+from graph_rewriter.analysis import statistic_update_readers
 from graph_rewriter.collectives import (all_reduce_mean, broadcast_recv, broadcast_send, dense_instance_key,
                                         group_key, hierarchical_instance_keys, worker_groups)
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, dtype_of, make_op
-from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, FUNCTION_CALLS
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.traversal import readers_of_indices
 
@@ -108,7 +107,7 @@ class AllReducePass(Pass):
                 if master is None:
                     master_values = rm.tensor(graph, 0, cut.values)
                     master = memo.state_readers[cut.variable] = [
-                        (c.name, p) for c, p in _update_readers(graph, master_values, "", cut.variables)]
+                        (c.name, p) for c, p in statistic_update_readers(master_values, cut.variables)]
                 readers.append(([(rm.node(graph, i, name), p) for name, p in master], None))
             else:
                 readers.append((values.node.consumers(values.index), None))
@@ -237,30 +236,6 @@ class _Memo:
         if t is None:
             t = self.consts[key] = const(graph, f"{rm.prefixes[i]}allreduce/const", value, dtype, device)
         return t
-
-
-def _update_readers(graph, tensor, prefix, variables):
-    """The readers of a batch statistic that lead to the update of its moving average.
-    The forward pass reads the same tensor (BatchNorm normalises with it) and must keep
-    the replica's own statistic."""
-    targets = {prefix + v for v in variables}
-    out = []
-    for c, pos in tensor.node.consumers(tensor.index):
-        frontier, seen, hit = [c], {c}, False
-        while frontier and not hit and len(seen) < 256:
-            n = frontier.pop()
-            if n.op in DENSE_ASSIGNS or n.op in FUNCTION_CALLS:
-                vars_ = [variable_of(t) for t in n.inputs]
-                if any(v is not None and v.name in targets for v in vars_):
-                    hit = True
-                    break
-            for d, _ in n.consumers():
-                if d not in seen:
-                    seen.add(d)
-                    frontier.append(d)
-        if hit:
-            out.append((c, pos))
-    return out
 
 
 def _index_dtype(graph, rm, i, cut):

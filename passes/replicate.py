@@ -18,7 +18,7 @@ once for it, and the export writes it R-1 times. The output is the same graph as
 every replica built (``materialize_replicas=True``), at a fraction of the cost.
 """
 
-from graph_rewriter.analysis import analyze
+from graph_rewriter.analysis import analyze, statistic_update_readers
 from graph_rewriter.collectives import host_group, replica_group
 from graph_rewriter.op_vocabulary import PLACEHOLDERS, VARIABLE_OPS
 from graph_rewriter.traversal import absorb_exclusive_ancestors, gradient_readers, topological_order
@@ -152,7 +152,12 @@ def _global_nodes(graph, analysis, plan):
         for cut in analysis.cuts:
             if cut.variable not in accumulated:
                 continue
-            stack = [c for c, _ in gradient_readers(cut.values, cut.indices)]
+            if cut.role == "state":
+                # a batch statistic: only its moving average's update reads the average;
+                # the forward pass (BatchNorm normalising with it) keeps each replica's own
+                stack = [c for c, _ in statistic_update_readers(cut.values, cut.variables)]
+            else:
+                stack = [c for c, _ in gradient_readers(cut.values, cut.indices)]
             while stack:
                 n = stack.pop()
                 if n in updates or n in analysis.variant or n in mirrored_writers:

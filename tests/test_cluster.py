@@ -719,6 +719,27 @@ def test_start_server_in_a_subprocess_serves_rewritten_graphs(procs, pool):
                     pytrace=False)
 
 
+def test_between_graph_ps_batchnorm_trains_like_allreduce(pool, procs, tmp_path):
+    """A BatchNorm model between-graph under ps (2 workers x 1 replica, 1 ps; group mode:
+    tf.group(minimize, *UPDATE_OPS)). Each replica normalises its rows with their own
+    statistics and the moving averages on the ps take the replicas' mean: the defined
+    semantics (docs/semantics.md), which allreduce computes in one process on the same
+    shards, the reference here. (Before, between-graph ps refused the graph.)"""
+    seed = 321
+    ex = _build("batchnorm", "momentum", seed)
+    batches = [ex.batch(s, size=BATCH // 2) for s in range(STEPS)]   # 2 replicas x 2 rows
+    reference = gr.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
+    with gr.Session(reference) as sess:
+        sess.run(ex.init)
+        ref_losses = [sess.run([ex.loss, ex.train_op], b)[0] for b in batches]
+        ref_values = {name: sess.run(t) for name, t in ex.variables.items()}
+    with pool.use(2, 1, SERVER_DEVICES) as cluster:
+        _, outputs = _run_between(cluster, procs, tmp_path, ex, "ps", 1, batches)
+    losses = (outputs[0]["losses"] + outputs[1]["losses"]) / 2
+    values = {name: outputs[0]["reads"][t] for name, t in ex.variables.items()}
+    _assert_matches("batchnorm ps between-graph", losses, values, ref_losses, ref_values)
+
+
 @pytest.mark.parametrize("pipeline", ["initializable", "one_shot", "queue"])
 def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipeline, pool, procs, tmp_path):
     """The "iterator" model reads batches from an in-graph pipeline. Between-graph,

@@ -134,11 +134,11 @@ def test_the_cifar10_tutorial_trains_as_one_device(strategy, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["allreduce", "hybrid", pytest.param("ps", marks=pytest.mark.xfail(
     strict=True, raises=gr.GraphRewriteError, reason=(
-        "limit: between-graph ps refuses graphs with batch statistics (BatchNorm's moving "
-        "averages, this script's loss averages): accumulated on the parameter servers, they are "
-        "taken mid-step, and the sync_queues pass refuses the graph (the chief: a cycle through "
-        "gradients_applied; another worker: a take it cannot remove). In-graph ps trains; "
-        "documented in docs/semantics.md, Parameter servers")))])
+        "limit: between-graph ps refuses a backward pass that waits for a batch statistic's "
+        "update (this script computes its gradients under control_dependencies of its loss "
+        "averages, which the chief takes mid-step): the sync_queues pass refuses the graph (the "
+        "chief: a cycle through gradients_applied; another worker: an update it cannot remove). "
+        "In-graph ps trains; documented in docs/semantics.md, Parameter servers")))])
 def test_the_cifar10_tutorial_rewrites_between_graph(strategy):
     """Each worker's graph of a two-worker cluster (with a ps task for ps and hybrid)."""
     cluster = {"worker": ["w0:2222", "w1:2222"]}

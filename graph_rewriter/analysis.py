@@ -795,6 +795,20 @@ def _queue_reports(pipeline):
     return out
 
 
+def is_input_queue(node):
+    """A queue of the script's own, not one of the rewrite's (sync_queues' token and
+    barrier queues, whose shared_names ps_state.shared_name makes)."""
+    from graph_rewriter.ps_state import SHARED_PREFIX
+    return node.op in QUEUES and not (
+        "shared_name" in node.attr and node.attr["shared_name"].s.startswith(SHARED_PREFIX.encode()))
+
+
+def enqueues_fed_values(enqueue):
+    """Whether an enqueue's values come from a feed: the script's own thread runs it, not
+    a QueueRunner, and each worker's client feeds its own."""
+    return any(n.op in PLACEHOLDERS for n in enqueued_from(enqueue))
+
+
 def enqueued_from(enqueue):
     """What an enqueue's values are computed from (data edges; not past a queue, whose
     elements a dequeue or a reader takes, nor past a variable)."""

@@ -58,9 +58,12 @@ def step_takes(graph):
     return [n for n in graph if n.op in TAKES and not n.name.endswith(DRAIN)]
 
 
+SHARED_PREFIX = "graph_rewriter/"
+
+
 def shared_name(fingerprint, what):
     """A shared_name every worker of a between-graph run derives alike."""
-    return f"graph_rewriter/{fingerprint}/{what}"
+    return f"{SHARED_PREFIX}{fingerprint}/{what}"
 
 
 def init_ops(graph, plan, rm):

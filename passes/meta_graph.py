@@ -36,11 +36,11 @@ summaries, losses, global_step, update_ops, cond and while contexts) name replic
 or the merged nodes and stay.
 """
 
-from graph_rewriter.analysis import enqueued_from
+from graph_rewriter.analysis import enqueues_fed_values, is_input_queue
 from graph_rewriter.collectives import BROADCAST_VARIABLES
 from graph_rewriter.ir import GLOBAL, split_tensor_name
 from graph_rewriter.op_builder import const, make_op, own_op
-from graph_rewriter.op_vocabulary import COLLECTIVES, PLACEHOLDERS, QUEUES
+from graph_rewriter.op_vocabulary import COLLECTIVES
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.protos import meta_graph_pb2, queue_runner_pb2, saver_pb2
 from graph_rewriter.protos import variable_pb2
@@ -136,12 +136,9 @@ def _rebuild_queue_runners(graph, meta):
     tf.compat.v1.train.QueueRunner describes them. An enqueue of fed values is the
     script's own thread's to run; the rewrite's queues are not inputs."""
     runners = []
-    for queue in [n for n in graph if n.op in QUEUES]:
-        if "shared_name" in queue.attr and queue.attr["shared_name"].s.startswith(b"graph_rewriter/"):
-            continue
+    for queue in [n for n in graph if is_input_queue(n)]:
         readers = queue.readers()
-        enqueues = [r for r in readers if r.op.startswith("QueueEnqueue")
-                    and not any(n.op in PLACEHOLDERS for n in enqueued_from(r))]
+        enqueues = [r for r in readers if r.op.startswith("QueueEnqueue") and not enqueues_fed_values(r)]
         if not enqueues:
             continue
         close, cancel = (_close_op(graph, queue, readers, cancel) for cancel in (False, True))

@@ -42,10 +42,10 @@ worker's part of its list instead (_shard_queue_producers).
 """
 
 from graph_rewriter import opdefs
-from graph_rewriter.analysis import enqueued_from
+from graph_rewriter.analysis import enqueued_from, enqueues_fed_values, is_input_queue
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, function_const, function_node, make_op
-from graph_rewriter.op_vocabulary import PLACEHOLDERS, QUEUES
+from graph_rewriter.op_vocabulary import QUEUES
 from graph_rewriter.plan import DRAWN
 from graph_rewriter.protos import attr_value_pb2
 
@@ -148,12 +148,10 @@ def _shard_queue_producers(graph, num_workers, me, host):
     producers, or each worker's client feeds its own."""
     sliced = False
     for enqueue in [n for n in graph if n.op in ("QueueEnqueueManyV2", "QueueEnqueueMany")]:
-        queue = enqueue.inputs[0].node
-        if queue.op not in QUEUES or (
-                "shared_name" in queue.attr and queue.attr["shared_name"].s.startswith(b"graph_rewriter/")):
+        if not is_input_queue(enqueue.inputs[0].node) or enqueues_fed_values(enqueue):
             continue
-        if any(n.op in QUEUES or n.op in PLACEHOLDERS or n.op.startswith("Reader") for n in enqueued_from(enqueue)):
-            continue
+        if any(n.op in QUEUES or n.op.startswith("Reader") for n in enqueued_from(enqueue)):
+            continue   # another queue's elements or a reader's records: they follow from a producer
         for pos in range(1, len(enqueue.inputs)):
             holder, at = enqueue, pos
             while holder.inputs[at].node.op in ("RandomShuffle", "Identity"):

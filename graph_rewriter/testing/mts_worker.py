@@ -13,13 +13,17 @@ created, and a step waiting for a worker whose client is gone fails within secon
 where the checkpoint left off), feeding batch ``step`` of the ``.npz`` (arrays ``<feed>__<step>``), and write the
 losses and the final values of ``--read`` variables as JSON. ``--stop-after N`` makes
 the client exit abruptly (os._exit) after N steps of this run: a killed worker;
-``--progress`` prints "step N" after each step (the fault tests wait for it).
+``--pause-after N`` makes it stop stepping after N steps of this run and wait (at most
+``--timeout`` seconds) to be killed, so a test that kills a server "mid-training" knows
+how far the checkpoint got; ``--progress`` prints "step N" after each step (the fault
+tests wait for it).
 """
 
 import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -36,6 +40,7 @@ def main(argv=None):
     p.add_argument("--read", action="append", default=[])
     p.add_argument("--out", required=True)
     p.add_argument("--stop-after", type=int, default=0)
+    p.add_argument("--pause-after", type=int, default=0)
     p.add_argument("--device-count", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--progress", action="store_true", help="print 'step N' after every step")
@@ -87,6 +92,10 @@ def main(argv=None):
                 if args.stop_after and done >= args.stop_after:
                     sys.stdout.flush()
                     os._exit(17)
+                if args.pause_after and done >= args.pause_after:
+                    print("paused", flush=True)
+                    time.sleep(args.timeout)    # the test kills this process long before
+                    os._exit(18)
             values = {name: raw(graph.get_tensor_by_name(name)).tolist() for name in args.read}
     with open(args.out, "w") as f:
         json.dump({"losses": losses, "steps": steps, "values": values}, f)

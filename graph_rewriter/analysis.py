@@ -693,8 +693,17 @@ class _Analyzer:
                     var.initializer = w
                     break
         initializers = {v.initializer for v in self.variables.values() if v.initializer is not None}
-        return [n for n in self.order
-                if n.op == "NoOp" and any(c in initializers for c in n.control_inputs)]
+        init_ops = [n for n in self.order
+                    if n.op == "NoOp" and any(c in initializers for c in n.control_inputs)]
+        # A variable initialized from another's value (an ExponentialMovingAverage's
+        # shadow: initialized_value(), a tf.cond on the other being initialized) has no
+        # pure initial value; its initializer is the assign an init op runs.
+        run_by_init = {c for op in init_ops for c in op.control_inputs}
+        for var in self.variables.values():
+            if var.initializer is None:
+                var.initializer = next((w for w in var.writers if w in run_by_init
+                                        and w.op in ("Assign", "AssignVariableOp")), None)
+        return init_ops
 
 
 # ----- helpers shared by the analysis and the passes --------------------------------------

@@ -98,10 +98,11 @@ class AccumulatePass(Pass):
                    for i, done in enumerate(per_replica)]
         for i, m in enumerate(markers):
             m.replica = i
+        own_steps = set(markers)
         if st.slots > 1:
-            make_op(graph, "AssignAddVariableOp", f"{WORKER_STEP}/increment",
-                    [wstep.output(0), const(graph, f"{WORKER_STEP}/one", 1, "int64", ps0)],
-                    control_inputs=markers, device=ps0)
+            own_steps.add(make_op(graph, "AssignAddVariableOp", f"{WORKER_STEP}/increment",
+                                  [wstep.output(0), const(graph, f"{WORKER_STEP}/one", 1, "int64", ps0)],
+                                  control_inputs=markers, device=ps0))
         # The counter counts the takes, because each take advances its accumulator's own
         # step: it bumps after the takes, and every reader of an averaged gradient waits
         # for the bump. So whatever the user runs that reads an averaged gradient (the
@@ -112,13 +113,17 @@ class AccumulatePass(Pass):
         # Between-graph, sync_queues orders the chief's tokens after the updates.
         after = descendants(takes)
         graph.mark_new_global(before)
-        roots = [n for n in graph if n in after and n.is_sink]
+        # (A replica's marker and the worker's step count are no train ops: they follow
+        # the takes only when the gradients wait for a statistic's update, as with
+        # control_dependencies(update_ops) around minimize.)
+        roots = [n for n in graph if n in after and n.is_sink and n not in own_steps]
         increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
                             [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
                             control_inputs=takes, device=ps0)
         # (Not a reader the takes themselves wait for: a BatchNorm moving average's update
-        # that the backward pass runs after.)
-        feeding = _reaching(st.readers, set(takes))
+        # that the backward pass runs after. With slots a take waits for the applies only
+        # through its accumulator, not by an edge: such a reader reaches the markers.)
+        feeding = _reaching(st.readers, set(takes) | set(markers))
         for reader in st.readers:
             if reader not in feeding:
                 reader.add_control_input(increment)

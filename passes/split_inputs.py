@@ -156,6 +156,9 @@ def _shard_queue_producers(graph, num_workers, me, host):
             holder, at = enqueue, pos
             while holder.inputs[at].node.op in ("RandomShuffle", "Identity"):
                 holder, at = holder.inputs[at].node, 0
+                # (a MetaGraphDef's shape hints give the whole list's length: TensorFlow
+                # refuses to import a hint its own inference contradicts)
+                _set_first_dimension(holder, -1)
             listed = holder.inputs[at]
             scope = f"{listed.node.name}/shard_for_worker"
             part = make_op(graph, "StridedSlice", scope,
@@ -233,7 +236,7 @@ def _shard_function_body(fn, num_workers, me):
 
 def _set_first_dimension(node, rows):
     """A placeholder's shape attribute (and its ``_output_shapes`` hint, if any) with
-    ``rows`` as its first dimension."""
+    ``rows`` (-1: unknown) as its first dimension."""
     for key in ("shape", "_output_shapes"):
         if key not in node.attr:
             continue

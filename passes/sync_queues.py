@@ -44,7 +44,7 @@ from graph_rewriter.pass_manager import Pass
 from graph_rewriter.protos import attr_value_pb2, tensor_shape_pb2
 from graph_rewriter.ps_state import (APPLIED, COUNTER, INCREMENT, INIT_BARRIER, RESET_DONE, RUN_ID, TOKENS,
                                      WORKER_STEP, TAKES, restore_region, shared_name, step_takes)
-from graph_rewriter.traversal import descendants, is_back_edge
+from graph_rewriter.traversal import ancestors, descendants, is_back_edge
 
 _SWITCHES = frozenset(("Switch", "RefSwitch"))
 _MERGES = frozenset(("Merge", "RefMerge"))
@@ -171,9 +171,15 @@ class SyncQueuesPass(Pass):
         ps_initializers += [c for op in init_ops for c in op.control_inputs if c.op == "AccumulatorSetGlobalStep"]
         barrier = _scalar_queue(graph, INIT_BARRIER, fp, "init_done", ps0)
         # The train ops: what the user runs each step, i.e. the roots after the updates.
+        # (Not what the token wait waits for: a replica's "gradients applied" marker and
+        # the worker's step count, which follow the takes only when the gradients wait
+        # for a statistic's update.)
         after_updates = descendants(step_takes(graph))
+        applies = [rm.node(graph, i, APPLIED) for i in rm.built]
+        if f"{WORKER_STEP}/increment" in graph:
+            applies.append(graph.node(f"{WORKER_STEP}/increment"))
         roots = [n for n in graph if n.is_sink
-                 and n in after_updates]
+                 and n in after_updates and n not in applies]
         if rm.chief:
             # (what an earlier run's init left for workers that never took it, e.g. the
             # restore of a MonitoredTrainingSession chief, whose workers run no init op)
@@ -207,9 +213,6 @@ class SyncQueuesPass(Pass):
             graph.mark_new_global(before)
             return True
         queues = [_scalar_queue(graph, f"{TOKENS}/worker_{k}", fp, f"tokens/{k}", ps0) for k in range(len(workers))]
-        applies = [rm.node(graph, i, APPLIED) for i in rm.built]
-        if f"{WORKER_STEP}/increment" in graph:
-            applies.append(graph.node(f"{WORKER_STEP}/increment"))
         graph.mark_new_global(before)
         if rm.chief:
             # The tokens go out once the step is applied: after the counter's bump (which
@@ -290,13 +293,25 @@ class SyncQueuesPass(Pass):
         chief_only = set(takes) | set(ps_writes)
         if INCREMENT in graph:
             chief_only.add(graph.node(INCREMENT))
+        # A global op a replica needs (a gradient's constant) that only waits for a
+        # chief-only update (control_dependencies(update_ops) around minimize) stays: it
+        # loses the wait, as the replicas' own gradient ops do below.
+        feeds_replicas = None     # (computed when first needed)
         stack = list(chief_only)
         while stack:
             n = stack.pop()
+            data = {id(c) for c, _ in n.consumers()}
             for c in n.readers():
-                if c not in chief_only and rm.replica_of(graph, c.name) is None:
-                    chief_only.add(c)
-                    stack.append(c)
+                if c in chief_only or rm.replica_of(graph, c.name) is not None:
+                    continue
+                if id(c) not in data:
+                    if feeds_replicas is None:
+                        feeds_replicas = ancestors([n for n in graph if rm.replica_of(graph, n.name) is not None],
+                                                   data_only=True)
+                    if c in feeds_replicas:
+                        continue
+                chief_only.add(c)
+                stack.append(c)
         # (in graph order: the set's order would make the output differ from run to run)
         removable = [n for n in graph if n in chief_only and all(c in chief_only for c, _ in n.consumers())]
         # What the removed nodes also ran on this worker's replicas (e.g. the micro-batch

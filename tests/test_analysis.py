@@ -207,3 +207,24 @@ def test_analysis_does_not_use_names():
     roles1 = sorted((rename[v.name], v.role) for v in a1.variables.values())
     roles2 = sorted((v.name, v.role) for v in a2.variables.values())
     assert roles1 == roles2
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_a_moving_averages_shadow_variable_is_initialized_by_the_assign_the_init_op_runs(resource):
+    """ExponentialMovingAverage initializes its shadow variable from the averaged one's
+    initialized_value() (a cond on that variable being initialized): no pure initial
+    value, but the init op runs the assign. Without an initializer the assign counted as
+    an update of a shared variable: under between-graph ps the chief re-ran it every
+    step (resetting the average) and another worker lost its init op."""
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf1.get_variable("w", [3], initializer=tf1.ones_initializer(), use_resource=resource)
+        ema = tf1.train.ExponentialMovingAverage(0.9)
+        update = ema.apply([w])
+        tf.group(update, name="train_op")
+        tf1.global_variables_initializer()
+    a = analyze(graph_io.load_graph(graph.as_graph_def()))
+    shadow = a.variables["w/ExponentialMovingAverage"]
+    assert shadow.initializer is not None and shadow.initializer.name == "w/ExponentialMovingAverage/Assign"
+    assert any(shadow.initializer in op.control_inputs for op in a.init_ops)

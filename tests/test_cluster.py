@@ -525,9 +525,10 @@ SLOW_DELAY = 0.5
 STALE_CALL_TIMEOUT = 40.0
 
 
-@pytest.mark.parametrize("staleness, slow", [(0, 0), (2, 0), (2, 1)],
-                         ids=["s0-slow-chief", "s2-slow-chief", "s2-slow-worker1"])
-def test_staleness_bounds_how_far_a_fast_worker_runs_ahead(staleness, slow, fresh_cluster, procs,
+@pytest.mark.parametrize("staleness, slow, model", [(0, 0, "mlp"), (2, 0, "mlp"), (2, 1, "mlp"),
+                                                    (2, 0, "batchnorm")],
+                         ids=["s0-slow-chief", "s2-slow-chief", "s2-slow-worker1", "s2-slow-chief-batchnorm"])
+def test_staleness_bounds_how_far_a_fast_worker_runs_ahead(staleness, slow, model, fresh_cluster, procs,
                                                            tmp_path):
     """strategy="ps", between-graph, 2 workers x 2 devices, STALE_STEPS steps: worker
     ``slow`` (graph_rewriter.worker_client --delay) sleeps SLOW_DELAY after every step;
@@ -541,9 +542,13 @@ def test_staleness_bounds_how_far_a_fast_worker_runs_ahead(staleness, slow, fres
     gradients, applies them and bumps the counter, so a chief's step is applied when it
     returns. Hence the case that shows staleness at work is a slow chief and a fast
     worker 1, which must use some of its allowance (else staleness could not be told
-    from lockstep); a slow worker 1 behind a fast chief must merely not break the run."""
+    from lockstep); a slow worker 1 behind a fast chief must merely not break the run.
+    "batchnorm": BatchNorm whose gradients wait for the moving averages' update
+    (control_dependencies(update_ops)), which the chief runs after its take of the
+    statistics mid-step; worker 1's steps run ahead without it."""
     fast = 1 - slow
-    ex = _build("mlp", "sgd", seed=200 + 10 * staleness + slow)
+    kw = {"update_ops": "control"} if model == "batchnorm" else {}
+    ex = _build(model, "sgd", seed=200 + 10 * staleness + slow, **kw)
     batches = [ex.batch(s, size=BATCH) for s in range(STALE_STEPS)]
     cluster = fresh_cluster(2, 1, 2)
     workers = _prepare_workers(cluster, ex, "ps", 2, batches, tmp_path, staleness=staleness)
@@ -719,14 +724,19 @@ def test_start_server_in_a_subprocess_serves_rewritten_graphs(procs, pool):
                     pytrace=False)
 
 
-def test_between_graph_ps_batchnorm_trains_like_allreduce(pool, procs, tmp_path):
-    """A BatchNorm model between-graph under ps (2 workers x 1 replica, 1 ps; group mode:
-    tf.group(minimize, *UPDATE_OPS)). Each replica normalises its rows with their own
-    statistics and the moving averages on the ps take the replicas' mean: the defined
-    semantics (docs/semantics.md), which allreduce computes in one process on the same
-    shards, the reference here. (Before, between-graph ps refused the graph.)"""
+@pytest.mark.parametrize("update_ops", ["group", "control"])
+def test_between_graph_ps_batchnorm_trains_like_allreduce(update_ops, pool, procs, tmp_path):
+    """A BatchNorm model between-graph under ps (2 workers x 1 replica, 1 ps), its update
+    ops run by tf.group(minimize, *UPDATE_OPS) ("group") or made the gradients' control
+    dependencies ("control", the idiom of tf.layers' docs): the gradients then wait for
+    the moving averages' update, which only the chief runs, after its take of the
+    replicas' statistics mid-step; another worker's gradients do not wait for it. Each
+    replica normalises its rows with their own statistics and the moving averages on the
+    ps take the replicas' mean: the defined semantics (docs/semantics.md), which allreduce
+    computes in one process on the same shards, the reference here. (Before, between-graph
+    ps refused both modes, and then the control mode.)"""
     seed = 321
-    ex = _build("batchnorm", "momentum", seed)
+    ex = _build("batchnorm", "momentum", seed, update_ops=update_ops)
     batches = [ex.batch(s, size=BATCH // 2) for s in range(STEPS)]   # 2 replicas x 2 rows
     reference = gr.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
     with gr.Session(reference) as sess:
@@ -737,7 +747,7 @@ def test_between_graph_ps_batchnorm_trains_like_allreduce(pool, procs, tmp_path)
         _, outputs = _run_between(cluster, procs, tmp_path, ex, "ps", 1, batches)
     losses = (outputs[0]["losses"] + outputs[1]["losses"]) / 2
     values = {name: outputs[0]["reads"][t] for name, t in ex.variables.items()}
-    _assert_matches("batchnorm ps between-graph", losses, values, ref_losses, ref_values)
+    _assert_matches(f"batchnorm ({update_ops}) ps between-graph", losses, values, ref_losses, ref_values)
 
 
 @pytest.mark.parametrize("pipeline", ["initializable", "one_shot", "queue"])
@@ -793,6 +803,61 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipe
     with np.load(outs[1]) as data:
         losses = (losses + data["losses"]) / 2
     _assert_matches("iterator between-graph", losses, values, ref_losses, ref_values)
+
+
+def _tutorial_variables(meta, steps):
+    """{variable: value} of the CIFAR-10 tutorial's graph trained ``steps`` steps on one
+    device under MonitoredTrainingSession (which starts its QueueRunners), and the
+    variables' snapshot tensors by name."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.train.import_meta_graph(meta)
+        variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+        snapshots = {name: v.to_proto().snapshot_name for name, v in variables.items()}
+        with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+            for _ in range(steps):
+                sess.run("train_op")
+            return sess.run(variables), snapshots
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "hybrid"])
+def test_the_cifar10_tutorial_trains_between_graph_like_one_device(strategy, pool, procs, tmp_path):
+    """TensorFlow's CIFAR-10 tutorial (scaled down: its reader pipeline over two binary
+    files, weight decay in the "losses" collection, the loss averages the gradients wait
+    for, the decayed learning rate, the variables' moving averages after the update),
+    2 workers x 1 replica of batch 8. Worker k's producer reads file k, so a step trains on
+    8 records of each: one device reading a file of those records in that order, batch
+    16, ends with the same variables, all of them. Under ps the gradients wait for the
+    loss averages, which the chief updates after its take of the replicas' losses
+    mid-step (before, between-graph ps refused the graph)."""
+    from graph_rewriter.testing.tf1_scripts import cifar10_tutorial, write_cifar_files
+    steps, batch = 4, 8
+    files = write_cifar_files(tmp_path)
+    record = 1 + 3 * 12 * 12
+    data = [open(f, "rb").read() for f in files]
+    with open(tmp_path / "one_device.bin", "wb") as out:   # step t: file 1's rows, then file 2's
+        for t in range(steps):
+            for d in data:
+                out.write(d[t * batch * record:(t + 1) * batch * record])
+    want, reads = _tutorial_variables(cifar10_tutorial([str(tmp_path / "one_device.bin")], 2 * batch), steps)
+    assert want["global_step"] == steps
+    meta = cifar10_tutorial(files, batch)
+    with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
+        outs = []
+        for k in range(2):
+            path = gr.rewrite(meta, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
+                              task=f"worker:{k}").save(str(tmp_path / f"tutorial{k}.meta"))
+            out = str(tmp_path / f"tutorial{k}.npz")
+            cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
+                   "--target", cluster.target("worker", k), "--steps", str(steps), "--out", out,
+                   "--timeout", str(CALL_TIMEOUT)] + sum((["--read", t] for t in reads.values()), [])
+            procs.start(f"tutorial{k}", cmd)
+            outs.append(out)
+        procs.wait_all()
+    with np.load(outs[0]) as got:
+        for name, tensor in sorted(reads.items()):
+            np.testing.assert_allclose(got[f"read/{tensor}"], want[name], rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{strategy}: {name}")
 
 
 # ----- faults: a dead peer is an error in bounded time ---------------------------------

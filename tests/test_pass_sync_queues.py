@@ -184,3 +184,70 @@ def test_the_chiefs_init_copies_its_run_id_once_it_has_reset_the_shared_state():
     assert f"{RUN_ID}/value" in worker and f"{RESET_DONE}/value" in worker
     assert not any(n.name.startswith((f"{RUN_ID}/draw", f"{RESET_DONE}/set", f"{RESET_DONE}/declare"))
                    for n in worker)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_gradients_that_wait_for_a_statistics_update_wait_only_on_the_chief(staleness):
+    """BatchNorm with control_dependencies(update_ops) around minimize: the gradients wait
+    for the moving averages' update, which the chief runs after its take of the replicas'
+    statistics. The chief keeps that order (the update reaches every gradient apply, and
+    the gradient applies do not wait for the step counter's bump, which follows the
+    takes: a cycle, or with staleness slots a take that never comes). Another worker has
+    no update and no take; its gradient constants stay (only their wait goes) and its
+    train op still waits for its token. Before, the rewrite failed on both workers."""
+    import graph_rewriter as gr
+    from graph_rewriter.graph_io import load_graph
+    from graph_rewriter.ps_state import APPLIED, INCREMENT
+    from graph_rewriter.testing import models
+    from graph_rewriter.traversal import ancestors
+    ex = models.build("batchnorm", "sgd", update_ops="control")
+    cluster = {"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]}
+    for k in (0, 1):
+        result = gr.rewrite(ex.graph_def, cluster, task=f"worker:{k}", strategy="ps", device_type="CPU",
+                            staleness=staleness)
+        g = load_graph(result.graph_def)
+        updates = [n for n in g if n.op == "AssignSubVariableOp" and "AssignMovingAvg" in n.name]
+        applies = [n for n in g if n.op == "AccumulatorApplyGradient" and "/moving_" not in n.name]
+        assert applies and g.node(APPLIED).op == "NoOp"
+        assert f"{APPLIED}/before_sync" not in g, "a replica's marker is no train op"
+        (wait,) = [n for n in g if n.name.startswith(f"{TOKENS}/wait")]
+        assert wait in ancestors([g.node("train_op")])
+        if k == 0:
+            assert len(updates) == 2
+            for a in applies:
+                before = ancestors([a])
+                assert all(u in before for u in updates), a.name
+                assert g.node(INCREMENT) not in before, a.name
+        else:
+            assert not updates and not [n for n in g if n.op == "AccumulatorTakeGradient" and "drain" not in n.name]
+            assert g.node("gradients/Mean_grad/Size").op == "Const"
+
+
+def test_a_moving_average_is_initialized_at_init_only():
+    """An ExponentialMovingAverage after the update (a TF1 script's way of keeping
+    averaged weights for evaluation): the shadow variable's initializer reads the
+    averaged variable's initialized_value(). The chief's token waits for the average's
+    update but not for that initializer, which would reset the average every step;
+    another worker keeps its init op (waiting for the chief's)."""
+    import graph_rewriter as gr
+    from graph_rewriter.graph_io import load_graph
+    from graph_rewriter.traversal import ancestors
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", [3, 1], initializer=tf1.ones_initializer())
+        loss = tf.reduce_mean(tf.matmul(x, w), name="loss")
+        minimize = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.control_dependencies([minimize]):
+            tf.group(tf1.train.ExponentialMovingAverage(0.9).apply([w]), name="train_op")
+        tf1.global_variables_initializer()
+    cluster = {"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]}
+    chief, other = (load_graph(gr.rewrite(graph.as_graph_def(), cluster, task=f"worker:{k}", strategy="ps",
+                                          device_type="CPU").graph_def) for k in (0, 1))
+    before_token = ancestors([chief.node(f"{TOKENS}/step")])
+    assert chief.node("ExponentialMovingAverage/AssignMovingAvg/AssignSubVariableOp") in before_token
+    assert chief.node("w/ExponentialMovingAverage/Assign") not in before_token
+    assert chief.node("w/ExponentialMovingAverage/Assign") in ancestors([chief.node("init")])
+    assert [c.op for c in other.node("init").control_inputs] == ["QueueDequeueV2"]

@@ -132,15 +132,12 @@ def test_the_cifar10_tutorial_trains_as_one_device(strategy, tmp_path):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "hybrid", pytest.param("ps", marks=pytest.mark.xfail(
-    strict=True, raises=gr.GraphRewriteError, reason=(
-        "limit: between-graph ps refuses a backward pass that waits for a batch statistic's "
-        "update (this script computes its gradients under control_dependencies of its loss "
-        "averages, which the chief takes mid-step): the sync_queues pass refuses the graph (the "
-        "chief: a cycle through gradients_applied; another worker: an update it cannot remove). "
-        "In-graph ps trains; documented in docs/semantics.md, Parameter servers")))])
+@pytest.mark.parametrize("strategy", ["allreduce", "hybrid", "ps"])
 def test_the_cifar10_tutorial_rewrites_between_graph(strategy):
-    """Each worker's graph of a two-worker cluster (with a ps task for ps and hybrid)."""
+    """Each worker's graph of a two-worker cluster (with a ps task for ps and hybrid).
+    Under ps the tutorial's gradients wait for its loss averages, which only the chief
+    updates, after its take mid-step: another worker's gradients do not wait for them
+    (tests/test_cluster.py trains it on loopback servers)."""
     cluster = {"worker": ["w0:2222", "w1:2222"]}
     if strategy != "allreduce":
         cluster["ps"] = ["p0:2222"]

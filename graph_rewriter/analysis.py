@@ -552,7 +552,7 @@ class _Analyzer:
 
     def _primary_variable(self, cut, variant):
         if cut.kind == "sparse":
-            gathered = _gathered_variable(cut.indices)
+            gathered = _gathered_variable(cut.indices, cut.variables)
             if gathered is not None and gathered.name in self.variables:
                 if gathered.name not in cut.variables:
                     cut.variables.insert(0, gathered.name)
@@ -841,11 +841,13 @@ def _is_pure_initial_value(node):
     return True
 
 
-def _gathered_variable(indices):
+def _gathered_variable(indices, prefer=()):
     """The variable whose forward gather (embedding lookup) produced these gradient
     indices: TensorFlow's gather gradient reshapes the lookup's ids, and optimizers and
-    gradient aggregation pass them through Unique and ConcatV2."""
-    stack, seen = [indices], set()
+    gradient aggregation pass them through Unique and ConcatV2. When the same ids gather
+    from several variables (nce_loss gathers its weights and its biases by the same
+    sampled ids), the one named in ``prefer`` (the variables the gradient updates)."""
+    stack, seen, first = [indices], set(), None
     while stack:
         t = stack.pop()
         if t in seen or len(seen) > 64:
@@ -856,14 +858,16 @@ def _gathered_variable(indices):
                 names = opdefs.input_arg_names(c)
                 if names[pos] == "indices":
                     var = variable_of(c.inputs[0])
-                    if var is not None:
+                    if var is not None and (var.name in prefer or not prefer):
                         return var
+                    if var is not None and first is None:
+                        first = var
         n = t.node
         if n.op in ("Identity", "Reshape", "Cast", "Unique", "UniqueV2", "Snapshot"):
             stack.append(n.inputs[0])
         elif n.op == "ConcatV2":
             stack.extend(n.inputs[:-1])
-    return None
+    return first
 
 
 class _PostProcessingWalk:

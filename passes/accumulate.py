@@ -32,7 +32,7 @@ tagged with the worker's own step count (``graph_rewriter/worker_step/<k>``); th
 take for applied step t reads accumulator t mod (s + 1). Each take then averages exactly
 the R gradients of one step.
 
-Each replica's applies are joined in one marker node (``<prefix>graph_rewriter/
+Between-graph, each replica's applies are joined in one marker node (``<prefix>graph_rewriter/
 gradients_applied``), which the sync_queues pass makes the worker wait for. Asynchronous
 training (sync=False) uses no accumulator: each replica applies its own gradient.
 
@@ -94,8 +94,11 @@ class AccumulatePass(Pass):
                 with graph.adding_to_replica(i):
                     per_replica[i].append(self._apply(graph, ctx, st, cut, accs, i))
             takes.append(self._take(graph, ctx, st, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
+        # (Between-graph only: in-graph nothing waits for a marker, and a sink nobody runs
+        # that runs one replica's copy of a collective, a BatchNorm statistic's all-reduce
+        # its gradients wait for, would fail check_collectives_run.)
         markers = [graph.add_node(graph.unique_name(rm.prefixes[i] + APPLIED), "NoOp", control_inputs=done)
-                   for i, done in enumerate(per_replica)]
+                   for i, done in enumerate(per_replica)] if ctx.cluster.task is not None else []
         for i, m in enumerate(markers):
             m.replica = i
         own_steps = set(markers)

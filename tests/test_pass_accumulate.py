@@ -100,12 +100,15 @@ def test_the_init_op_resets_every_accumulators_step():
         assert len(resets) == 1 and resets[0] in init.control_inputs
 
 
-def test_each_replica_marks_its_applies_done():
+def test_each_replica_marks_its_applies_done_between_graph():
     """
         replica i's applies (w, b) --> NoOp (replica i): what sync_queues waits for
+
+    In-graph nothing waits for a marker: there is none (a sink nobody runs would be
+    taken for a root by check_collectives_run).
     """
     g = dense()
-    ctx = context(PS2_WORKERS2, strategy="ps")
+    ctx = context(PS2_WORKERS2, task=("worker", 1), strategy="ps", devices_per_worker=2)
     accumulate(g, ctx)
     markers = [n for n in ops(g, "NoOp")
                if n.control_inputs and all(c.op in APPLIES for c in n.control_inputs)]
@@ -113,6 +116,23 @@ def test_each_replica_marks_its_applies_done():
     for m in markers:
         assert len(m.control_inputs) == 2
         assert {replica_of(ctx, g, c) for c in m.control_inputs} == {replica_of(ctx, g, m)}
+    g = dense()
+    accumulate(g, context(PS2_WORKERS2, strategy="ps"))
+    assert not [n for n in ops(g, "NoOp") if n.control_inputs and all(c.op in APPLIES for c in n.control_inputs)]
+
+
+def test_batchnorm_statistics_all_reduced_with_gradients_on_the_ps_in_graph():
+    """strategy="auto" on two workers of two devices puts BatchNorm's weights on the ps
+    and all-reduces its statistics. With control_dependencies(update_ops) around minimize
+    each replica's gradients, and so its applies, wait for its copy of the statistics'
+    all-reduce. A marker joining one replica's applies would be a root that runs one copy
+    only: the rewrite used to fail check_collectives_run on it."""
+    import graph_rewriter as gr
+    from graph_rewriter.testing import models
+    ex = models.build("batchnorm", "sgd", update_ops="control")
+    result = gr.rewrite(ex.graph_def, PS2_WORKERS2, strategy="auto", devices_per_worker=2, device_type="CPU")
+    syncs = {c.variable: c.sync for c in result.plan.cuts}
+    assert syncs["bn/moving_mean"] == "allreduce" and syncs["hidden/kernel"] == "accumulate", syncs
 
 
 def test_a_sparse_gradient_is_summed_sorted_and_divided_by_the_replicas():

@@ -94,6 +94,9 @@ def build_inputs(out_dir, keras=False):
     graphs["script_cifar10_tutorial"] = tf1_scripts.cifar10_tutorial(["data_batch_1.bin", "data_batch_2.bin"],
                                                                      8).graph_def
     graphs["script_gan"] = tf1_scripts.gan()[0]
+    graphs["script_word2vec"] = tf1_scripts.word2vec(8)[0]
+    # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
+    graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:
         graphs[f"real_{model}"] = real_models.build(model)[0].graph_def
     if keras:

@@ -1,8 +1,9 @@
 """Single-device training graphs in the style of TF1 scripts that drive their data and
 their steps themselves: TF1 queue input (tf.train.batch over input producers and
-readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops. Written here from
-the scripts' public descriptions; used by tests/test_queue_inputs.py,
-tests/test_two_train_ops.py and tools/compare_outputs.py.
+readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
+word2vec tutorial. Written here from the scripts' public descriptions; used by
+tests/test_queue_inputs.py, tests/test_two_train_ops.py, tests/test_word2vec.py and
+tools/compare_outputs.py.
 """
 
 import numpy as np
@@ -224,3 +225,55 @@ def gan():
         tf1.global_variables_initializer()
         names = [v.op.name for v in tf1.global_variables()]
     return g.as_graph_def(), names
+
+
+WORD2VEC_VOCAB, WORD2VEC_DIM, WORD2VEC_SAMPLED = 60, 8, 6   # the tutorial's 50000, 128, 64
+
+
+def word2vec(batch):
+    """TensorFlow's basic word2vec tutorial (word2vec_basic.py), from its public
+    description, scaled down: skip-gram pairs fed in batches of a static size
+    (``x`` [batch] int32 centre words, ``y`` [batch, 1] int64 context words), an
+    embedding lookup, tf.nn.nce_loss (its weights and biases gathered by the same ids:
+    the labels and the sampled candidates), SGD with learning rate 1.0, global_step,
+    the cosine similarity of a few validation words to the whole vocabulary (a fetch of
+    its own), a loss summary and a Saver. Returns (GraphDef, variable names)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(5)
+        x = tf1.placeholder(tf.int32, [batch], name="x")
+        y = tf1.placeholder(tf.int64, [batch, 1], name="y")
+        valid = tf.constant([1, 3, 7], tf.int32, name="valid_words")
+        embeddings = tf1.get_variable("embeddings", [WORD2VEC_VOCAB, WORD2VEC_DIM],
+                                      initializer=tf1.random_uniform_initializer(-1.0, 1.0))
+        embed = tf.nn.embedding_lookup(embeddings, x)
+        nce_weights = tf1.get_variable("nce_weights", [WORD2VEC_VOCAB, WORD2VEC_DIM],
+                                       initializer=tf1.truncated_normal_initializer(stddev=WORD2VEC_DIM ** -0.5))
+        nce_biases = tf1.get_variable("nce_biases", [WORD2VEC_VOCAB], initializer=tf1.zeros_initializer())
+        loss = tf.reduce_mean(tf.nn.nce_loss(weights=nce_weights, biases=nce_biases, labels=y, inputs=embed,
+                                             num_sampled=WORD2VEC_SAMPLED, num_classes=WORD2VEC_VOCAB),
+                              name="loss")
+        tf1.summary.scalar("loss", loss)
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.GradientDescentOptimizer(1.0).minimize(loss, global_step=step, name="train_op")
+        norm = tf.sqrt(tf.reduce_sum(tf.square(embeddings), 1, keepdims=True))
+        normalized = embeddings / norm
+        tf.matmul(tf.nn.embedding_lookup(normalized, valid), normalized, transpose_b=True, name="similarity")
+        tf1.summary.merge_all(name="summaries")
+        tf1.global_variables_initializer()
+        tf1.train.Saver()
+        names = [v.op.name for v in tf1.global_variables()]
+    return g.as_graph_def(), names
+
+
+def word2vec_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` skip-gram pairs drawn from a small random corpus."""
+    rng = np.random.RandomState(seed)
+    corpus = rng.zipf(1.5, size=4000) % WORD2VEC_VOCAB
+    out = []
+    for _ in range(steps):
+        at = rng.randint(1, len(corpus) - 1, size=batch)
+        context = at + rng.choice([-1, 1], size=batch)
+        out.append({"x:0": corpus[at].astype(np.int32), "y:0": corpus[context].astype(np.int64)[:, None]})
+    return out

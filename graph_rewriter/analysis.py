@@ -101,6 +101,9 @@ class GradientCut:
     # The ops nothing reads whose run applies this update, when they differ between cuts
     # (a GAN's discriminator and generator train ops, each run at steps of its own).
     train_ops: list = None
+    # A state whose value is a sum or a count over the batch's rows: "sum" (the
+    # replicas' values add up to one device's); None: averaged (a batch mean).
+    combine: str = None
 
 
 @dataclasses.dataclass
@@ -661,6 +664,7 @@ class _Analyzer:
                     self.declared_trainable is None or cut.variable not in self.declared_trainable):
                 primary.role = "state"
                 cut.role = "state"
+                cut.combine = batch_combine(cut.values)
             else:
                 primary.role, primary.trainable = "trainable", True
                 cut.role = "gradient"
@@ -839,6 +843,24 @@ def _is_pure_initial_value(node):
                 seen.add(t.node)
                 stack.append(t.node)
     return True
+
+
+# Ops that pass a value on unchanged in kind: what they output is a sum, or a count, if
+# their input is one.
+_KEEPS_KIND = frozenset(("Cast", "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"))
+_SUMS = frozenset(("Sum", "Size", "Shape", "ShapeN"))
+
+
+def batch_combine(values):
+    """How the replicas' values of a batch statistic make one device's: "sum" when the
+    value is a sum over the rows (``tf.reduce_sum``, and TensorFlow's metrics' running
+    totals) or a count of them (``tf.size``, ``tf.shape(x)[0]``); None (averaged) for
+    anything else, a mean above all (BatchNorm's moments). Walks back through casts and
+    reshapes, and a slice of a shape."""
+    n = values.node
+    while n.op in _KEEPS_KIND or (n.op == "StridedSlice" and n.inputs[0].node.op in ("Shape", "ShapeN")):
+        n = n.inputs[0].node
+    return "sum" if n.op in _SUMS else None
 
 
 def _gathered_variable(indices, prefer=()):

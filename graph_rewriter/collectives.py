@@ -148,11 +148,12 @@ def _key_inputs(graph, scope, group_size, gkey, ikey, device):
             const(graph, f"{scope}/group_key", gkey, "int32", device), key]
 
 
-def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
-    """CollectiveReduceV2 summing ``tensor`` over the group and dividing by its size."""
+def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=(), final_op="Div"):
+    """CollectiveReduceV2 summing ``tensor`` over the group and dividing by its size
+    (``final_op="Id"``: the sum, for an integer count)."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
     return make_op(graph, "CollectiveReduceV2", f"{scope}/all_reduce", inputs,
-                   attrs={"merge_op": "Add", "final_op": "Div", "communication_hint": "auto",
+                   attrs={"merge_op": "Add", "final_op": final_op, "communication_hint": "auto",
                           "timeout_seconds": 0.0},
                    device=device, control_inputs=control_inputs)
 

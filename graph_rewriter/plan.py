@@ -45,6 +45,9 @@ class CutPlan:
     # the train ops that apply this update, when not every gradient's are the same (a
     # GAN): gradients of different train ops go in different packs; None: absent from the JSON
     train_ops: list = None
+    # a state update that is a sum or a count over the batch: "sum" (the replicas' values
+    # are added, not averaged); None: averaged (absent from the JSON)
+    combine: str = None
 
 
 @dataclasses.dataclass
@@ -192,6 +195,8 @@ class Plan:
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
+            if c["combine"] is None:
+                del c["combine"]
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]

@@ -261,9 +261,11 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
             variable=c.variable, kind=c.kind, values=c.values.name,
             indices=c.indices.name if c.indices is not None else None,
             deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
-            sync=sync, dtype=dtype_name(var.dtype), shape=var.shape, bytes=var.nbytes,
+            # (a state's update may cast its value: tf.metrics' count is a float of a Size)
+            sync=sync, dtype=dtype_name(dtype_of(c.values) if c.role == "state" else var.dtype),
+            shape=var.shape, bytes=var.nbytes,
             variables=list(c.variables), received=list(c.received),
-            post_processing=list(c.post_processing), train_ops=c.train_ops,
+            post_processing=list(c.post_processing), train_ops=c.train_ops, combine=c.combine,
             rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
             index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
@@ -410,7 +412,7 @@ def assign_packs(plan, bytes_per_pack, alone_bytes=None):
         if c.sync != "allreduce":
             continue
         size = c.bytes
-        key = (c.dtype, c.role == "state", tuple(c.train_ops or ()))
+        key = (c.dtype, c.role == "state", tuple(c.train_ops or ()), c.combine)
         p = open_pack.get(key)
         alone = alone_bytes is not None and size is not None and size >= alone_bytes
         if p is None or size is None or alone or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):

@@ -151,9 +151,9 @@ class AccumulatePass(Pass):
             suffix = "" if st.slots == 1 else f"_{j}"
             acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
                           f"{ACCUMULATORS}/{cut.variable}{suffix}", [], device=dev,
-                          attrs={"dtype": dtypes.as_dtype(cut.dtype), "shape": shape_attr(cut.shape),
+                          attrs={"dtype": _wire_dtype(cut), "shape": shape_attr(cut.shape),
                                  "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients{suffix}"),
-                                 "reduction_type": "SUM" if sparse else "MEAN"})
+                                 "reduction_type": "SUM" if sparse or cut.combine == "sum" else "MEAN"})
             # An earlier run's gradients may still be in it (a step cancelled after some
             # replicas applied theirs): setting its step to 0 would keep them, since they
             # are tagged with later steps, and the first take would average them in. So
@@ -164,7 +164,7 @@ class AccumulatePass(Pass):
             switch = make_op(graph, "Switch", f"{acc.name}/drain_switch", [left.output(0), some.output(0)], device=dev)
             drain = make_op(graph, "SparseAccumulatorTakeGradient" if sparse else "AccumulatorTakeGradient",
                             f"{acc.name}{DRAIN}", [acc.output(0), switch.output(1)],
-                            type_attrs={"dtype": dtypes.as_dtype(cut.dtype)}, device=dev)
+                            type_attrs={"dtype": _wire_dtype(cut)}, device=dev)
             drained = make_op(graph, "Identity", f"{acc.name}/drained", [switch.output(1)], device=dev,
                               control_inputs=[drain])
             empty = make_op(graph, "Merge", f"{acc.name}/empty", [[switch.output(0), drained.output(0)]], device=dev)
@@ -183,6 +183,9 @@ class AccumulatePass(Pass):
         dev = accs[0].device
         s = f"{rm.prefixes[i]}{ACCUMULATORS}/{cut.variable}/apply"
         values = rm.tensor(graph, i, cut.values)
+        if _integer(cut):
+            values = make_op(graph, "Cast", f"{s}/as_float", [values], attrs={"DstT": _wire_dtype(cut)},
+                             device=rm.devices[i], replica=i).output(0)
         inputs = [values]
         if cut.kind == "sparse":
             indices = rm.tensor(graph, i, cut.indices)
@@ -219,7 +222,7 @@ class AccumulatePass(Pass):
         rm = ctx.replicas
         dev = accs[0].device
         scope = f"{ACCUMULATORS}/{cut.variable}"
-        dtype = dtypes.as_dtype(cut.dtype)
+        dtype = _wire_dtype(cut)
         sparse = cut.kind == "sparse"
         op = "SparseAccumulatorTakeGradient" if sparse else "AccumulatorTakeGradient"
         r = const(graph, f"{scope}/num_required", rm.group_size, "int32", dev)
@@ -241,7 +244,11 @@ class AccumulatePass(Pass):
             take = outs[0].node
         master_values = rm.tensor(graph, 0, cut.values)
         if not sparse:
-            st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, outs[0])))
+            taken = outs[0]
+            if _integer(cut):
+                taken = make_op(graph, "Cast", f"{scope}/as_integer", [taken], attrs={"DstT": dtypes.as_dtype(cut.dtype)},
+                                device=dev).output(0)
+            st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, taken)))
             return take
         mean = make_op(graph, "RealDiv", f"{scope}/mean",
                        [outs[1], const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
@@ -257,6 +264,16 @@ class AccumulatePass(Pass):
         st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, mean)))
         st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_indices, indices, keep)))
         return take
+
+
+def _integer(cut):
+    """An integer state (a count of examples, of correct predictions): TensorFlow's
+    accumulators hold floating point only, so it travels as float64 (exact below 2**53)."""
+    return not dtypes.as_dtype(cut.dtype).is_floating
+
+
+def _wire_dtype(cut):
+    return dtypes.float64 if _integer(cut) else dtypes.as_dtype(cut.dtype)
 
 
 class _Step:

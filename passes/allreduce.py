@@ -35,7 +35,9 @@ replicated mode on CPU, do the same).
 Sparse gradients planned as "allreduce" (sparse_as_dense) are first scattered into a
 dense tensor of the variable's shape and handed back as (every row, row ids).
 BatchNorm moving statistics and other batch-dependent state updates are packed and
-averaged the same way.
+averaged the same way, except sums and counts over the batch (plan: ``combine="sum"``,
+such as a count of examples, or tf.metrics' running totals), which are summed: the
+replicas' sums add up to one device's.
 """
 
 from graph_rewriter import dtypes
@@ -70,7 +72,7 @@ class AllReducePass(Pass):
             if pack.algorithm == "reduce_to_one":
                 members = [cuts[v] for v in pack.cuts]
                 packed = {i: self._pack(graph, ctx, memo, i, p, members) for i in rm.built}
-                mean = _mean_on_one_device(graph, ctx, p, [packed[i][0] for i in rm.built])
+                mean = _mean_on_one_device(graph, ctx, p, [packed[i][0] for i in rm.built], _summed(pack, cuts))
                 for i in rm.built:
                     with graph.adding_to_replica(i):   # it reads the global mean only
                         self._unpack(graph, ctx, memo, i, p, members, mean, *packed[i][1:])
@@ -137,12 +139,13 @@ class AllReducePass(Pass):
         device = rm.devices[i]
         scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
         controls = [previous] if previous is not None else []
+        final_op = "Id" if _summed(ctx.plan.packs[p], {c.variable: c for c in ctx.plan.cuts}) else "Div"
         if ctx.plan.packs[p].algorithm == "hierarchical":
             wire = dtypes.as_dtype(ctx.plan.packs[p].dtype)
             wire_dtype = dtypes.as_dtype(_COMPRESS[ctx.options.compression]) if compressed else wire
-            return _two_level_mean(graph, ctx, i, p, scope, packed, size, wire_dtype, device, controls)
+            return _two_level_mean(graph, ctx, i, p, scope, packed, size, wire_dtype, device, controls, final_op)
         return all_reduce_mean(graph, scope, packed, rm.group_size, gkey, dense_instance_key(ctx.plan, p), device,
-                               control_inputs=controls)
+                               control_inputs=controls, final_op=final_op)
 
     def _unpack(self, graph, ctx, memo, i, p, cuts, out, sizes, readers, compressed):
         """Hands replica ``i``'s readers of the pack's gradients their slices of the mean ``out``."""
@@ -185,7 +188,13 @@ class AllReducePass(Pass):
                        device=device).output(0)
 
 
-def _mean_on_one_device(graph, ctx, p, packed):
+def _summed(pack, cuts):
+    """A pack of sums or counts over the batch (the planner packs them apart) is summed,
+    not averaged."""
+    return cuts[pack.cuts[0]].combine == "sum"
+
+
+def _mean_on_one_device(graph, ctx, p, packed, summed=False):
     """Pack ``p``'s mean over every replica, computed once on one replica's device: an
     AddN of every replica's pack, divided by the replica count. Each replica reads it
     from there (TensorFlow's own copy between devices; none between CPU devices of one
@@ -196,15 +205,17 @@ def _mean_on_one_device(graph, ctx, p, packed):
     device = rm.devices[p % rm.num_local]
     scope = f"allreduce/pack_{p}"
     total = make_op(graph, "AddN", f"{scope}/sum", [packed], device=device, replica=GLOBAL)
+    if summed:
+        return total.output(0)
     dtype = dtypes.as_dtype(dtype_of(packed[0])).name
     count = const(graph, f"{scope}/replicas", rm.group_size, dtype, device, replica=GLOBAL)
     return make_op(graph, "Div", f"{scope}/mean",   # the collectives' final_op, for the same rounding
                    [total.output(0), count], device=device, replica=GLOBAL).output(0)
 
 
-def _two_level_mean(graph, ctx, i, p, scope, packed, size, dtype, device, controls):
-    """The hierarchical pack's mean on local replica ``i`` (module doc): the node whose
-    output 0 is the mean over every replica."""
+def _two_level_mean(graph, ctx, i, p, scope, packed, size, dtype, device, controls, final_op="Div"):
+    """The hierarchical pack's mean (``final_op="Id"``: sum) on local replica ``i``
+    (module doc): the node whose output 0 is the mean over every replica."""
     rm, plan = ctx.replicas, ctx.plan
     d = plan.devices_per_worker
     within, leaders = worker_groups(rm.group_devices, d)
@@ -212,12 +223,12 @@ def _two_level_mean(graph, ctx, i, p, scope, packed, size, dtype, device, contro
     local = within[rank // d]
     reduce_key, broadcast_key = hierarchical_instance_keys(plan, p)
     local_mean = all_reduce_mean(graph, f"{scope}/within", packed, d, group_key(local), reduce_key, device,
-                                 control_inputs=controls)
+                                 control_inputs=controls, final_op=final_op)
     if rank % d:
         return broadcast_recv(graph, f"{scope}/back", [size], dtype, d, group_key(local), broadcast_key, device,
                               control_inputs=[local_mean])
     mean = all_reduce_mean(graph, f"{scope}/across", local_mean.output(0), len(leaders), group_key(leaders),
-                           dense_instance_key(plan, p), device)
+                           dense_instance_key(plan, p), device, final_op=final_op)
     return broadcast_send(graph, f"{scope}/back", mean.output(0), d, group_key(local), broadcast_key, device)
 
 

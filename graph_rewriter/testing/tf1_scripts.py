@@ -1,9 +1,9 @@
 """Single-device training graphs in the style of TF1 scripts that drive their data and
 their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
-word2vec tutorial. Written here from the scripts' public descriptions; used by
-tests/test_queue_inputs.py, tests/test_two_train_ops.py, tests/test_word2vec.py and
-tools/compare_outputs.py.
+word2vec tutorial, a script's counts of its batches. Written here from the scripts'
+public descriptions; used by tests/test_queue_inputs.py, tests/test_two_train_ops.py,
+tests/test_word2vec.py, tests/test_batch_counts.py and tools/compare_outputs.py.
 """
 
 import numpy as np
@@ -277,3 +277,37 @@ def word2vec_batches(steps, batch, seed=0):
         context = at + rng.choice([-1, 1], size=batch)
         out.append({"x:0": corpus[at].astype(np.int32), "y:0": corpus[context].astype(np.int64)[:, None]})
     return out
+
+
+def counts_script():
+    """Counts a TF1 training script keeps of its batches: the examples seen (assign_add
+    of tf.shape(x)[0], int32), the correct predictions (int64), a running sum of the mean
+    loss, and tf.compat.v1.metrics.accuracy (its running total and count, local
+    variables: run "init_1" too); a softmax classifier on x [None, 3], y [None] (4
+    classes) trained by SGD. Returns the GraphDef."""
+    tf, tf1 = _tf()
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(3)
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        w = tf1.get_variable("w", [3, 4])
+        logits = tf.matmul(x, w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        predictions = tf.argmax(logits, 1)
+
+        def counter(name, dtype):
+            return tf1.get_variable(name, [], dtype, initializer=tf1.zeros_initializer(), trainable=False)
+
+        seen = counter("examples_seen", tf.int32).assign_add(tf.shape(x)[0])
+        correct = counter("correct_seen", tf.int64).assign_add(
+            tf.reduce_sum(tf.cast(tf.equal(predictions, y), tf.int64)))
+        loss_sum = counter("loss_sum", tf.float32).assign_add(loss)
+        accuracy, accuracy_update = tf1.metrics.accuracy(y, predictions, name="accuracy")
+        tf.identity(accuracy, name="accuracy_value")
+        step = tf1.train.get_or_create_global_step()
+        minimize = tf1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step)
+        tf.group(minimize, seen, correct, loss_sum, accuracy_update, name="train_op")
+        tf1.global_variables_initializer()
+        tf1.local_variables_initializer()
+    return graph.as_graph_def()

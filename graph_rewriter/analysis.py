@@ -33,11 +33,13 @@ from graph_rewriter.protos import types_pb2
 from graph_rewriter import dtypes, opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import Tensor
+from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.op_vocabulary import (
     DENSE_ASSIGNS, ELEMENTWISE, FUNCTION_CALLS, INCREMENTS, ITERATOR_GET_NEXT, LINEAR_SCATTERS,
     PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, QUEUE_BATCH_DEQUEUES, QUEUES, READERS, SAVER_OPS,
     VARIABLE_OPS)
-from graph_rewriter.traversal import absorb_exclusive_ancestors, ancestors, descendants, topological_order
+from graph_rewriter.traversal import (absorb_exclusive_ancestors, ancestors, descendants, is_back_edge,
+                                      topological_order)
 
 HINTS_COLLECTION = "graph_rewriter_gradients"
 
@@ -124,6 +126,9 @@ class Analysis:
     # groups of cut variables whose gradients meet in post-processing before the updates
     # (a global norm couples every gradient it reads): they must be averaged alike
     coupled: list = dataclasses.field(default_factory=list)
+    # Tensor: a loss's divisor that is a sum over the batch's values (a count of tokens, a
+    # sum of weights): each replica's differs, and one device divides by their total
+    normalizers: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -227,8 +232,9 @@ class _Analyzer:
         cuts.sort(key=lambda c: self.position[c.values.node])
         _set_train_ops(cuts, self.variables, self.saver_nodes)
         coupled = self._coupled(cuts, variant)
+        normalizers = self._find_normalizers(seeds, variant0)
         return Analysis(
-            coupled=coupled,
+            coupled=coupled, normalizers=normalizers,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -652,6 +658,38 @@ class _Analyzer:
                 f"does not recognise",
                 hint="name the gradient with rewrite(..., gradients={'%s': 'tensor:0'})" % var.name)
 
+    # ---- normalizers -----------------------------------------------------------------
+    def _find_normalizers(self, seeds, variant0):
+        """The divisors of a loss normalised by a sum over the batch's values: the
+        masked mean of a sequence model, ``reduce_sum(xent * mask) / reduce_sum(mask)``,
+        and ``tf.compat.v1.losses`` with ``weights`` (SUM_BY_NONZERO_WEIGHTS divides by
+        the count of non-zero weights). A divisor counts when it is a ``Sum`` over every
+        axis (``axis=None``), through casts and arithmetic with constants, whose value depends on a
+        batch input's values (not only its shape: ``tf.shape(x)[0]`` is the same on every
+        replica) and on no trainable variable, and whose dividend depends on one. Each
+        replica would divide by its own shard's sum, and averaging the replicas'
+        gradients would weight the shards alike, not by their counts."""
+        seed_nodes = {t.node for t in seeds}
+        trainable = {v.node for v in self.variables.values() if v.trainable}
+        out, seen = [], set()
+        for n in self.order:
+            if n.op not in _DIVISIONS or n not in variant0 or len(n.inputs) != 2:
+                continue
+            divisor = n.inputs[1]
+            if divisor in seen or divisor.node not in variant0 or not dtypes.as_dtype(
+                    dtype_of(divisor)).is_floating:
+                continue
+            seen.add(divisor)
+            total = _the_sum(divisor.node)
+            if total is None or not _sums_every_axis(total):
+                continue
+            reached = _value_ancestors(divisor.node)
+            if reached & trainable or not reached & seed_nodes:
+                continue
+            if _value_ancestors(n.inputs[0].node) & trainable:
+                out.append(divisor)
+        return out
+
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
@@ -843,6 +881,59 @@ def _is_pure_initial_value(node):
                 seen.add(t.node)
                 stack.append(t.node)
     return True
+
+
+_DIVISIONS = frozenset(("RealDiv", "Div", "DivNoNan"))
+# Ops whose output's value depends on their input's shape only.
+_SHAPE_ONLY = frozenset(("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"))
+
+
+def _value_ancestors(node):
+    """Every node ``node``'s value depends on through data edges, not looking past ops
+    whose value is their input's shape (Shape, Size, OnesLike, ...)."""
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        if n.op in _SHAPE_ONLY:
+            continue
+        for t in n.inputs:
+            if t.node not in seen and not is_back_edge(t.node, n):
+                seen.add(t.node)
+                stack.append(t.node)
+    return seen
+
+
+def _the_sum(node):
+    """The Sum ``node`` is, through casts and arithmetic with a constant
+    (``tf.maximum(count, 1.0)``, ``count + epsilon``), or None."""
+    while True:
+        if node.op == "Sum":
+            return node
+        if node.op in ("Cast", "Identity"):
+            node = node.inputs[0].node
+            continue
+        if node.op in ("Maximum", "Minimum", "Add", "AddV2") and len(node.inputs) == 2:
+            consts = [t for t in node.inputs if t.node.op == "Const"]
+            if len(consts) == 1:
+                node = next(t.node for t in node.inputs if t.node.op != "Const")
+                continue
+        return None
+
+
+def _sums_every_axis(total):
+    """True if a Sum reduces every axis of its input, as ``tf.reduce_sum(x)`` builds it:
+    a Range(0, Rank(x)) of axes, or the constant 0, 1, ..., k-1 with k >= 2 (one axis,
+    [0], could be the time axis of a time-major [T, B] tensor: its sum keeps the batch,
+    which must not be averaged across replicas)."""
+    axes = total.inputs[1].node
+    if axes.op == "Range":
+        start = axes.inputs[0].node
+        return (start.op == "Const" and dtypes.int_scalar(start.attr["value"].tensor) == 0
+                and axes.inputs[1].node.op == "Rank")
+    if axes.op == "Const":
+        values = dtypes.int_values(axes.attr["value"].tensor)
+        return values is not None and len(values) >= 2 and list(values) == list(range(len(values)))
+    return False
 
 
 # Ops that pass a value on unchanged in kind: what they output is a sum, or a count, if

@@ -98,6 +98,21 @@ def init_instance_key(plan, pack_index):
     return instance_base(plan) + len(plan.packs) + _SPARSE_BLOCK * gathered + pack_index
 
 
+def normalizer_instance_key(plan, index):
+    """Instance key of the all-reduce of the index-th loss normalizer (a sum over the
+    batch a loss divides by: passes/normalizers.py). They count down below the keys the
+    hierarchical all-reduce reserves (two per pack), and must not reach the keys counting
+    up from the start (packs, gathers, then two initial-value broadcasts per dtype of the
+    mirrored variables)."""
+    key = instance_base(plan) + _INSTANCE_SLOTS - 1 - 2 * _BARRIERS - 2 * len(plan.packs) - index
+    dtypes_mirrored = len({v.dtype for v in plan.variables if v.placement == "mirrored"})
+    if key <= init_instance_key(plan, 2 * dtypes_mirrored):
+        raise GraphRewriteError(f"too many packs and loss normalizers ({len(plan.packs)}, {index + 1}) "
+                                "for one rewrite's collective keys",
+                                hint="use larger packs (bytes_per_pack)")
+    return key
+
+
 _BARRIERS = 32               # per kind: ops the user runs that end with a workers' barrier
 
 

@@ -142,6 +142,18 @@ def make_tensor_proto(array, dtype):
     return proto
 
 
+def int_values(proto):
+    """Every value of an integer TensorProto, flattened (a repeated single value, as
+    TensorFlow stores a filled tensor, counts once per element when the shape says so)."""
+    count = int(np.prod([d.size for d in proto.tensor_shape.dim])) if proto.tensor_shape.dim else 1
+    if proto.tensor_content:
+        return [int(v) for v in np.frombuffer(proto.tensor_content, dtype=DType(proto.dtype).as_numpy_dtype)]
+    values = [int(v) for v in (proto.int_val or proto.int64_val)]
+    if values and len(values) < count:
+        values += [values[-1]] * (count - len(values))
+    return values
+
+
 def int_scalar(proto):
     """The first value of an integer TensorProto (a Const's ``value``): from int_val or
     int64_val, else from tensor_content; 0 when it holds none (a proto's default)."""

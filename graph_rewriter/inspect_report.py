@@ -111,6 +111,7 @@ def report(result, batch_size=None):
     ps_dense = sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense")
     return {
         "strategy": plan["strategy"], "notes": list(plan.get("notes") or []), "num_replicas": r,
+        **({"normalizers": list(plan["normalizers"])} if plan.get("normalizers") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
         "inputs": _inputs(md, nodes),
@@ -234,6 +235,9 @@ def format_report(rep):
     """The report as readable text."""
     lines = [f"strategy:   {rep['strategy']}"]
     lines += [f"note:       {note}" for note in rep.get("notes") or []]
+    if rep.get("normalizers"):
+        lines.append("loss normalizers (sums over the batch a loss divides by, averaged across replicas): "
+                     + ", ".join(rep["normalizers"]))
     lines.append(f"replicas:   {rep['num_replicas']}")
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))

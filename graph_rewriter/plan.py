@@ -152,6 +152,10 @@ class Plan:
     # short remarks on the plan a user should see (inspect and the summary print them),
     # e.g. that hybrid found no sparse gradient; None or empty: absent from the JSON
     notes: list = None
+    # tensors a loss divides by that are sums over the batch (a count of tokens): every
+    # replica divides by their mean over the replicas (passes/normalizers.py); None:
+    # none, and absent from the JSON
+    normalizers: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -192,6 +196,8 @@ class Plan:
             del d["notes"]
         if d["alone_bytes"] is None:
             del d["alone_bytes"]
+        if d["normalizers"] is None:
+            del d["normalizers"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]

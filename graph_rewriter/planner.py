@@ -48,6 +48,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
     _note_queues_without_runners(result, graph, info)
+    _plan_normalizers(result, analysis, cluster, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -149,6 +150,36 @@ def _note_queues_without_runners(plan, graph, log):
     if queued and (meta is None or "queue_runners" not in meta.collection_def):
         notes.append(QUEUES_WITHOUT_RUNNERS)
         log(f"plan: {QUEUES_WITHOUT_RUNNERS}")
+    plan.notes = notes or None
+
+
+UNSYNCED_NORMALIZERS = ("the loss divides by a sum over the batch (a count of tokens or of non-zero weights: "
+                       "{names}); without collectives between the workers (a ps plan across machines) each "
+                       "replica divides by its own shard's, which equals one device only when the shards' sums "
+                       "are equal (strategy allreduce or hybrid averages it)")
+
+
+def _plan_normalizers(plan, analysis, cluster, log):
+    """The loss normalizers the analysis found (sums over the batch a loss divides by)
+    are averaged across replicas by a collective, so each replica's loss is its share of
+    one device's. A collective needs every replica in one collective group: in one
+    task, or where the plan already all-reduces or gathers between tasks. Otherwise (a
+    parameter-server plan across machines) they stay per replica, and the plan says so.
+    A given plan keeps its own choice."""
+    notes = [n for n in plan.notes or [] if not n.startswith(UNSYNCED_NORMALIZERS[:40])]
+    names = [t.name for t in analysis.normalizers]
+    collectives = (len(cluster.compute_tasks) == 1 or any(v.placement == "mirrored" for v in plan.variables)
+                   or any(c.sync in ("allreduce", "allgather") for c in plan.cuts))
+    if plan.num_replicas < 2 or not names:
+        plan.normalizers = None
+    elif collectives:
+        if plan.normalizers is None:
+            plan.normalizers = names
+            log(f"plan: the loss divides by a sum over the batch, averaged across replicas: {', '.join(names)}")
+    else:
+        plan.normalizers = None
+        notes.append(UNSYNCED_NORMALIZERS.format(names=", ".join(names)))
+        log(f"plan: {notes[-1]}")
     plan.notes = notes or None
 
 

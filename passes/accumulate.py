@@ -246,8 +246,8 @@ class AccumulatePass(Pass):
         if not sparse:
             taken = outs[0]
             if _integer(cut):
-                taken = make_op(graph, "Cast", f"{scope}/as_integer", [taken], attrs={"DstT": dtypes.as_dtype(cut.dtype)},
-                                device=dev).output(0)
+                taken = make_op(graph, "Cast", f"{scope}/as_integer", [taken],
+                                attrs={"DstT": dtypes.as_dtype(cut.dtype)}, device=dev).output(0)
             st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, taken)))
             return take
         mean = make_op(graph, "RealDiv", f"{scope}/mean",

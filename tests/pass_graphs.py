@@ -6,6 +6,8 @@ Each builder returns a fresh GraphItem of a one-layer model, small enough to dra
              backward: d loss/d w --> ApplyGradientDescent(w), d loss/d b --> ApplyGradientDescent(b)
     sparse:  ids --> Gather(table) --> Sum --> loss;  d loss/d table is IndexedSlices
              (rows + ids) --> ResourceScatterAdd-style sparse update of table
+    masked:  x --> MatMul(w) --> squared error e, masked twice: loss = sum(e * m1) / sum(m1)
+             + sum(e * m2) / sum(m2) (two means over the rows each mask keeps)
 
 Queries find nodes by their role (op type, what they read, what reaches what), never by
 the names a pass generates or by input positions, so a test states structure that
@@ -57,6 +59,25 @@ def sparse(optimizer="sgd", rows=10):
         table = tf.compat.v1.get_variable("table", [rows, 2], use_resource=True)
         loss = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), name="loss")
         _optimizer(optimizer).minimize(loss, name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph_io.load_graph(g.as_graph_def())
+
+
+def masked():
+    """x [None, 3], y [None, 1], masks m1, m2 [None, 1] (float); variable w [3, 1]; the
+    loss divides by the sums of both masks; "loss", "train_op"."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        m1 = tf.compat.v1.placeholder(tf.float32, [None, 1], name="m1")
+        m2 = tf.compat.v1.placeholder(tf.float32, [None, 1], name="m2")
+        w = tf.compat.v1.get_variable("w", [3, 1], use_resource=True)
+        e = tf.square(tf.matmul(x, w) - y)
+        loss = tf.add(tf.reduce_sum(e * m1) / tf.reduce_sum(m1), tf.reduce_sum(e * m2) / tf.reduce_sum(m2),
+                      name="loss")
+        _optimizer("sgd").minimize(loss, name="train_op")
         tf.compat.v1.global_variables_initializer()
     return graph_io.load_graph(g.as_graph_def())
 

@@ -1,9 +1,10 @@
 """Single-device training graphs in the style of TF1 scripts that drive their data and
 their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
-word2vec tutorial, a script's counts of its batches. Written here from the scripts'
-public descriptions; used by tests/test_queue_inputs.py, tests/test_two_train_ops.py,
-tests/test_word2vec.py, tests/test_batch_counts.py and tools/compare_outputs.py.
+word2vec tutorial, a script's counts of its batches, a sequence model's masked loss.
+Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
+tests/test_two_train_ops.py, tests/test_word2vec.py, tests/test_batch_counts.py,
+tests/test_normalizers.py and tools/compare_outputs.py.
 """
 
 import numpy as np
@@ -311,3 +312,54 @@ def counts_script():
         tf1.global_variables_initializer()
         tf1.local_variables_initializer()
     return graph.as_graph_def()
+
+
+SEQ_STEPS, SEQ_VOCAB = 5, 7
+
+
+def masked_sequence_model(loss="masked"):
+    """A sequence model's loss over padded batches: x, y [None, SEQ_STEPS] int32 token
+    ids, lengths [None] int32; an embedding, a dense layer to the vocabulary at every step,
+    sparse softmax cross-entropy; the padding masked out by tf.sequence_mask(lengths).
+    ``loss``: "masked", reduce_sum(xent * mask) / reduce_sum(mask) (the tokens' mean);
+    "losses", tf.compat.v1.losses.sparse_softmax_cross_entropy(weights=mask) (divides by
+    the count of non-zero weights); "clamped", the sum divided by
+    tf.maximum(reduce_sum(mask), 1.0); "per_sequence", each sequence's mean over its own
+    tokens, then the mean over the batch (nothing to synchronise). SGD, global_step.
+    Returns the GraphDef."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(4)
+        x = tf1.placeholder(tf.int32, [None, SEQ_STEPS], name="x")
+        y = tf1.placeholder(tf.int32, [None, SEQ_STEPS], name="y")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        embedding = tf1.get_variable("embedding", [SEQ_VOCAB, 4])
+        w = tf1.get_variable("softmax/kernel", [4, SEQ_VOCAB])
+        h = tf.nn.embedding_lookup(embedding, x)
+        logits = tf.reshape(tf.matmul(tf.reshape(h, [-1, 4]), w), [-1, SEQ_STEPS, SEQ_VOCAB])
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        mask = tf.sequence_mask(lengths, SEQ_STEPS, dtype=tf.float32)
+        if loss == "masked":
+            value = tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)
+        elif loss == "losses":
+            value = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=mask)
+        elif loss == "clamped":
+            value = tf.reduce_sum(xent * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        else:
+            value = tf.reduce_mean(tf.reduce_sum(xent * mask, axis=1) / tf.cast(lengths, tf.float32))
+        tf.identity(value, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.GradientDescentOptimizer(0.5).minimize(value, global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def masked_sequence_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` padded sequences: the first half long (every step a
+    token), the second short (one or two), so two halves count very different tokens."""
+    rng = np.random.RandomState(seed)
+    lengths = np.array([SEQ_STEPS] * (batch // 2) + [1 + k % 2 for k in range(batch - batch // 2)], np.int32)
+    return [{"x:0": rng.randint(0, SEQ_VOCAB, (batch, SEQ_STEPS)).astype(np.int32),
+             "y:0": rng.randint(0, SEQ_VOCAB, (batch, SEQ_STEPS)).astype(np.int32),
+             "lengths:0": lengths} for _ in range(steps)]

@@ -1,0 +1,161 @@
+"""A loss normalised by a sum over the batch: a sequence model's masked mean over its
+tokens (graph_rewriter.testing.tf1_scripts.masked_sequence_model).
+
+One device divides the batch's summed token losses by the batch's token count. Each
+replica holds a shard with its own count; dividing by it and averaging the replicas'
+gradients would weight the shards alike, not by their tokens: 0.05 in the weights after
+three SGD steps of the batches below, whose halves count 25 and 6 tokens. The rewrite
+divides every replica's sum by the replicas' mean count instead (passes/normalizers.py),
+and R replicas train exactly as one device.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graph_rewriter as gr
+from graph_rewriter import graph_io
+from graph_rewriter.analysis import analyze
+from graph_rewriter.testing.tf1_scripts import masked_sequence_batches, masked_sequence_model
+from pass_graphs import PS2_WORKERS2
+
+import test_cluster as tc
+from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
+
+tf1 = tf.compat.v1
+STEPS, BATCH = 3, 8
+RTOL, ATOL = 1e-5, 1e-6
+READS = {"embedding": "embedding/Read/ReadVariableOp:0", "softmax/kernel": "softmax/kernel/Read/ReadVariableOp:0"}
+
+
+def _one_device(loss, feeds=None):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(masked_sequence_model(loss), name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds or masked_sequence_batches(STEPS, BATCH)]
+        return losses, sess.run(READS)
+
+
+def _loss_of(loss, feed):
+    """The loss of the untrained graph on ``feed``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(masked_sequence_model(loss), name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        return sess.run("loss:0", feed)
+
+
+@pytest.mark.parametrize("loss, found", [
+    ("masked", ["Sum_1:0"]), ("losses", ["sparse_softmax_cross_entropy_loss/num_present:0"]),
+    ("clamped", ["Maximum:0"]), ("per_sequence", [])])
+def test_the_analysis_finds_the_sums_a_loss_divides_by(loss, found):
+    """Not a divisor that keeps the batch's rows (each sequence's own length), nor one
+    that depends on the batch's shape only (the gradient of a mean divides by the row
+    count, the same on every replica)."""
+    assert [t.name for t in analyze(graph_io.load_graph(masked_sequence_model(loss))).normalizers] == found
+
+
+def test_the_shards_count_different_tokens_so_their_weighting_matters():
+    """The control: the mean of the two halves' losses, each normalised by its own
+    count, is not the batch's loss (what an unsynchronised rewrite would report)."""
+    feed = masked_sequence_batches(1, BATCH)[0]
+    halves = [{k: v[h * BATCH // 2:(h + 1) * BATCH // 2] for k, v in feed.items()} for h in range(2)]
+    whole = _loss_of("masked", feed)
+    assert abs(np.mean([_loss_of("masked", half) for half in halves]) - whole) > 1e-2
+
+
+@pytest.mark.parametrize("loss", ["masked", "losses", "clamped", "per_sequence"])
+@pytest.mark.parametrize("strategy, options", [
+    ("allreduce", {}), ("allreduce", {"allreduce_algorithm": "reduce_to_one"}), ("ps", {}), ("hybrid", {})],
+    ids=["allreduce", "allreduce-reduce_to_one", "ps", "hybrid"])
+def test_two_replicas_train_as_one_device(loss, strategy, options):
+    want_losses, want = _one_device(loss)
+    result = gr.rewrite(masked_sequence_model(loss), devices_per_worker=2, device_type="CPU", strategy=strategy,
+                        **options)
+    with gr.Session(result) as sess:
+        sess.run("init")
+        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in masked_sequence_batches(STEPS, BATCH)]
+        got = sess.run(READS)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for name in READS:
+        np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{loss}, {strategy}: {name}")
+
+
+def test_the_plan_lists_the_normalizers_and_each_replica_reduces_them_in_one_group():
+    result = gr.rewrite(masked_sequence_model("masked"), PS2_WORKERS2, devices_per_worker=2, device_type="GPU",
+                        allreduce_algorithm="hierarchical")
+    assert result.metadata["plan"]["normalizers"] == ["Sum_1:0"]
+    nodes = {n.name: n for n in result.graph_def.node}
+    copies = [n for n in nodes.values() if n.name.endswith("normalizers/0/all_reduce")]
+    assert len(copies) == 4 and {n.attr["final_op"].s for n in copies} == {b"Div"}
+    # every reader of replica 0's count reads the mean, forward (the loss) and backward
+    assert not [c for c in nodes.values() if "Sum_1" in c.input and not c.name.startswith("normalizers/")]
+    assert "truediv" in {c.name for c in nodes.values() if "normalizers/0/all_reduce" in c.input}
+    # no two collectives of replica 0 share an instance key within one group
+    keys = [(n.input[2], n.input[3]) for n in nodes.values()
+            if n.op == "CollectiveReduceV2" and not n.name.startswith("replica_")]
+    values = [(nodes[g.split(":")[0]].attr["value"].tensor.int_val[0],
+               nodes[k.split(":")[0]].attr["value"].tensor.int_val[0]) for g, k in keys]
+    assert len(set(values)) == len(values), values
+
+
+def test_a_parameter_server_plan_across_machines_says_the_normalizer_stays_per_replica():
+    result = gr.rewrite(masked_sequence_model("masked"), PS2_WORKERS2, task="worker:1", strategy="ps",
+                        device_type="CPU")
+    plan = result.metadata["plan"]
+    assert "normalizers" not in plan
+    assert any("Sum_1:0" in note and "allreduce or hybrid" in note for note in plan["notes"])
+    assert not [n for n in result.graph_def.node if "normalizers/" in n.name]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("strategy", ["allreduce", "hybrid"])
+def test_two_workers_train_as_one_device_on_loopback_servers(strategy, pool, procs, tmp_path):
+    """Between-graph, 2 workers x 1 replica, each its own client fed its half: the long
+    sequences to worker 0, the short ones to worker 1."""
+    _, want = _one_device("masked")
+    feeds = masked_sequence_batches(STEPS, BATCH)
+    with pool.use(2, 0 if strategy == "allreduce" else 1, tc.SERVER_DEVICES) as cluster:
+        outs = []
+        for k in range(2):
+            path = gr.rewrite(masked_sequence_model("masked"), cluster.spec, strategy=strategy, device_type="CPU",
+                              devices_per_worker=1, task=f"worker:{k}").save(str(tmp_path / f"w{k}.pb"))
+            np.savez(tmp_path / f"feeds{k}.npz", **{f"{s}/{name}": value[k * BATCH // 2:(k + 1) * BATCH // 2]
+                                                   for s, feed in enumerate(feeds) for name, value in feed.items()})
+            out = str(tmp_path / f"out{k}.npz")
+            procs.start(f"worker{k}", [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
+                                       "--target", cluster.target("worker", k),
+                                       "--feeds", str(tmp_path / f"feeds{k}.npz"), "--steps", str(STEPS),
+                                       "--out", out, "--timeout", str(tc.CALL_TIMEOUT)]
+                        + sum((["--read", t] for t in READS.values()), []))
+            outs.append(out)
+        procs.wait_all()
+    with np.load(outs[0]) as got:
+        for name, tensor in READS.items():
+            np.testing.assert_allclose(got[f"read/{tensor}"], want[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{strategy}: {name}")
+
+
+def test_inspect_lists_the_normalizers():
+    from graph_rewriter.inspect_report import format_report, report
+    result = gr.rewrite(masked_sequence_model("losses"), devices_per_worker=2, device_type="CPU")
+    text = format_report(report(result))
+    assert "loss normalizers (sums over the batch a loss divides by, averaged across replicas): " \
+           "sparse_softmax_cross_entropy_loss/num_present:0" in text
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "hybrid"])
+def test_between_graph_the_normalizers_keys_are_apart_from_the_initial_values_broadcasts(strategy):
+    """Between-graph, mirrored variables' initial values are broadcast under keys of the
+    same block (the verifier refuses two collectives sharing a group and an instance)."""
+    for task in ("worker:0", "worker:1"):
+        result = gr.rewrite(masked_sequence_model("masked"), PS2_WORKERS2, task=task, strategy=strategy,
+                            device_type="CPU")
+        assert result.metadata["plan"]["normalizers"] == ["Sum_1:0"]
+        assert [n.name for n in result.graph_def.node if n.name.endswith("normalizers/0/all_reduce")]

@@ -922,8 +922,9 @@ def _the_sum(node):
 
 def _sums_every_axis(total):
     """True if a Sum reduces every axis of its input, as ``tf.reduce_sum(x)`` builds it:
-    a Range(0, Rank(x)) of axes, or the constant 0, 1, ..., k-1 with k >= 2 (one axis,
-    [0], could be the time axis of a time-major [T, B] tensor: its sum keeps the batch,
+    a Range(0, Rank(x)) of axes, or the constant 0, 1, ..., k-1 where k is the input's
+    rank (static_rank), or k >= 2 when the graph does not tell the rank (one axis, [0],
+    could be the time axis of a time-major [T, B] tensor, whose sum keeps the batch,
     which must not be averaged across replicas)."""
     axes = total.inputs[1].node
     if axes.op == "Range":
@@ -932,8 +933,52 @@ def _sums_every_axis(total):
                 and axes.inputs[1].node.op == "Rank")
     if axes.op == "Const":
         values = dtypes.int_values(axes.attr["value"].tensor)
-        return values is not None and len(values) >= 2 and list(values) == list(range(len(values)))
+        if not values or list(values) != list(range(len(values))):
+            return False
+        rank = static_rank(total.inputs[0])
+        return len(values) == rank if rank is not None else len(values) >= 2
     return False
+
+
+# Ops whose output's rank is the largest of their inputs' (broadcasting), beyond ELEMENTWISE.
+_BROADCASTING = ELEMENTWISE | frozenset((
+    "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr",
+    "LogicalNot", "Select", "SelectV2", "Relu", "ZerosLike", "OnesLike"))
+
+
+def static_rank(tensor, depth=0):
+    """The rank of a tensor, from the graph alone (no shape inference), or None: known
+    for placeholders and constants, carried through element-wise ops, Fill(Shape(t)),
+    Reshape by a constant shape, StridedSlice, MatMul and the cross-entropy ops. Enough to tell the
+    sum of a [batch] weight vector (axes [0], every axis) from the sum over the time
+    axis of a time-major [time, batch] mask (axes [0], one of two)."""
+    n = tensor.node
+    if depth > 40:
+        return None
+    if n.op in PLACEHOLDERS:
+        shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
+        return None if shape is None else len(shape)
+    if n.op == "Const":
+        return len(n.attr["value"].tensor.tensor_shape.dim)
+    if n.op == "MatMul":
+        return 2
+    if n.op == "Fill" and n.inputs[0].node.op == "Shape":
+        return static_rank(n.inputs[0].node.inputs[0], depth + 1)
+    if n.op == "Reshape" and n.inputs[1].node.op == "Const":
+        dims = n.inputs[1].node.attr["value"].tensor.tensor_shape.dim
+        return dims[0].size if len(dims) == 1 and dims[0].size >= 0 else None
+    if n.op == "StridedSlice" and not n.attr["ellipsis_mask"].i:
+        rank = static_rank(n.inputs[0], depth + 1)
+        return None if rank is None else (
+            rank - bin(n.attr["shrink_axis_mask"].i).count("1") + bin(n.attr["new_axis_mask"].i).count("1"))
+    if n.op == "SparseSoftmaxCrossEntropyWithLogits":
+        return static_rank(n.inputs[1], depth + 1) if tensor.index == 0 else 2
+    if n.op == "SoftmaxCrossEntropyWithLogits":
+        return 1 if tensor.index == 0 else 2
+    if n.op in _BROADCASTING:
+        ranks = [static_rank(t, depth + 1) for t in n.inputs]
+        return None if not ranks or None in ranks else max(ranks)
+    return None
 
 
 # Ops that pass a value on unchanged in kind: what they output is a sum, or a count, if

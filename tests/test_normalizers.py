@@ -52,11 +52,14 @@ def _loss_of(loss, feed):
 
 @pytest.mark.parametrize("loss, found", [
     ("masked", ["Sum_1:0"]), ("losses", ["sparse_softmax_cross_entropy_loss/num_present:0"]),
-    ("clamped", ["Maximum:0"]), ("per_sequence", [])])
+    ("clamped", ["Maximum:0"]), ("per_sequence", []), ("time_major", []),
+    ("example_weights", ["sparse_softmax_cross_entropy_loss/num_present:0"])])
 def test_the_analysis_finds_the_sums_a_loss_divides_by(loss, found):
-    """Not a divisor that keeps the batch's rows (each sequence's own length), nor one
-    that depends on the batch's shape only (the gradient of a mean divides by the row
-    count, the same on every replica)."""
+    """Not a divisor that keeps the batch's rows (each sequence's own length, also as a
+    time-major sum over axis 0), nor one that depends on the batch's shape only (the
+    gradient of a mean divides by the row count, the same on every replica). A [batch]
+    weight vector's sum has axes [0] too: the graph tells its rank (1) from a
+    time-major mask's (2)."""
     assert [t.name for t in analyze(graph_io.load_graph(masked_sequence_model(loss))).normalizers] == found
 
 
@@ -69,7 +72,7 @@ def test_the_shards_count_different_tokens_so_their_weighting_matters():
     assert abs(np.mean([_loss_of("masked", half) for half in halves]) - whole) > 1e-2
 
 
-@pytest.mark.parametrize("loss", ["masked", "losses", "clamped", "per_sequence"])
+@pytest.mark.parametrize("loss", ["masked", "losses", "clamped", "per_sequence", "time_major", "example_weights"])
 @pytest.mark.parametrize("strategy, options", [
     ("allreduce", {}), ("allreduce", {"allreduce_algorithm": "reduce_to_one"}), ("ps", {}), ("hybrid", {})],
     ids=["allreduce", "allreduce-reduce_to_one", "ps", "hybrid"])

@@ -325,8 +325,11 @@ def masked_sequence_model(loss="masked"):
     "losses", tf.compat.v1.losses.sparse_softmax_cross_entropy(weights=mask) (divides by
     the count of non-zero weights); "clamped", the sum divided by
     tf.maximum(reduce_sum(mask), 1.0); "per_sequence", each sequence's mean over its own
-    tokens, then the mean over the batch (nothing to synchronise). SGD, global_step.
-    Returns the GraphDef."""
+    tokens, then the mean over the batch (nothing to synchronise); "time_major", the same
+    computed on [steps, batch] tensors (a sum over axis 0, the time axis); "example_weights",
+    the first step's prediction only, tf.compat.v1.losses with per-example weights [batch]
+    that are zero for sequences of one token (divides by the count of non-zero weights).
+    SGD, global_step. Returns the GraphDef."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
@@ -346,6 +349,11 @@ def masked_sequence_model(loss="masked"):
             value = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=mask)
         elif loss == "clamped":
             value = tf.reduce_sum(xent * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        elif loss == "time_major":
+            value = tf.reduce_mean(tf.reduce_sum(tf.transpose(xent * mask), 0) / tf.reduce_sum(tf.transpose(mask), 0))
+        elif loss == "example_weights":
+            weights = tf.cast(tf.greater(lengths, 1), tf.float32)
+            value = tf1.losses.sparse_softmax_cross_entropy(y[:, 0], logits[:, 0, :], weights=weights)
         else:
             value = tf.reduce_mean(tf.reduce_sum(xent * mask, axis=1) / tf.cast(lengths, tf.float32))
         tf.identity(value, name="loss")

@@ -805,6 +805,33 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipe
     _assert_matches("iterator between-graph", losses, values, ref_losses, ref_values)
 
 
+def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb"):
+    """Trains ``graph`` between-graph on 2 workers x 1 replica of a pooled cluster (with a
+    ps task unless ``strategy`` is allreduce), each its own worker_client process, worker
+    k fed the k-th half of every global batch of ``feeds`` (none: an in-graph pipeline),
+    ``steps`` steps; returns worker 0's values of the ``reads`` tensors. ``suffix``
+    "meta" saves MetaGraphDefs (their QueueRunners)."""
+    with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
+        outs = []
+        for k in range(2):
+            path = gr.rewrite(graph, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
+                              task=f"worker:{k}").save(str(tmp_path / f"worker{k}.{suffix}"))
+            out = str(tmp_path / f"worker{k}_out.npz")
+            cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
+                   "--target", cluster.target("worker", k), "--steps", str(steps), "--out", out,
+                   "--timeout", str(CALL_TIMEOUT)] + sum((["--read", t] for t in reads), [])
+            if feeds is not None:
+                half = {f"{s}/{name}": value[k * len(value) // 2:(k + 1) * len(value) // 2]
+                        for s, feed in enumerate(feeds) for name, value in feed.items()}
+                np.savez(tmp_path / f"worker{k}_feeds.npz", **half)
+                cmd += ["--feeds", str(tmp_path / f"worker{k}_feeds.npz")]
+            procs.start(f"worker{k}", cmd)
+            outs.append(out)
+        procs.wait_all()
+    with np.load(outs[0]) as got:
+        return {t: got[f"read/{t}"] for t in reads}
+
+
 def _tutorial_variables(meta, steps):
     """{variable: value} of the CIFAR-10 tutorial's graph trained ``steps`` steps on one
     device under MonitoredTrainingSession (which starts its QueueRunners), and the
@@ -841,23 +868,10 @@ def test_the_cifar10_tutorial_trains_between_graph_like_one_device(strategy, poo
                 out.write(d[t * batch * record:(t + 1) * batch * record])
     want, reads = _tutorial_variables(cifar10_tutorial([str(tmp_path / "one_device.bin")], 2 * batch), steps)
     assert want["global_step"] == steps
-    meta = cifar10_tutorial(files, batch)
-    with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
-        outs = []
-        for k in range(2):
-            path = gr.rewrite(meta, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
-                              task=f"worker:{k}").save(str(tmp_path / f"tutorial{k}.meta"))
-            out = str(tmp_path / f"tutorial{k}.npz")
-            cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
-                   "--target", cluster.target("worker", k), "--steps", str(steps), "--out", out,
-                   "--timeout", str(CALL_TIMEOUT)] + sum((["--read", t] for t in reads.values()), [])
-            procs.start(f"tutorial{k}", cmd)
-            outs.append(out)
-        procs.wait_all()
-    with np.load(outs[0]) as got:
-        for name, tensor in sorted(reads.items()):
-            np.testing.assert_allclose(got[f"read/{tensor}"], want[name], rtol=1e-4, atol=1e-5,
-                                       err_msg=f"{strategy}: {name}")
+    got = two_workers_read(pool, procs, tmp_path, cifar10_tutorial(files, batch), strategy, steps, reads.values(),
+                           suffix="meta")
+    for name, tensor in sorted(reads.items()):
+        np.testing.assert_allclose(got[tensor], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{strategy}: {name}")
 
 
 # ----- faults: a dead peer is an error in bounded time ---------------------------------

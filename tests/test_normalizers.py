@@ -9,8 +9,6 @@ divides every replica's sum by the replicas' mean count instead (passes/normaliz
 and R replicas train exactly as one device.
 """
 
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -124,25 +122,10 @@ def test_two_workers_train_as_one_device_on_loopback_servers(strategy, pool, pro
     sequences to worker 0, the short ones to worker 1."""
     _, want = _one_device("masked")
     feeds = masked_sequence_batches(STEPS, BATCH)
-    with pool.use(2, 0 if strategy == "allreduce" else 1, tc.SERVER_DEVICES) as cluster:
-        outs = []
-        for k in range(2):
-            path = gr.rewrite(masked_sequence_model("masked"), cluster.spec, strategy=strategy, device_type="CPU",
-                              devices_per_worker=1, task=f"worker:{k}").save(str(tmp_path / f"w{k}.pb"))
-            np.savez(tmp_path / f"feeds{k}.npz", **{f"{s}/{name}": value[k * BATCH // 2:(k + 1) * BATCH // 2]
-                                                   for s, feed in enumerate(feeds) for name, value in feed.items()})
-            out = str(tmp_path / f"out{k}.npz")
-            procs.start(f"worker{k}", [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
-                                       "--target", cluster.target("worker", k),
-                                       "--feeds", str(tmp_path / f"feeds{k}.npz"), "--steps", str(STEPS),
-                                       "--out", out, "--timeout", str(tc.CALL_TIMEOUT)]
-                        + sum((["--read", t] for t in READS.values()), []))
-            outs.append(out)
-        procs.wait_all()
-    with np.load(outs[0]) as got:
-        for name, tensor in READS.items():
-            np.testing.assert_allclose(got[f"read/{tensor}"], want[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=f"{strategy}: {name}")
+    got = tc.two_workers_read(pool, procs, tmp_path, masked_sequence_model("masked"), strategy, STEPS,
+                              READS.values(), feeds)
+    for name, tensor in READS.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
 
 
 def test_inspect_lists_the_normalizers():

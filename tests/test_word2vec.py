@@ -10,8 +10,6 @@ one device computes on the R x B rows, exactly (the reference is bit-for-bit
 deterministic): every variable, the loss and the similarity fetch are compared.
 """
 
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -97,22 +95,6 @@ def test_two_workers_train_as_one_device_on_loopback_servers(strategy, pool, pro
     graph_def, names = word2vec(BATCH)
     reads = _reads(names)
     feeds = word2vec_batches(STEPS, 2 * BATCH)
-    with pool.use(2, 0 if strategy == "allreduce" else 1, tc.SERVER_DEVICES) as cluster:
-        outs = []
-        for k in range(2):
-            path = gr.rewrite(graph_def, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
-                              task=f"worker:{k}").save(str(tmp_path / f"w{k}.pb"))
-            np.savez(tmp_path / f"feeds{k}.npz", **{f"{s}/{name}": value[k * BATCH:(k + 1) * BATCH]
-                                                   for s, feed in enumerate(feeds) for name, value in feed.items()})
-            out = str(tmp_path / f"out{k}.npz")
-            procs.start(f"worker{k}", [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
-                                       "--target", cluster.target("worker", k),
-                                       "--feeds", str(tmp_path / f"feeds{k}.npz"), "--steps", str(STEPS),
-                                       "--out", out, "--timeout", str(tc.CALL_TIMEOUT)]
-                        + sum((["--read", t] for t in reads.values()), []))
-            outs.append(out)
-        procs.wait_all()
-    with np.load(outs[0]) as got:
-        for name, tensor in reads.items():
-            np.testing.assert_allclose(got[f"read/{tensor}"], want[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=f"{strategy}: {name}")
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, reads.values(), feeds)
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")

@@ -16,7 +16,7 @@ import tensorflow as tf
 import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
-from graph_rewriter.testing.tf1_scripts import masked_sequence_batches, masked_sequence_model
+from graph_rewriter.testing.tf1_scripts import masked_sequence_batches, masked_sequence_model, transformer_block
 from pass_graphs import PS2_WORKERS2
 
 import test_cluster as tc
@@ -145,3 +145,33 @@ def test_between_graph_the_normalizers_keys_are_apart_from_the_initial_values_br
                             device_type="CPU")
         assert result.metadata["plan"]["normalizers"] == ["Sum_1:0"]
         assert [n.name for n in result.graph_def.node if n.name.endswith("normalizers/0/all_reduce")]
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "hybrid"])
+def test_a_transformer_block_trains_as_one_device(strategy):
+    """Masked self-attention, layer norm, a tied output embedding, label smoothing with
+    the padding mask as weights, a warm-up learning rate, global-norm clipping and Adam
+    (tf1_scripts.transformer_block): 2 replicas equal one device on 4 steps whose halves
+    count 23 and 7 tokens."""
+    graph_def, names = transformer_block()
+    rng = np.random.RandomState(0)
+    lengths = np.array([6, 6, 5, 6, 1, 2, 1, 3], np.int32)
+    feeds = [{"x:0": rng.randint(0, 11, (8, 6)).astype(np.int32), "y:0": rng.randint(0, 11, (8, 6)).astype(np.int32),
+              "lengths:0": lengths} for _ in range(4)]
+    reads = {name: f"{name}/Read/ReadVariableOp:0" for name in names}
+
+    def train(session):
+        with session as sess:
+            sess.run("init")
+            return [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds], sess.run(reads)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    want_losses, want = train(tf1.Session(graph=graph))
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=strategy)
+    assert result.metadata["plan"]["normalizers"] == ["softmax_cross_entropy_loss/num_present:0"]
+    losses, got = train(gr.Session(result))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for name in names:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=ATOL, err_msg=f"{strategy}: {name}")

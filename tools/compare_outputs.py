@@ -97,6 +97,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_word2vec"] = tf1_scripts.word2vec(8)[0]
     graphs["script_counts"] = tf1_scripts.counts_script()
     graphs["script_masked_lm"] = tf1_scripts.masked_sequence_model("losses")
+    graphs["script_transformer"] = tf1_scripts.transformer_block()[0]
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

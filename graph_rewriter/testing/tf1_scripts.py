@@ -1,7 +1,8 @@
 """Single-device training graphs in the style of TF1 scripts that drive their data and
 their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
-word2vec tutorial, a script's counts of its batches, a sequence model's masked loss.
+word2vec tutorial, a script's counts of its batches, a sequence model's masked loss, a
+Transformer block.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py and tools/compare_outputs.py.
@@ -371,3 +372,49 @@ def masked_sequence_batches(steps, batch, seed=0):
     return [{"x:0": rng.randint(0, SEQ_VOCAB, (batch, SEQ_STEPS)).astype(np.int32),
              "y:0": rng.randint(0, SEQ_VOCAB, (batch, SEQ_STEPS)).astype(np.int32),
              "lengths:0": lengths} for _ in range(steps)]
+
+
+def transformer_block(steps=6, vocab=11, width=8):
+    """A Transformer encoder block as tensor2tensor-style TF1 scripts write it, from its
+    public description, scaled down: x, y [None, steps] token ids and lengths [None];
+    embeddings scaled by sqrt(width), one masked self-attention layer (padding keys at
+    -1e9) with a residual and layer norm, the output projection tied to the embedding,
+    tf.compat.v1.losses.softmax_cross_entropy with label smoothing 0.1 and the padding
+    mask as weights, the inverse-square-root learning rate with warm-up from global_step,
+    clip_by_global_norm(1.0) and Adam(0.9, 0.98, 1e-9). Returns (GraphDef, variable names)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(2)
+        x = tf1.placeholder(tf.int32, [None, steps], name="x")
+        y = tf1.placeholder(tf.int32, [None, steps], name="y")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        embedding = tf1.get_variable("embedding", [vocab, width])
+        h = tf.nn.embedding_lookup(embedding, x) * (width ** 0.5)
+        flat = tf.reshape(h, [-1, width])
+
+        def project(name):
+            return tf.reshape(tf.matmul(flat, tf1.get_variable(name, [width, width])), [-1, steps, width])
+
+        mask = tf.sequence_mask(lengths, steps, dtype=tf.float32)
+        scores = (tf.matmul(project("attention/q"), project("attention/k"), transpose_b=True) / (width ** 0.5)
+                  + (1.0 - mask[:, None, :]) * -1e9)
+        attended = tf.matmul(tf.nn.softmax(scores), project("attention/v")) + h
+        mean, variance = tf.nn.moments(attended, [-1], keepdims=True)
+        gamma = tf1.get_variable("layer_norm/gamma", [width], initializer=tf1.ones_initializer())
+        beta = tf1.get_variable("layer_norm/beta", [width], initializer=tf1.zeros_initializer())
+        normed = (attended - mean) * tf.math.rsqrt(variance + 1e-6) * gamma + beta
+        logits = tf.reshape(tf.matmul(tf.reshape(normed, [-1, width]), embedding, transpose_b=True),
+                            [-1, steps, vocab])
+        loss = tf1.losses.softmax_cross_entropy(tf.one_hot(y, vocab), logits, weights=mask, label_smoothing=0.1)
+        tf.identity(loss, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        s = tf.cast(step, tf.float32) + 1.0
+        rate = (width ** -0.5) * tf.minimum(tf.math.rsqrt(s), s * 4.0 ** -1.5)
+        optimizer = tf1.train.AdamOptimizer(rate, beta1=0.9, beta2=0.98, epsilon=1e-9)
+        grads, variables = zip(*optimizer.compute_gradients(loss))
+        grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        optimizer.apply_gradients(zip(grads, variables), global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+        names = [v.op.name for v in tf1.global_variables()]
+    return g.as_graph_def(), names

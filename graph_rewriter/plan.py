@@ -171,6 +171,12 @@ class Plan:
             primary = self.variable(primary.slot_of)
         return [primary] + [v for v in self.variables if v.slot_of == primary.name]
 
+    def uses_collectives(self):
+        """Whether replicas meet in collectives: a mirrored variable (its initial values
+        broadcast, its gradient all-reduced) or an all-reduced or gathered gradient."""
+        return (any(v.placement == "mirrored" for v in self.variables)
+                or any(c.sync in ("allreduce", "allgather") for c in self.cuts))
+
     def set_placement(self, name, placement, ps_task=None):
         """Moves a variable (with its slots) to "ps" (task ``ps_task``, default 0) or
         "mirrored", and its gradient to the matching synchronisation."""

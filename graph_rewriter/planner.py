@@ -153,10 +153,11 @@ def _note_queues_without_runners(plan, graph, log):
     plan.notes = notes or None
 
 
-UNSYNCED_NORMALIZERS = ("the loss divides by a sum over the batch (a count of tokens or of non-zero weights: "
-                       "{names}); without collectives between the workers (a ps plan across machines) each "
-                       "replica divides by its own shard's, which equals one device only when the shards' sums "
-                       "are equal (strategy allreduce or hybrid averages it)")
+UNSYNCED_NORMALIZERS_START = "the loss divides by a sum over the batch"
+UNSYNCED_NORMALIZERS = (UNSYNCED_NORMALIZERS_START + " (a count of tokens or of non-zero weights: "
+                        "{names}); without collectives between the workers (a ps plan across machines) each "
+                        "replica divides by its own shard's, which equals one device only when the shards' sums "
+                        "are equal (strategy allreduce or hybrid averages it)")
 
 
 def _plan_normalizers(plan, analysis, cluster, log):
@@ -166,10 +167,9 @@ def _plan_normalizers(plan, analysis, cluster, log):
     task, or where the plan already all-reduces or gathers between tasks. Otherwise (a
     parameter-server plan across machines) they stay per replica, and the plan says so.
     A given plan keeps its own choice."""
-    notes = [n for n in plan.notes or [] if not n.startswith(UNSYNCED_NORMALIZERS[:40])]
+    notes = [n for n in plan.notes or [] if not n.startswith(UNSYNCED_NORMALIZERS_START)]
     names = [t.name for t in analysis.normalizers]
-    collectives = (len(cluster.compute_tasks) == 1 or any(v.placement == "mirrored" for v in plan.variables)
-                   or any(c.sync in ("allreduce", "allgather") for c in plan.cuts))
+    collectives = len(cluster.compute_tasks) == 1 or plan.uses_collectives()
     if plan.num_replicas < 2 or not names:
         plan.normalizers = None
     elif collectives:

@@ -84,8 +84,9 @@ class AllReducePass(Pass):
                 members = [cuts[v] for v in pack.cuts]
                 train_ops = tuple(members[0].train_ops or ())
                 packed, sizes, readers, compressed = self._pack(graph, ctx, memo, i, p, members)
+                final_op = "Id" if _summed(pack, cuts) else "Div"
                 reduced = previous[train_ops] = self._reduce(graph, ctx, i, p, packed, sum(sizes), compressed,
-                                                             gkey, previous.get(train_ops))
+                                                             gkey, previous.get(train_ops), final_op)
                 self._unpack(graph, ctx, memo, i, p, members, reduced.output(0), sizes, readers, compressed)
         return True
 
@@ -133,13 +134,13 @@ class AllReducePass(Pass):
                              device=device).output(0)
         return packed, sizes, readers, compressed
 
-    def _reduce(self, graph, ctx, i, p, packed, size, compressed, gkey, previous):
-        """Replica ``i``'s collective mean of its pack: the node whose output 0 is the mean."""
+    def _reduce(self, graph, ctx, i, p, packed, size, compressed, gkey, previous, final_op):
+        """Replica ``i``'s collective mean of its pack (``final_op`` "Id": sum): the node
+        whose output 0 is the result."""
         rm = ctx.replicas
         device = rm.devices[i]
         scope = f"{rm.prefixes[i]}allreduce/pack_{p}"
         controls = [previous] if previous is not None else []
-        final_op = "Id" if _summed(ctx.plan.packs[p], {c.variable: c for c in ctx.plan.cuts}) else "Div"
         if ctx.plan.packs[p].algorithm == "hierarchical":
             wire = dtypes.as_dtype(ctx.plan.packs[p].dtype)
             wire_dtype = dtypes.as_dtype(_COMPRESS[ctx.options.compression]) if compressed else wire

@@ -41,10 +41,7 @@ class RecordIncarnationsPass(Pass):
 
     def applies(self, ctx):
         # collectives span tasks: mirrored variables (broadcasts, all-reduces), gathers
-        plan = ctx.plan
-        return len(ctx.cluster.compute_tasks) > 1 and (
-            any(vp.placement == "mirrored" for vp in plan.variables)
-            or any(c.sync in ("allreduce", "allgather") for c in plan.cuts))
+        return len(ctx.cluster.compute_tasks) > 1 and ctx.plan.uses_collectives()
 
     def run(self, graph, ctx):
         cluster, rm = ctx.cluster, ctx.replicas

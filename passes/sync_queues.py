@@ -296,22 +296,14 @@ class SyncQueuesPass(Pass):
         # A global op a replica needs (a gradient's constant) that only waits for a
         # chief-only update (control_dependencies(update_ops) around minimize) stays: it
         # loses the wait, as the replicas' own gradient ops do below.
-        feeds_replicas = None     # (computed when first needed)
+        needed = ancestors([n for n in graph if rm.replica_of(graph, n.name) is not None], data_only=True)
         stack = list(chief_only)
         while stack:
             n = stack.pop()
-            data = {id(c) for c, _ in n.consumers()}
-            for c in n.readers():
-                if c in chief_only or rm.replica_of(graph, c.name) is not None:
-                    continue
-                if id(c) not in data:
-                    if feeds_replicas is None:
-                        feeds_replicas = ancestors([n for n in graph if rm.replica_of(graph, n.name) is not None],
-                                                   data_only=True)
-                    if c in feeds_replicas:
-                        continue
-                chief_only.add(c)
-                stack.append(c)
+            for c in [c for c, _ in n.consumers()] + [c for c in n.control_consumers if c not in needed]:
+                if c not in chief_only and rm.replica_of(graph, c.name) is None:
+                    chief_only.add(c)
+                    stack.append(c)
         # (in graph order: the set's order would make the output differ from run to run)
         removable = [n for n in graph if n in chief_only and all(c in chief_only for c, _ in n.consumers())]
         # What the removed nodes also ran on this worker's replicas (e.g. the micro-batch

@@ -318,6 +318,14 @@ def counts_script():
 SEQ_STEPS, SEQ_VOCAB = 5, 7
 
 
+def _padded_sequences(steps):
+    """The feeds of a sequence model's padded batches, in the default graph: token ids
+    x and targets y [None, steps] (int32), and each sequence's length [None]."""
+    tf, tf1 = _tf()
+    return (tf1.placeholder(tf.int32, [None, steps], name="x"), tf1.placeholder(tf.int32, [None, steps], name="y"),
+            tf1.placeholder(tf.int32, [None], name="lengths"))
+
+
 def masked_sequence_model(loss="masked"):
     """A sequence model's loss over padded batches: x, y [None, SEQ_STEPS] int32 token
     ids, lengths [None] int32; an embedding, a dense layer to the vocabulary at every step,
@@ -335,9 +343,7 @@ def masked_sequence_model(loss="masked"):
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(4)
-        x = tf1.placeholder(tf.int32, [None, SEQ_STEPS], name="x")
-        y = tf1.placeholder(tf.int32, [None, SEQ_STEPS], name="y")
-        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        x, y, lengths = _padded_sequences(SEQ_STEPS)
         embedding = tf1.get_variable("embedding", [SEQ_VOCAB, 4])
         w = tf1.get_variable("softmax/kernel", [4, SEQ_VOCAB])
         h = tf.nn.embedding_lookup(embedding, x)
@@ -386,9 +392,7 @@ def transformer_block(steps=6, vocab=11, width=8):
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(2)
-        x = tf1.placeholder(tf.int32, [None, steps], name="x")
-        y = tf1.placeholder(tf.int32, [None, steps], name="y")
-        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        x, y, lengths = _padded_sequences(steps)
         embedding = tf1.get_variable("embedding", [vocab, width])
         h = tf.nn.embedding_lookup(embedding, x) * (width ** 0.5)
         flat = tf.reshape(h, [-1, width])

@@ -36,8 +36,8 @@ from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.op_vocabulary import (
     DENSE_ASSIGNS, ELEMENTWISE, FUNCTION_CALLS, INCREMENTS, ITERATOR_GET_NEXT, LINEAR_SCATTERS,
-    PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, QUEUE_BATCH_DEQUEUES, QUEUES, READERS, SAVER_OPS,
-    VARIABLE_OPS)
+    PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, QUEUE_BATCH_DEQUEUES, QUEUES, RANDOM_DRAWS, READERS,
+    SAVER_OPS, STATELESS_RANDOM_DRAWS, VARIABLE_OPS)
 from graph_rewriter.traversal import (absorb_exclusive_ancestors, ancestors, descendants, is_back_edge,
                                       topological_order)
 
@@ -129,6 +129,9 @@ class Analysis:
     # Tensor: a loss's divisor that is a sum over the batch's values (a count of tokens, a
     # sum of weights): each replica's differs, and one device divides by their total
     normalizers: list = dataclasses.field(default_factory=list)
+    # seeded random ops that draw one value per row of the batch (dropout's mask): every
+    # replica's clone would draw what one device draws for the first rows
+    batch_draws: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -233,8 +236,9 @@ class _Analyzer:
         _set_train_ops(cuts, self.variables, self.saver_nodes)
         coupled = self._coupled(cuts, variant)
         normalizers = self._find_normalizers(seeds, variant0)
+        batch_draws = self._find_batch_draws(seeds, variant0)
         return Analysis(
-            coupled=coupled, normalizers=normalizers,
+            coupled=coupled, normalizers=normalizers, batch_draws=batch_draws,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -690,6 +694,43 @@ class _Analyzer:
                 out.append(divisor)
         return out
 
+    # ---- random draws, one value per row ----------------------------------------------
+    def _find_batch_draws(self, seeds, variant0):
+        """Seeded random ops that draw one value per row of the batch: dropout's mask
+        (``tf.nn.dropout`` draws ``random_uniform(tf.shape(x))``; with ``noise_shape=
+        [tf.shape(x)[0], 1]`` one per row), noise added to activations, a random flip per
+        image. The replicas' clones keep the seeds, so every replica would draw the
+        numbers one device draws for the batch's first rows. A draw counts when the first
+        entry of its shape is the row count of a tensor computed from the batch
+        (``tf.shape(x)``, its first element packed or concatenated with others) or, with
+        static batches (TensorFlow folds ``tf.shape(x)`` into a constant), a constant
+        equal to the static batch, whose draw meets the batch's data. A stateful op with
+        seed = seed2 = 0 is left alone: each kernel draws from a random seed of its own,
+        so the replicas' draws differ already. A draw in a v1 while loop (a
+        DropoutWrapper's per-step mask) counts as well: the pass enters its frames.
+
+        A draw in a function of a v2 cond (an If or Case: ``tf.layers.dropout(x,
+        training=flag)`` with control flow v2) or while loop counts when its shape's rows
+        are an argument's that the call passes from the batch; it is named
+        ``call:function:node``, the others by their node's name."""
+        seed_nodes = {t.node for t in seeds}
+        static = set(self.static_batch.values()) - {None}
+        out = []
+        for n in self.order:
+            if n.op in _FUNCTIONAL and n in variant0 and self.g.library is not None:
+                out += _called_draws(n, self.g.library, variant0 | seed_nodes)
+            if not _is_seeded_draw(n) or not n.inputs:
+                continue
+            rows = _leading_rows(n.inputs[0])
+            if rows is not None:
+                counts = rows.node in variant0 or rows.node in seed_nodes
+            else:
+                first = _leading_constant(n.inputs[0])
+                counts = first is not None and first in static and _meets(n, variant0)
+            if counts:
+                out.append(n.name)
+        return out
+
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
@@ -901,6 +942,171 @@ def _value_ancestors(node):
                 seen.add(t.node)
                 stack.append(t.node)
     return seen
+
+
+def _is_seeded_draw(node):
+    return node.op in RANDOM_DRAWS and (node.op in STATELESS_RANDOM_DRAWS
+                                        or node.attr["seed"].i != 0 or node.attr["seed2"].i != 0)
+
+
+# Functional control flow (a v2 cond or while loop): the attributes that name the
+# functions a call runs, and how many of its inputs come before their arguments (an
+# If's predicate, a Case's branch index).
+_FUNCTIONAL = {"If": (("then_branch", "else_branch"), 1), "StatelessIf": (("then_branch", "else_branch"), 1),
+               "Case": (("branches",), 1), "StatelessCase": (("branches",), 1),
+               "While": (("cond", "body"), 0), "StatelessWhile": (("cond", "body"), 0)}
+
+
+def called_functions(call):
+    """(attribute, function name) of every function a v2 cond or while loop ``call``
+    runs, in the call's order."""
+    out = []
+    for key in _FUNCTIONAL[call.op][0]:
+        value = call.attr[key]
+        out += [(key, f.name) for f in value.list.func] if value.HasField("list") else [(key, value.func.name)]
+    return out
+
+
+def _called_draws(call, library, variant):
+    """The seeded draws of the batch's rows in the functions of the v2 cond or while
+    loop ``call`` (``call:function:node``): those whose shape's rows are an argument's
+    (or computed from one) that the call passes from the batch."""
+    functions = {f.signature.name: f for f in library.function}
+    skip = _FUNCTIONAL[call.op][1]
+    out = []
+    for _, name in called_functions(call):
+        fn = functions.get(name)
+        if fn is None:
+            continue
+        args = [a.name for a in fn.signature.input_arg]
+        from_batch = {arg for arg, t in zip(args, call.inputs[skip:]) if t.node in variant}
+        body = _Body(fn)
+        reached = body.reached_from(from_batch)
+        for nd in fn.node_def:
+            node = body.node(nd.name)
+            if not _is_seeded_draw(node) or not nd.input:
+                continue
+            rows = _leading_rows(node.inputs[0])
+            if rows is not None and rows.node.name in reached:
+                out.append(f"{call.name}:{name}:{nd.name}")
+    return out
+
+
+class _Body:
+    """A FunctionDef's body, its nodes read as the analysis reads the graph's (``op``,
+    ``attr``, ``inputs`` as tensors with ``node`` and ``index``); an argument is a node
+    of op "_Arg". Body inputs are strings: ``node:output_arg:index`` or an argument's
+    name."""
+
+    def __init__(self, fn):
+        self.defs = {nd.name: nd for nd in fn.node_def}
+        self._nodes = {}
+
+    def node(self, name):
+        if name not in self._nodes:
+            self._nodes[name] = _BodyNode(self, name, self.defs.get(name))
+        return self._nodes[name]
+
+    def tensor(self, ref):
+        parts = ref.split(":")
+        return Tensor(self.node(parts[0]), int(parts[2]) if len(parts) == 3 else 0)
+
+    def reached_from(self, args):
+        """Names of the arguments ``args`` and of the body nodes whose value depends on one."""
+        reached, changed = set(args), True
+        while changed:
+            changed = False
+            for nd in self.defs.values():
+                if nd.name not in reached and any(
+                        not i.startswith("^") and i.split(":")[0] in reached for i in nd.input):
+                    reached.add(nd.name)
+                    changed = True
+        return reached
+
+
+class _BodyNode:
+    __slots__ = ("name", "op", "attr", "_body", "_def")
+
+    def __init__(self, body, name, nd):
+        self.name, self._body, self._def = name, body, nd
+        self.op = nd.op if nd is not None else "_Arg"
+        self.attr = nd.attr if nd is not None else {}
+
+    @property
+    def inputs(self):
+        refs = [] if self._def is None else [i for i in self._def.input if not i.startswith("^")]
+        return [self._body.tensor(r) for r in refs]
+
+
+def _leading_rows(shape):
+    """The tensor whose row count is the first entry of the shape vector ``shape``
+    (``tf.shape(x)``; ``[tf.shape(x)[0], 1]``; a concat starting with either), or None."""
+    for _ in range(16):
+        t = _strip_identity(shape)
+        n = t.node
+        if n.op == "Shape":
+            return n.inputs[0]
+        if n.op == "ShapeN":
+            return n.inputs[t.index]
+        if n.op == "Pack" and n.attr["axis"].i == 0 and n.inputs:
+            scalar = _strip_identity(n.inputs[0]).node
+            if scalar.op != "StridedSlice" or not scalar.attr["shrink_axis_mask"].i & 1 or not _starts_at_0(scalar):
+                return None
+            shape = scalar.inputs[0]
+        elif n.op == "ConcatV2" and len(n.inputs) >= 3:
+            shape = n.inputs[0]
+        elif n.op == "StridedSlice" and not n.attr["shrink_axis_mask"].i and _starts_at_0(n):
+            shape = n.inputs[0]
+        else:
+            return None
+    return None
+
+
+def _starts_at_0(strided_slice):
+    if strided_slice.attr["begin_mask"].i & 1:
+        return True
+    begin = strided_slice.inputs[1].node
+    return begin.op == "Const" and list(dtypes.int_values(begin.attr["value"].tensor))[:1] == [0]
+
+
+def _leading_constant(shape):
+    """The first entry of a constant shape vector, or None."""
+    n = _strip_identity(shape).node
+    if n.op != "Const":
+        return None
+    values = list(dtypes.int_values(n.attr["value"].tensor))
+    return values[0] if values else None
+
+
+def _meets(node, region, limit=64):
+    """True if a node of ``region`` reads ``node``'s value within ``limit`` nodes."""
+    seen, stack = {node}, [node]
+    while stack and len(seen) < limit:
+        for c, _ in stack.pop().consumers():
+            if c in region:
+                return True
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return False
+
+
+def loop_frames(node):
+    """The Enter nodes of the v1 while loops ``node`` runs in, outermost first ([]
+    outside loops): each gives a frame's name and parallel_iterations. Walks back along
+    first inputs (a node's inputs are all in its frame; a Const in a loop body has a
+    control input on the loop's pivot), one level out at an Enter, one in at an Exit."""
+    frames, depth, n = [], 0, node
+    while n is not None:
+        if n.op in ("Enter", "RefEnter"):
+            if depth == 0:
+                frames.append(n)
+            else:
+                depth -= 1
+        elif n.op in ("Exit", "RefExit"):
+            depth += 1
+        n = n.inputs[0].node if n.inputs else (n.control_inputs[0] if n.control_inputs else None)
+    return frames[::-1]
 
 
 def _the_sum(node):

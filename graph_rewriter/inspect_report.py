@@ -112,6 +112,7 @@ def report(result, batch_size=None):
     return {
         "strategy": plan["strategy"], "notes": list(plan.get("notes") or []), "num_replicas": r,
         **({"normalizers": list(plan["normalizers"])} if plan.get("normalizers") else {}),
+        **({"random_draws": list(plan["random_draws"])} if plan.get("random_draws") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
         "inputs": _inputs(md, nodes),
@@ -238,6 +239,9 @@ def format_report(rep):
     if rep.get("normalizers"):
         lines.append("loss normalizers (sums over the batch a loss divides by, averaged across replicas): "
                      + ", ".join(rep["normalizers"]))
+    if rep.get("random_draws"):
+        lines.append("random draws of the batch's rows (each replica draws every replica's rows and keeps its own): "
+                     + ", ".join(rep["random_draws"]))
     lines.append(f"replicas:   {rep['num_replicas']}")
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))

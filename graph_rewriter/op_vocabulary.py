@@ -81,3 +81,15 @@ POST_PROCESSING = ELEMENTWISE | frozenset((
 COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2",
                          "CollectiveBcastRecvV2", "CollectiveReduce", "CollectiveGather",
                          "CollectiveAllToAllV2", "CollectiveReduceScatterV2"))
+# Random ops that draw a tensor of the shape their first input gives (then, for
+# RandomGamma and RandomPoissonV2, one per parameter). The stateful ones take their
+# seeds from the attributes seed and seed2 (both 0: a random seed per kernel); the
+# stateless ones from an input.
+STATELESS_RANDOM_DRAWS = frozenset((
+    "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
+    "StatelessRandomUniformInt", "StatelessRandomUniformFullInt", "StatelessRandomUniformV2",
+    "StatelessRandomNormalV2", "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+    "StatelessRandomUniformFullIntV2"))
+RANDOM_DRAWS = STATELESS_RANDOM_DRAWS | frozenset((
+    "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
+    "RandomGamma", "RandomPoissonV2"))

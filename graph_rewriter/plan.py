@@ -156,6 +156,11 @@ class Plan:
     # replica divides by their mean over the replicas (passes/normalizers.py); None:
     # none, and absent from the JSON
     normalizers: list = None
+    # seeded random ops that draw one value per row of the batch (dropout's mask): each
+    # replica draws the R replicas' rows with the op's seeds and keeps its own
+    # (passes/random_draws.py); None: none, and absent from the JSON; an empty list in a
+    # given plan leaves every replica drawing its clone's rows
+    random_draws: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -204,6 +209,8 @@ class Plan:
             del d["alone_bytes"]
         if d["normalizers"] is None:
             del d["normalizers"]
+        if d["random_draws"] is None:
+            del d["random_draws"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
@@ -244,7 +251,8 @@ class Plan:
                 accumulation_steps=d.get("accumulation_steps", 1), cost=d.get("cost"),
                 bytes_per_pack=d.get("bytes_per_pack"), alone_bytes=d.get("alone_bytes"),
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
-                notes=list(d["notes"]) if d.get("notes") else None)
+                notes=list(d["notes"]) if d.get("notes") else None,
+                normalizers=d.get("normalizers"), random_draws=d.get("random_draws"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 

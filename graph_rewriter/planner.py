@@ -49,6 +49,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _note_hybrid_without_sparse(result, info)
     _note_queues_without_runners(result, graph, info)
     _plan_normalizers(result, analysis, cluster, info)
+    _plan_random_draws(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -160,6 +161,30 @@ UNSYNCED_NORMALIZERS = (UNSYNCED_NORMALIZERS_START + " (a count of tokens or of 
                         "are equal (strategy allreduce or hybrid averages it)")
 
 
+def _check_given(given, found, field, what):
+    """A given plan's ``field`` lists only what the analysis found."""
+    unknown = [n for n in given or [] if n not in found]
+    if unknown:
+        raise GraphRewriteError(
+            f"the plan's {field} names '{unknown[0]}', which is not {what} (found: {', '.join(found) or 'none'})",
+            hint=f"list only what the plan `graph-rewrite plan` writes lists in {field}, or [] for none")
+
+
+def _plan_random_draws(plan, analysis, log):
+    """The seeded random ops that draw one value per row of the batch (the analysis
+    finds them): each replica draws every replica's rows with the op's seeds and keeps
+    its own, so the replicas together draw what one device draws for their R batches,
+    at R times the drawing. A given plan keeps its own choice (an empty list: none)."""
+    names = list(analysis.batch_draws)
+    _check_given(plan.random_draws, names, "random_draws",
+                 "a seeded random op drawing one value per row of this graph's batch")
+    if plan.num_replicas < 2 or not names:
+        plan.random_draws = None
+    elif plan.random_draws is None:
+        plan.random_draws = names
+        log(f"plan: random draws of the batch's rows, each replica keeping its own: {', '.join(names)}")
+
+
 def _plan_normalizers(plan, analysis, cluster, log):
     """The loss normalizers the analysis found (sums over the batch a loss divides by)
     are averaged across replicas by a collective, so each replica's loss is its share of
@@ -169,6 +194,7 @@ def _plan_normalizers(plan, analysis, cluster, log):
     A given plan keeps its own choice."""
     notes = [n for n in plan.notes or [] if not n.startswith(UNSYNCED_NORMALIZERS_START)]
     names = [t.name for t in analysis.normalizers]
+    _check_given(plan.normalizers, names, "normalizers", "a sum over the batch a loss of this graph divides by")
     collectives = len(cluster.compute_tasks) == 1 or plan.uses_collectives()
     if plan.num_replicas < 2 or not names:
         plan.normalizers = None

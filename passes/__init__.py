@@ -7,6 +7,7 @@ from graph_rewriter.passes.plan import PlanPass
 from graph_rewriter.passes.replicate import ReplicatePass
 from graph_rewriter.passes.split_inputs import SplitInputsPass
 from graph_rewriter.passes.normalizers import NormalizersPass
+from graph_rewriter.passes.random_draws import RandomDrawsPass
 from graph_rewriter.passes.mirror_variables import MirrorVariablesPass
 from graph_rewriter.passes.micro_batches import MicroBatchesPass
 from graph_rewriter.passes.allreduce import AllReducePass
@@ -23,7 +24,8 @@ from graph_rewriter.passes.step_sequence import StepSequencePass
 from graph_rewriter.passes.place import PlacePass
 from graph_rewriter.passes.metadata import MetadataPass
 
-__all__ = ["SaverPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "NormalizersPass", "MirrorVariablesPass",
+__all__ = ["SaverPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "NormalizersPass", "RandomDrawsPass",
+           "MirrorVariablesPass",
            "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",
            "ShardVariablesPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",

@@ -147,13 +147,9 @@ def test_between_graph_the_normalizers_keys_are_apart_from_the_initial_values_br
         assert [n.name for n in result.graph_def.node if n.name.endswith("normalizers/0/all_reduce")]
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps", "hybrid"])
-def test_a_transformer_block_trains_as_one_device(strategy):
-    """Masked self-attention, layer norm, a tied output embedding, label smoothing with
-    the padding mask as weights, a warm-up learning rate, global-norm clipping and Adam
-    (tf1_scripts.transformer_block): 2 replicas equal one device on 4 steps whose halves
-    count 23 and 7 tokens."""
-    graph_def, names = transformer_block()
+def assert_transformer_trains_as_one_device(graph_def, names, strategy):
+    """2 replicas of tf1_scripts.transformer_block's graph equal one device, loss and every
+    variable, on 4 steps whose halves count 23 and 7 tokens; returns the rewrite."""
     rng = np.random.RandomState(0)
     lengths = np.array([6, 6, 5, 6, 1, 2, 1, 3], np.int32)
     feeds = [{"x:0": rng.randint(0, 11, (8, 6)).astype(np.int32), "y:0": rng.randint(0, 11, (8, 6)).astype(np.int32),
@@ -170,8 +166,17 @@ def test_a_transformer_block_trains_as_one_device(strategy):
         tf1.import_graph_def(graph_def, name="")
     want_losses, want = train(tf1.Session(graph=graph))
     result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=strategy)
-    assert result.metadata["plan"]["normalizers"] == ["softmax_cross_entropy_loss/num_present:0"]
     losses, got = train(gr.Session(result))
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     for name in names:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=ATOL, err_msg=f"{strategy}: {name}")
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "hybrid"])
+def test_a_transformer_block_trains_as_one_device(strategy):
+    """Masked self-attention, layer norm, a tied output embedding, label smoothing with
+    the padding mask as weights, a warm-up learning rate, global-norm clipping and Adam
+    (tf1_scripts.transformer_block)."""
+    result = assert_transformer_trains_as_one_device(*transformer_block(), strategy)
+    assert result.metadata["plan"]["normalizers"] == ["softmax_cross_entropy_loss/num_present:0"]

@@ -140,7 +140,7 @@ def conditional_update(control_flow, predicate, sparse, optimizer="adam"):
     ``sparse`` the model reads an embedding table (a sparse gradient: hybrid puts it on
     the parameter server), else only dense layers."""
     graph = tf.Graph()
-    with graph.as_default(), models._ControlFlow(control_flow):
+    with graph.as_default(), models.ControlFlow(control_flow):
         tf.compat.v1.set_random_seed(16)
         ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
         x = tf.compat.v1.placeholder(tf.float32, [None, FEATURES], name="x")

@@ -161,7 +161,7 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
     if keras:
         resource = True
     graph = tf.Graph()
-    flags = _ControlFlow(kw.get("control_flow") if model == "cond"
+    flags = ControlFlow(kw.get("control_flow") if model == "cond"
                          else {"lstm_v1": "v1", "lstm_v2": "v2"}.get(model))
     with graph.as_default(), flags:
         tf.compat.v1.set_random_seed(seed)
@@ -185,7 +185,7 @@ def build(model="mlp", optimizer="sgd", resource=True, seed=0, **kw):
                        for qr in graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)])
 
 
-class _ControlFlow:
+class ControlFlow:
     """Switches TensorFlow's v1/v2 control-flow flag while a graph is built and restores
     it after: the flag is process-wide, and tf.while_loop/tf.cond read it when called."""
 

@@ -380,11 +380,14 @@ def masked_sequence_batches(steps, batch, seed=0):
              "lengths:0": lengths} for _ in range(steps)]
 
 
-def transformer_block(steps=6, vocab=11, width=8):
+def transformer_block(steps=6, vocab=11, width=8, dropout=0.0):
     """A Transformer encoder block as tensor2tensor-style TF1 scripts write it, from its
     public description, scaled down: x, y [None, steps] token ids and lengths [None];
     embeddings scaled by sqrt(width), one masked self-attention layer (padding keys at
     -1e9) with a residual and layer norm, the output projection tied to the embedding,
+    with ``dropout`` > 0 dropout at that rate on the embeddings (one mask per sequence,
+    broadcast over its positions: noise_shape [batch, 1, width]), the attention
+    probabilities and the attention's output (seeded by the graph's seed),
     tf.compat.v1.losses.softmax_cross_entropy with label smoothing 0.1 and the padding
     mask as weights, the inverse-square-root learning rate with warm-up from global_step,
     clip_by_global_norm(1.0) and Adam(0.9, 0.98, 1e-9). Returns (GraphDef, variable names)."""
@@ -395,6 +398,8 @@ def transformer_block(steps=6, vocab=11, width=8):
         x, y, lengths = _padded_sequences(steps)
         embedding = tf1.get_variable("embedding", [vocab, width])
         h = tf.nn.embedding_lookup(embedding, x) * (width ** 0.5)
+        if dropout:
+            h = tf.nn.dropout(h, rate=dropout, noise_shape=[tf.shape(h)[0], 1, width])
         flat = tf.reshape(h, [-1, width])
 
         def project(name):
@@ -403,7 +408,13 @@ def transformer_block(steps=6, vocab=11, width=8):
         mask = tf.sequence_mask(lengths, steps, dtype=tf.float32)
         scores = (tf.matmul(project("attention/q"), project("attention/k"), transpose_b=True) / (width ** 0.5)
                   + (1.0 - mask[:, None, :]) * -1e9)
-        attended = tf.matmul(tf.nn.softmax(scores), project("attention/v")) + h
+        probs = tf.nn.softmax(scores)
+        if dropout:
+            probs = tf.nn.dropout(probs, rate=dropout)
+        attention = tf.matmul(probs, project("attention/v"))
+        if dropout:
+            attention = tf.nn.dropout(attention, rate=dropout)
+        attended = attention + h
         mean, variance = tf.nn.moments(attended, [-1], keepdims=True)
         gamma = tf1.get_variable("layer_norm/gamma", [width], initializer=tf1.ones_initializer())
         beta = tf1.get_variable("layer_norm/beta", [width], initializer=tf1.zeros_initializer())
@@ -422,3 +433,60 @@ def transformer_block(steps=6, vocab=11, width=8):
         tf1.global_variables_initializer()
         names = [v.op.name for v in tf1.global_variables()]
     return g.as_graph_def(), names
+
+
+def dropout_mlp(kind="dropout", batch=None, control_flow=None):
+    """x [batch, 4] (None: dynamic) -> dense 16 relu -> a random op per ``kind`` -> dense 1,
+    squared error, SGD 0.1 with a global step; graph seed 1 unless said otherwise. Kinds:
+    "dropout" (tf.nn.dropout, rate 0.5), "keep_prob" (tf.compat.v1.nn.dropout), "per_row"
+    (noise_shape [rows, 1]: one mask value per row), "noise" (Gaussian noise of the
+    activations' shape), "stateless" (a stateless uniform of the activations' shape with a
+    fixed seed), "unseeded" (tf.nn.dropout with no graph seed), "per_unit" (noise [16]
+    shared by the rows: not a draw per row), "in_loop" (dropout in a tf.while_loop body),
+    "cond" (dropout when a ``training`` flag, default True, says so: tf.cond, as
+    tf.layers.dropout(training=flag) builds it). ``control_flow`` "v1" or "v2" builds
+    tf.cond and tf.while_loop with that control flow (default: TensorFlow's current).
+    Returns the GraphDef (variables w1, w2, global_step; fetch loss:0, run train_op, init)."""
+    from graph_rewriter.testing.models import ControlFlow
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default(), ControlFlow(control_flow):
+        if kind != "unseeded":
+            tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [batch, 4], name="x")
+        y = tf1.placeholder(tf.float32, [batch, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        h = tf.nn.relu(tf.matmul(x, w1))
+        if kind in ("dropout", "unseeded"):
+            h = tf.nn.dropout(h, rate=0.5)
+        elif kind == "keep_prob":
+            h = tf1.nn.dropout(h, keep_prob=0.5)
+        elif kind == "per_row":
+            h = tf.nn.dropout(h, rate=0.5, noise_shape=[tf.shape(h)[0], 1])
+        elif kind == "noise":
+            h = h + tf1.random_normal(tf.shape(h), stddev=0.5)
+        elif kind == "stateless":
+            h = h * tf.cast(tf.random.stateless_uniform(tf.shape(h), seed=[3, 4]) > 0.5, tf.float32) * 2.0
+        elif kind == "per_unit":
+            h = h * (1.0 + tf1.random_normal([16], stddev=0.5))
+        elif kind == "cond":
+            training = tf1.placeholder_with_default(True, [], name="training")
+            h = tf1.cond(training, lambda: tf.nn.dropout(h, rate=0.5), lambda: h)
+        elif kind == "in_loop":
+            _, h = tf1.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.nn.dropout(a, rate=0.25)),
+                                  [tf.constant(0), h])
+        elif kind != "none":
+            raise ValueError(f"dropout_mlp: unknown kind {kind!r}")
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def dropout_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` rows for dropout_mlp."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, 4).astype(np.float32), "y:0": rng.randn(batch, 1).astype(np.float32)}
+            for _ in range(steps)]

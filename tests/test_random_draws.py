@@ -142,11 +142,11 @@ def test_draws_left_alone_keep_the_graph_as_it_was():
 def test_gpu_replicas_draw_on_their_own_gpus():
     result = gr.rewrite(dropout_mlp("dropout"), PS2_WORKERS2, devices_per_worker=2, device_type="GPU")
     devices = {n.name: n.device for n in result.graph_def.node}
-    draws = [name for name in devices if name.endswith("dropout/random_uniform/RandomUniform")]
-    assert len(draws) == 4
-    for name in draws:
-        own = f"{name}/replica_rows/own"
-        assert devices[own] == devices[name] and "GPU" in devices[name], (name, devices[name])
+    rows = [name for name in devices if name.endswith(DROPOUT)]
+    assert len(rows) == 4
+    for name in rows:
+        draw = f"{name}/every_replica"
+        assert devices[draw] == devices[name] and "GPU" in devices[name], (name, devices[name])
     ranks = [n for n in result.graph_def.node if n.name == "graph_rewriter/random_draws/rank"]
     assert len(ranks) == 1 and ranks[0].attr["num"].i == 4 and "CPU" in ranks[0].device
 
@@ -327,3 +327,24 @@ def test_keras_dropout_trains_as_one_device(training):
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
     for name in reads:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_draw_fetched_by_name_is_one_devices(replicas):
+    """The replica's rows take the draw's name (the op itself becomes
+    <name>/every_replica), so Session's merge of the fetch (the replicas' rows, concatenated)
+    is the draw one device makes for the whole batch."""
+    graph_def, feed = dropout_mlp("dropout"), dropout_batches(1, replicas * BATCH)[0]
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        want = sess.run(DROPOUT + ":0", feed)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU")
+    assert result.graph_def.node[[n.name for n in result.graph_def.node].index(DROPOUT)].op == "StridedSlice"
+    with gr.Session(result) as sess:
+        sess.run("init")
+        got = sess.run(DROPOUT + ":0", feed)
+    assert got.shape == want.shape == (replicas * BATCH, 16)
+    np.testing.assert_array_equal(got, want)

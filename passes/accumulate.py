@@ -18,7 +18,9 @@ takes, and every reader of an averaged gradient (the optimizer's update) waits f
 the counter keeps pace with the accumulators whatever the user runs (the train op, or an
 op of the update fetched by name) and whether or not the updates run (under a v1
 tf.cond whose branch is not taken they are dead, and an op waiting for a dead one would
-be dead too). The init op resets it and every accumulator's step, so a second run on the
+be dead too). In one graph, train ops run at steps of their own (a GAN's, the plan's
+train_ops) bump it after their own takes only, so running one computes none of the
+other's gradients. The init op resets it and every accumulator's step, so a second run on the
 same servers starts clean. Accumulators and
 the counter have shared_names derived from the graph's fingerprint, so every worker's
 graph of a between-graph run uses the same ones.
@@ -86,6 +88,7 @@ class AccumulatePass(Pass):
             st.tag = applied
         per_replica = [[] for _ in rm.built]
         takes = []
+        groups = {}   # the train ops of a cut (plan.cuts' train_ops) -> the takes of their cuts
         for cut in cuts:
             accs = self._accumulators(graph, ctx, st, cut, inits)
             for i in rm.built:
@@ -93,7 +96,13 @@ class AccumulatePass(Pass):
                 # included: a template replica's copies are then written per replica.
                 with graph.adding_to_replica(i):
                     per_replica[i].append(self._apply(graph, ctx, st, cut, accs, i))
+            # Train ops run at steps of their own are grouped apart (below), in-graph.
+            # Between-graph, sync_queues releases a worker's step after every update of
+            # the step, and staleness slots pick a take's accumulator by the count of
+            # steps: one group there.
+            st.group = tuple(cut.train_ops or ()) if ctx.cluster.task is None else ()
             takes.append(self._take(graph, ctx, st, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
+            groups.setdefault(st.group, []).append(takes[-1])
         # (Between-graph only: in-graph nothing waits for a marker, and a sink nobody runs
         # that runs one replica's copy of a collective, a BatchNorm statistic's all-reduce
         # its gradients wait for, would fail check_collectives_run.)
@@ -114,25 +123,37 @@ class AccumulatePass(Pass):
         # when the updates do not run (a v1 tf.cond whose branch holding them is not
         # taken: its ops are dead, and an op waiting for a dead one would be dead too).
         # Between-graph, sync_queues orders the chief's tokens after the updates.
-        after = descendants(takes)
+        # In-graph, train ops run at steps of their own (a GAN's d_train and g_train: the
+        # plan's train_ops) bump it after their own takes only, so running one takes
+        # (and computes) none of the other's gradients; an accumulator takes any
+        # gradient tagged with a step at least its own, so one counter serves both.
         graph.mark_new_global(before)
-        # (A replica's marker and the worker's step count are no train ops: they follow
-        # the takes only when the gradients wait for a statistic's update, as with
-        # control_dependencies(update_ops) around minimize.)
-        roots = [n for n in graph if n in after and n.is_sink and n not in own_steps]
-        increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
-                            [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
-                            control_inputs=takes, device=ps0)
         # (Not a reader the takes themselves wait for: a BatchNorm moving average's update
         # that the backward pass runs after. With slots a take waits for the applies only
         # through its accumulator, not by an edge: such a reader reaches the markers.)
         feeding = _reaching(st.readers, set(takes) | set(markers))
-        for reader in st.readers:
-            if reader not in feeding:
-                reader.add_control_input(increment)
-        # The train op (a root after the updates) keeps its name and now also waits for
-        # the bump.
-        run_after(graph, roots, [increment])
+        # Groups whose train ops overlap run together whenever one runs (BatchNorm's
+        # statistics, whose gradients wait for them, list some of the backward's ops
+        # besides the train op): one group, and one bump, for them.
+        joined = _joined(list(groups))
+        merged = {}
+        for key, group_takes in groups.items():
+            merged.setdefault(joined[key], []).extend(group_takes)
+        for group, group_takes in merged.items():
+            after = descendants(group_takes)
+            # (A replica's marker and the worker's step count are no train ops: they follow
+            # the takes only when the gradients wait for a statistic's update, as with
+            # control_dependencies(update_ops) around minimize.)
+            roots = [n for n in graph if n in after and n.is_sink and n not in own_steps]
+            increment = make_op(graph, "AssignAddVariableOp", INCREMENT,
+                                [counter.output(0), const(graph, f"{COUNTER}/one", 1, "int64", ps0)],
+                                control_inputs=group_takes, device=ps0)
+            for reader, reader_groups in st.readers.items():
+                if any(joined[g] == group for g in reader_groups) and reader not in feeding:
+                    reader.add_control_input(increment)
+            # The train op (a root after the updates) keeps its name and now also waits for
+            # the bump.
+            run_after(graph, roots, [increment])
         graph.mark_new_global(before)
         return True
 
@@ -248,7 +269,7 @@ class AccumulatePass(Pass):
             if _integer(cut):
                 taken = make_op(graph, "Cast", f"{scope}/as_integer", [taken],
                                 attrs={"DstT": dtypes.as_dtype(cut.dtype)}, device=dev).output(0)
-            st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, taken)))
+            st.add_readers(_rewire(graph, ctx.replicas, master_values, taken))
             return take
         mean = make_op(graph, "RealDiv", f"{scope}/mean",
                        [outs[1], const(graph, f"{scope}/replicas", rm.group_size, dtype.name, dev)],
@@ -261,9 +282,29 @@ class AccumulatePass(Pass):
         if index_dtype != dtypes.int64:
             indices = make_op(graph, "Cast", f"{scope}/indices", [indices], attrs={"DstT": index_dtype},
                               device=dev).output(0)
-        st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_values, mean)))
-        st.readers.update(dict.fromkeys(_rewire(graph, ctx.replicas, master_indices, indices, keep)))
+        st.add_readers(_rewire(graph, ctx.replicas, master_values, mean))
+        st.add_readers(_rewire(graph, ctx.replicas, master_indices, indices, keep))
         return take
+
+
+def _joined(keys):
+    """{key: the first of the keys it shares a train op with, directly or through
+    others} for tuples of train-op names."""
+    owner = {}
+    for key in keys:
+        owner[key] = key
+    changed = True
+    while changed:
+        changed = False
+        for a in keys:
+            for b in keys:
+                if owner[a] != owner[b] and set(a) & set(b):
+                    first = min(owner[a], owner[b], key=keys.index)
+                    for k in keys:
+                        if owner[k] in (owner[a], owner[b]):
+                            owner[k] = first
+                    changed = True
+    return owner
 
 
 def _integer(cut):
@@ -278,13 +319,19 @@ def _wire_dtype(cut):
 
 class _Step:
     """What one run of the pass shares between its steps: the staleness slots, the step
-    tag the applies carry, and the global readers of the averaged gradients."""
+    tag the applies carry, and the global readers of the averaged gradients, each with
+    the train-op groups whose gradients it reads (``group``: the current cut's)."""
 
     def __init__(self, slots):
         self.slots = slots
         self.tag = None
         self.apply_slot = self.take_slot = None
-        self.readers = {}
+        self.readers = {}   # reader -> {group}
+        self.group = ()
+
+    def add_readers(self, readers):
+        for r in readers:
+            self.readers.setdefault(r, set()).add(self.group)
 
 
 def _reaching(nodes, targets):

@@ -718,7 +718,7 @@ class _Analyzer:
         out = []
         for n in self.order:
             if n.op in _FUNCTIONAL and n in variant0 and self.g.library is not None:
-                out += _called_draws(n, self.g.library, variant0 | seed_nodes)
+                out += _called_draws(n, self.g.library, variant0 | seed_nodes, static)
             if not _is_seeded_draw(n) or not n.inputs:
                 continue
             rows = _leading_rows(n.inputs[0])
@@ -967,10 +967,12 @@ def called_functions(call):
     return out
 
 
-def _called_draws(call, library, variant):
+def _called_draws(call, library, variant, static=()):
     """The seeded draws of the batch's rows in the functions of the v2 cond or while
     loop ``call`` (``call:function:node``): those whose shape's rows are an argument's
-    (or computed from one) that the call passes from the batch."""
+    (or computed from one) that the call passes from the batch, or, with static batches
+    ``static``, whose shape is a constant whose first entry is one and whose draw meets
+    such an argument's values."""
     functions = {f.signature.name: f for f in library.function}
     skip = _FUNCTIONAL[call.op][1]
     out = []
@@ -987,7 +989,13 @@ def _called_draws(call, library, variant):
             if not _is_seeded_draw(node) or not nd.input:
                 continue
             rows = _leading_rows(node.inputs[0])
-            if rows is not None and rows.node.name in reached:
+            if rows is not None:
+                counts = rows.node.name in reached
+            else:
+                first = _leading_constant(node.inputs[0])
+                counts = first is not None and first in static and bool(
+                    (body.reached_from({nd.name}) - {nd.name}) & reached)
+            if counts:
                 out.append(f"{call.name}:{name}:{nd.name}")
     return out
 

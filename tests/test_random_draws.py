@@ -123,12 +123,15 @@ def test_four_replicas_template_built_train_as_one_device(kind):
     _assert_same(_train(gr.Session(result), feeds), want, "4 replicas")
 
 
-def test_static_batches_train_as_one_device_built_for_the_global_batch():
+@pytest.mark.parametrize("kind", ["dropout", "cond-v1", "cond-v2", "in_loop-v1", "in_loop-v2"])
+def test_static_batches_train_as_one_device_built_for_the_global_batch(kind):
     """Each replica takes a batch of its own of 8 rows (global batch 16): one device's
-    graph built for 16 rows draws its mask for all 16."""
+    graph built for 16 rows draws its mask for all 16. TensorFlow folds the mask's
+    shape into a constant, in a v2 function's body too."""
     feeds = dropout_batches(STEPS, 2 * BATCH)
-    want = _one_device(dropout_mlp("dropout", batch=2 * BATCH), feeds)
-    result = gr.rewrite(dropout_mlp("dropout", batch=BATCH), devices_per_worker=2, device_type="CPU")
+    want = _one_device(_build(kind, batch=2 * BATCH), feeds)
+    result = gr.rewrite(_build(kind, batch=BATCH), devices_per_worker=2, device_type="CPU")
+    assert len(result.metadata["plan"]["random_draws"]) == 1
     _assert_same(_train(gr.Session(result), feeds), want, "static batch")
 
 

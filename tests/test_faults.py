@@ -291,6 +291,20 @@ def test_a_restarted_peer_is_refused_under_any_group_key_until_the_survivor_rest
 
 # ----- MonitoredTrainingSession clients that checkpoint, servers killed and restarted ----
 
+def _where_it_diverged(meta, ckpt, runs, want_losses):
+    """For a failure's message: the step-3 checkpoint against one device after 3 steps
+    (did the first run or the restarted one diverge?), and the restarted run's losses
+    against one device's."""
+    feeds = feeds_of(meta)
+    at_3, _ = one_device(meta, 3, lambda s: feeds(s, BATCH))
+    path = os.path.join(ckpt, "model.ckpt-3")
+    saved = (np.abs(tf.train.load_checkpoint(path).get_tensor("fc1/kernel") - at_3["fc1/kernel"]).max()
+             if os.path.exists(path + ".index") else "no model.ckpt-3 left")
+    means = [float(np.mean(pair)) for pair in zip(*[r["losses"] for r in runs])]
+    return (f"the step-3 checkpoint's fc1/kernel differs from one device's by {saved}; the restarted run's "
+            f"losses (the workers' mean) {means}, one device's {[float(x) for x in want_losses[3:]]}")
+
+
 def _mts_cmd(meta, target, chief, ckpt, last_step, feeds, out, pause_after=0):
     cmd = [sys.executable, "-m", "graph_rewriter.testing.mts_worker", "--graph", meta, "--target", target,
            "--last-step", str(last_step), "--batches", feeds, "--out", out, "--timeout", "60", "--progress",
@@ -363,7 +377,7 @@ def test_a_killed_server_restarted_resumes_from_the_checkpoint_like_an_uninterru
     assert resumed == 3 and all(r["steps"] == list(range(resumed, steps)) for r in runs), [r["steps"] for r in runs]
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(ckpt))
     assert reader.get_tensor("global_step") == steps
-    want, _ = one_device(meta, steps, lambda s: feeds(s, BATCH))
+    want, want_losses = one_device(meta, steps, lambda s: feeds(s, BATCH))
     for r in runs:
         np.testing.assert_allclose(r["values"]["fc1/kernel/Read/ReadVariableOp:0"], want["fc1/kernel"],
-                                   rtol=RTOL, atol=ATOL)
+                                   rtol=RTOL, atol=ATOL, err_msg=_where_it_diverged(meta, ckpt, runs, want_losses))

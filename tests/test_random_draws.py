@@ -184,13 +184,16 @@ def test_a_transformer_block_with_dropout_trains_as_one_device(strategy):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
-def test_two_workers_train_as_one_device_on_loopback_servers(strategy, pool, procs, tmp_path):
+@pytest.mark.parametrize("strategy, kind", [("allreduce", "dropout"), ("ps", "dropout"), ("allreduce", "cond-v2"),
+                                            ("ps", "in_loop-v1")])
+def test_two_workers_train_as_one_device_on_loopback_servers(strategy, kind, pool, procs, tmp_path):
     """Between-graph, 2 workers x 1 replica, each its own client fed its half of every
-    batch: worker k keeps rows k*8 .. k*8+7 of its draw of 16."""
+    batch: worker k keeps rows k*8 .. k*8+7 of its draw of 16 (in the graph, in a v2
+    cond's branch copies, in a v1 loop's frame)."""
     feeds = dropout_batches(STEPS, 2 * BATCH)
-    _, want = _one_device(dropout_mlp("dropout"), feeds)
-    got = tc.two_workers_read(pool, procs, tmp_path, dropout_mlp("dropout"), strategy, STEPS, READS.values(), feeds)
+    graph_def = _build(kind)
+    _, want = _one_device(graph_def, feeds)
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, READS.values(), feeds)
     for name, tensor in READS.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
 

@@ -86,7 +86,10 @@ class RandomDrawsPass(Pass):
             copies = _rewritten_functions(graph, graph.node(call), draws, rm.group_size)
             for i in rm.built:
                 node = rm.node(graph, i, call)
-                _call_copies(node, copies, ranks.output(i))
+                with graph.adding_to_replica(i):   # (a v2 cond in a v1 loop: the rank enters it)
+                    rank = _entered(_GraphEmitter(graph, f"{node.name}/replica_rows", rm.devices[i]),
+                                    ranks.output(i), loop_frames(node))
+                _call_copies(node, copies, rank)
         graph.touch()
         return True
 

@@ -37,6 +37,7 @@ DRAWS = {"dropout": [DROPOUT], "keep_prob": [DROPOUT], "per_row": [DROPOUT],
          "stateless": ["stateless_random_uniform/StatelessRandomUniformV2"],
          "cond-v1": ["cond/" + DROPOUT], "cond-v2": ["cond:cond_true_*_rewritten:" + DROPOUT],
          "in_loop-v1": ["while/" + DROPOUT], "in_loop-v2": ["while:while_body_*_rewritten:" + DROPOUT],
+         "cond_in_loop": ["while/cond:while_cond_true_*_rewritten:" + DROPOUT],
          "unseeded": [], "per_unit": [], "none": []}
 FOUND = [k for k, v in DRAWS.items() if v]
 
@@ -74,7 +75,7 @@ def _assert_same(got, want, what):
 def test_the_analysis_finds_the_seeded_draws_of_the_batchs_rows(kind):
     """Found: dropout (rate or keep_prob), one mask value per row, Gaussian noise and a
     stateless draw of the activations' shape, dropout behind a training flag's cond and
-    in a while loop's body (v1 and v2 control flow). Not: an unseeded draw (each kernel
+    in a while loop's body (v1 and v2 control flow), and in a v2 cond in a v1 loop. Not: an unseeded draw (each kernel
     seeds itself: the replicas differ already), noise per unit shared by the rows (one
     device's draw on every replica is right), and the variables' initializers."""
     found = analyze(graph_io.load_graph(_build(kind))).batch_draws
@@ -113,7 +114,7 @@ def test_two_replicas_train_as_one_device(kind, strategy):
     _assert_same(_train(gr.Session(result), feeds), want, f"{kind} {strategy}")
 
 
-@pytest.mark.parametrize("kind", ["per_row", "cond-v2", "in_loop-v1", "in_loop-v2"])
+@pytest.mark.parametrize("kind", ["per_row", "cond-v2", "in_loop-v1", "in_loop-v2", "cond_in_loop"])
 def test_four_replicas_template_built_train_as_one_device(kind):
     """With 3 or more replicas only replica 1 is built and stands for the rest: each
     reads its own output of the ranks' Unpack in the export."""
@@ -257,7 +258,7 @@ def test_a_v1_loops_draw_takes_the_rank_through_its_frame():
     assert replicas.input == [f"^replica_1/while/{DROPOUT.rsplit('/', 2)[0]}/Shape"]
 
 
-@pytest.mark.parametrize("kind", ["dropout", "cond-v2", "in_loop-v1", "in_loop-v2"])
+@pytest.mark.parametrize("kind", ["dropout", "cond-v2", "in_loop-v1", "in_loop-v2", "cond_in_loop"])
 def test_the_template_export_equals_every_replica_built(kind):
     graph_def = _build(kind)
 

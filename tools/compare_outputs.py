@@ -101,6 +101,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_transformer_dropout"] = tf1_scripts.transformer_block(dropout=0.1)[0]
     graphs["script_dropout_cond_v2"] = tf1_scripts.dropout_mlp("cond", control_flow="v2")
     graphs["script_dropout_loop_v1"] = tf1_scripts.dropout_mlp("in_loop", control_flow="v1")
+    graphs["script_dropout_cond_in_loop"] = tf1_scripts.dropout_mlp("cond_in_loop")
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

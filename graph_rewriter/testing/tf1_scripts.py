@@ -444,7 +444,8 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
     fixed seed), "unseeded" (tf.nn.dropout with no graph seed), "per_unit" (noise [16]
     shared by the rows: not a draw per row), "in_loop" (dropout in a tf.while_loop body),
     "cond" (dropout when a ``training`` flag, default True, says so: tf.cond, as
-    tf.layers.dropout(training=flag) builds it). ``control_flow`` "v1" or "v2" builds
+    tf.layers.dropout(training=flag) builds it), "cond_in_loop" (that cond, v2, in a v1
+    while loop's body). ``control_flow`` "v1" or "v2" builds
     tf.cond and tf.while_loop with that control flow (default: TensorFlow's current).
     Returns the GraphDef (variables w1, w2, global_step; fetch loss:0, run train_op, init)."""
     from graph_rewriter.testing.models import ControlFlow
@@ -473,6 +474,15 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
         elif kind == "cond":
             training = tf1.placeholder_with_default(True, [], name="training")
             h = tf1.cond(training, lambda: tf.nn.dropout(h, rate=0.5), lambda: h)
+        elif kind == "cond_in_loop":   # a v1 loop whose body holds a v2 cond
+            training = tf1.placeholder_with_default(True, [], name="training")
+
+            def body(i, a):
+                with ControlFlow("v2"):
+                    a = tf1.cond(training, lambda: tf.nn.dropout(a, rate=0.25), lambda: a)
+                return i + 1, a
+            with ControlFlow("v1"):
+                _, h = tf1.while_loop(lambda i, a: i < 2, body, [tf.constant(0), h])
         elif kind == "in_loop":
             _, h = tf1.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.nn.dropout(a, rate=0.25)),
                                   [tf.constant(0), h])

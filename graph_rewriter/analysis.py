@@ -1071,6 +1071,11 @@ def _leading_rows(shape):
 
 
 def _starts_at_0(strided_slice):
+    """True if a StridedSlice's first axis starts at 0 and steps by 1 (``shape[0]``,
+    ``shape[:2]``; not ``shape[::-1]``)."""
+    strides = strided_slice.inputs[3].node
+    if strides.op != "Const" or list(dtypes.int_values(strides.attr["value"].tensor))[:1] != [1]:
+        return False
     if strided_slice.attr["begin_mask"].i & 1:
         return True
     begin = strided_slice.inputs[1].node

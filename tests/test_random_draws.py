@@ -355,3 +355,15 @@ def test_a_draw_fetched_by_name_is_one_devices(replicas):
         got = sess.run(DROPOUT + ":0", feed)
     assert got.shape == want.shape == (replicas * BATCH, 16)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_shape_whose_first_entry_is_not_the_rows_does_not_count():
+    """A reversed shape starts with the units, not the rows."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        tf.identity(x * tf.transpose(tf1.random_uniform(tf.reverse(tf.shape(x), [0]))), name="reversed")
+        tf.identity(x * tf1.random_uniform(tf.shape(x)), name="rows")
+    found = analyze(graph_io.load_graph(graph.as_graph_def())).batch_draws
+    assert found == ["random_uniform_1/RandomUniform"], found

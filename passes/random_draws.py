@@ -117,7 +117,8 @@ def _entered(emit, rank, frames):
 
 
 def _index_dtype(draw):
-    """The dtype of a draw's shape (int32 or int64), from its OpDef's first argument."""
+    """The dtype of a draw's shape (int32 or int64), from its OpDef's first argument
+    (``draw``: a graph node or a function body's NodeDef)."""
     return dtypes.as_dtype(draw.attr[opdefs.registered_op(draw.op).input_arg[0].type_attr].type)
 
 
@@ -226,10 +227,8 @@ def _rewrite_body_draw(fn, draw_name, replicas):
     readers = [(nd, k) for nd in fn.node_def for k, ref in enumerate(nd.input) if ref == drawn]
     returns = [key for key, ref in fn.ret.items() if ref == drawn]
     emit = _BodyEmitter(fn, f"{draw.name}/replica_rows")
-    shape, rows = _every_replicas_rows(
-        emit, draw.input[0], drawn, RANK_ARG, replicas,
-        dtypes.as_dtype(draw.attr[od.input_arg[0].type_attr].type),
-        dtypes.as_dtype(draw.attr[od.output_arg[0].type_attr].type))
+    shape, rows = _every_replicas_rows(emit, draw.input[0], drawn, RANK_ARG, replicas,
+                                       _index_dtype(draw), _draw_dtype(draw))
     draw.input[0] = shape
     for nd, k in readers:
         nd.input[k] = rows

@@ -27,6 +27,7 @@ Found from op types, OpDef argument names and graph structure, never from node n
 """
 
 import dataclasses
+import re
 
 from graph_rewriter.protos import types_pb2
 
@@ -132,6 +133,9 @@ class Analysis:
     # seeded random ops that draw one value per row of the batch (dropout's mask): every
     # replica's clone would draw what one device draws for the first rows
     batch_draws: list = dataclasses.field(default_factory=list)
+    # names of sums over the batch's rows (Sum over every axis, L2Loss) that a loss adds up
+    # undivided by a count of rows: their gradient is summed over the replicas, not averaged
+    loss_sums: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -237,8 +241,9 @@ class _Analyzer:
         coupled = self._coupled(cuts, variant)
         normalizers = self._find_normalizers(seeds, variant0)
         batch_draws = self._find_batch_draws(seeds, variant0)
+        loss_sums = self._find_loss_sums(variant0)
         return Analysis(
-            coupled=coupled, normalizers=normalizers, batch_draws=batch_draws,
+            coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -731,6 +736,43 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
+    # ---- losses summed over the batch -------------------------------------------------
+    def _find_loss_sums(self, variant0):
+        """Sums over the batch's rows that a loss adds up, not divided by a count of
+        them: ``tf.reduce_sum(tf.square(p - y))``, ``tf.nn.l2_loss(p - y)``, a
+        ``tf.compat.v1.losses`` loss with ``reduction=SUM``, and a sum divided by a
+        constant that is not a count of the rows. One device's gradient is the sum of
+        the replicas' gradients of their shards' sums; averaging them divides it by R.
+
+        A ``Sum`` over every axis (or an ``L2Loss``) of a value computed from the batch
+        and a trainable variable counts when the gradient that enters its backward pass
+        (``gradient_entries``) depends neither on the batch (a mean divides by
+        ``tf.shape(x)[0]`` or ``tf.size(x)``; a normalizer by a sum of a mask) nor,
+        with static batches, on a constant multiple of the static batch or its
+        reciprocal (``reduce_sum(x) / BATCH``, which a model built for R x BATCH
+        divides by R x BATCH). Then everything between the sum and the loss is linear in
+        it, with coefficients the same on every replica."""
+        trainable = {v.node for v in self.variables.values() if v.trainable}
+        static = {b for b in self.static_batch.values() if b and b > 1}
+        candidates = {}
+        for n in self.order:
+            if n in variant0 and (n.op == "L2Loss" or (n.op == "Sum" and _sums_every_axis(n))) \
+                    and dtypes.as_dtype(dtype_of(n.output(0))).is_floating:
+                candidates[n.name] = n
+        if not candidates:
+            return []
+        entries = gradient_entries(self.g.nodes, candidates)
+        out = []
+        for name, node in candidates.items():
+            found = entries.get(name)
+            if not found or not _value_ancestors(node.inputs[0].node) & trainable:
+                continue
+            grads = {t for t, _ in found}
+            if any(t.node in variant0 or _counts_rows(t.node, static) for t in grads):
+                continue
+            out.append(name)
+        return out
+
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
@@ -942,6 +984,75 @@ def _value_ancestors(node):
                 seen.add(t.node)
                 stack.append(t.node)
     return seen
+
+
+# Where tf.gradients puts the backward pass of op X: "<scope>gradients[_k]/X_grad/..."
+# (TensorFlow's gradients_util opens a name scope op.name + "_grad" per forward op).
+_GRADIENTS_SCOPE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
+
+
+def in_gradients_scope(name):
+    """True if a node's name puts it in a backward pass tf.gradients built."""
+    return "_grad/" in name and _GRADIENTS_SCOPE.search(name) is not None
+
+
+def gradient_entries(nodes, sums):
+    """{name: [(gradient tensor, (reader, input position))]} for the ``sums`` (name ->
+    node, each a Sum or an L2Loss): where the gradient of the sum enters its backward
+    pass, in every gradients scope the graph has for it. The backward pass of a Sum
+    broadcasts that gradient to the summed value's shape (Reshape, then Tile or
+    BroadcastTo); an L2Loss's multiplies the summed value by it. It is the one
+    floating-point input the scope's ops read from outside it that is not the sum's
+    own input. Nothing but the name scope tells which ops are a forward op's backward
+    (with static shapes the broadcast reads only constants), so this reads the names of
+    ``nodes``: a ``gradients`` scope, the sum's name, ``_grad/``. A scope whose inputs do
+    not fit is left out."""
+    scopes = {}
+    for n in nodes:
+        if "_grad/" not in n.name:
+            continue
+        for m in _GRADIENTS_SCOPE.finditer(n.name):
+            rest = n.name[m.end():]
+            k = rest.find("_grad/")
+            while k >= 0:
+                if rest[:k] in sums:
+                    scopes.setdefault((rest[:k], n.name[:m.end() + k + len("_grad/")]), []).append(n)
+                k = rest.find("_grad/", k + 1)
+    out = {}
+    for (name, scope), members in scopes.items():
+        inside = set(members)
+        own = set(sums[name].inputs)
+        readers = [(t, (n, pos)) for n in members for pos, t in enumerate(n.inputs)
+                   if t.node not in inside and t not in own
+                   and dtypes.as_dtype(dtype_of(t)).is_floating]
+        if len({t for t, _ in readers}) == 1:
+            out.setdefault(name, []).extend(readers)
+    return out
+
+
+def _counts_rows(node, static):
+    """True if a value depends on a constant that is a multiple of a static batch size
+    in ``static`` or the reciprocal of one (``reduce_sum(x) / BATCH``), or on a constant
+    shape holding such a multiple (``tf.compat.v1.losses``' count of present weights,
+    a Sum over ones of the batch's static shape)."""
+    if not static:
+        return False
+
+    def multiple(w):
+        return any(w >= b - 1e-6 and abs(w / b - round(w / b)) < 1e-6 for b in static)
+
+    for n in _value_ancestors(node):
+        if n.op != "Const":
+            continue
+        proto = n.attr["value"].tensor
+        if dtypes.as_dtype(proto.dtype).is_floating:
+            v = dtypes.number(proto)
+            if v and v > 0 and (multiple(v) or multiple(1.0 / v)):
+                return True
+        elif dtypes.as_dtype(proto.dtype).name in ("int32", "int64") and any(
+                multiple(v) for v in dtypes.int_values(proto)[:8]):
+            return True
+    return False
 
 
 def _is_seeded_draw(node):

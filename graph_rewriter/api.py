@@ -175,7 +175,7 @@ def pipeline():
             passes.NormalizersPass(), passes.RandomDrawsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
             passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
+            passes.LossSumsPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
             passes.RecordIncarnationsPass(), passes.StepSequencePass(), passes.PlacePass(), passes.MetadataPass()]
 
 

@@ -37,6 +37,8 @@ _VALUE_FIELDS = {
     "uint32": "uint32_val", "uint64": "uint64_val", "bool": "bool_val", "float16": "half_val",
     "complex64": "scomplex_val", "complex128": "dcomplex_val", "string": "string_val",
 }
+# The real types whose scalars ``number`` reads.
+_NUMBERS = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16"}
 # TensorFlow's _TENSOR_CONTENT_TYPES, among the types _VALUE_FIELDS covers: arrays of more
 # than one element of these go into tensor_content as raw bytes.
 _CONTENT_TYPES = {"float16", "float32", "float64", "int32", "uint8", "int16", "int8", "int64",
@@ -152,6 +154,22 @@ def int_values(proto):
     if values and len(values) < count:
         values += [values[-1]] * (count - len(values))
     return values
+
+
+def number(proto):
+    """The value of a real scalar TensorProto (a Const of any integer or floating type,
+    one element) as a Python float, or None for anything else."""
+    if proto.tensor_shape.dim and int(np.prod([d.size for d in proto.tensor_shape.dim])) != 1:
+        return None
+    dt = DType(proto.dtype)
+    if dt.name not in _NUMBERS:
+        return None
+    if proto.tensor_content:
+        return float(np.frombuffer(proto.tensor_content, dtype=dt.as_numpy_dtype)[0])
+    if dt.name == "float16":
+        return float(np.array(proto.half_val[:1] or [0], np.uint16).view(np.float16)[0])
+    values = proto.float_val or proto.double_val or proto.int_val or proto.int64_val
+    return float(values[0]) if values else 0.0
 
 
 def int_scalar(proto):

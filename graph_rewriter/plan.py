@@ -161,6 +161,11 @@ class Plan:
     # (passes/random_draws.py); None: none, and absent from the JSON; an empty list in a
     # given plan leaves every replica drawing its clone's rows
     random_draws: list = None
+    # sums over the batch's rows a loss adds up undivided (tf.reduce_sum of squared
+    # errors, tf.nn.l2_loss): each replica's sum, and the gradient into it, is scaled by
+    # the replica count (passes/loss_sums.py); None: none, and absent from the JSON; an
+    # empty list in a given plan leaves them averaged
+    loss_sums: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -211,6 +216,8 @@ class Plan:
             del d["normalizers"]
         if d["random_draws"] is None:
             del d["random_draws"]
+        if d["loss_sums"] is None:
+            del d["loss_sums"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
@@ -252,7 +259,8 @@ class Plan:
                 bytes_per_pack=d.get("bytes_per_pack"), alone_bytes=d.get("alone_bytes"),
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
                 notes=list(d["notes"]) if d.get("notes") else None,
-                normalizers=d.get("normalizers"), random_draws=d.get("random_draws"))
+                normalizers=d.get("normalizers"), random_draws=d.get("random_draws"),
+                loss_sums=d.get("loss_sums"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 

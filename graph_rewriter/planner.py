@@ -50,6 +50,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _note_queues_without_runners(result, graph, info)
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
+    _plan_loss_sums(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -183,6 +184,23 @@ def _plan_random_draws(plan, analysis, log):
     elif plan.random_draws is None:
         plan.random_draws = names
         log(f"plan: random draws of the batch's rows, each replica keeping its own: {', '.join(names)}")
+
+
+def _plan_loss_sums(plan, analysis, log):
+    """The sums over the batch's rows a loss adds up without dividing by a count (the
+    analysis finds them): one device's gradient is the sum of the replicas', so each
+    replica's sum counts R times (R x accumulation_steps in its gradient), and the mean
+    over the replicas is one device's. A given plan keeps its own choice (an empty
+    list: averaged, as a mean)."""
+    names = list(analysis.loss_sums)
+    _check_given(plan.loss_sums, names, "loss_sums",
+                 "a sum over this graph's batch that a loss adds up undivided")
+    if plan.num_replicas * plan.accumulation_steps < 2 or not names:
+        plan.loss_sums = None
+    elif plan.loss_sums is None:
+        plan.loss_sums = names
+        log(f"plan: the loss sums over the batch's rows; each replica's sum is scaled by the "
+            f"{plan.num_replicas} replicas: {', '.join(names)}")
 
 
 def _plan_normalizers(plan, analysis, cluster, log):

@@ -8,6 +8,7 @@ from graph_rewriter.passes.replicate import ReplicatePass
 from graph_rewriter.passes.split_inputs import SplitInputsPass
 from graph_rewriter.passes.normalizers import NormalizersPass
 from graph_rewriter.passes.random_draws import RandomDrawsPass
+from graph_rewriter.passes.loss_sums import LossSumsPass
 from graph_rewriter.passes.mirror_variables import MirrorVariablesPass
 from graph_rewriter.passes.micro_batches import MicroBatchesPass
 from graph_rewriter.passes.allreduce import AllReducePass
@@ -28,5 +29,5 @@ __all__ = ["SaverPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "Normali
            "MirrorVariablesPass",
            "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",
-           "ShardVariablesPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
+           "ShardVariablesPass", "LossSumsPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
            "StepSequencePass", "PlacePass", "MetadataPass"]

@@ -234,6 +234,7 @@ class _Analyzer:
         variant = variant_nodes(seeds, cut_tensors)
         self._check_updates_invariant(variant)
         self._assign_roles(cuts, variant)
+        variant |= _read_per_replica(cuts, cut_tensors, variant)
         self._check_cuts_independent(cuts, variant)
         init_ops = self._find_initializers()
         cuts.sort(key=lambda c: self.position[c.values.node])
@@ -242,6 +243,11 @@ class _Analyzer:
         normalizers = self._find_normalizers(seeds, variant0)
         batch_draws = self._find_batch_draws(seeds, variant0)
         loss_sums = self._find_loss_sums(variant0)
+        for cut in cuts:
+            # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
+            # R times the replica's rows, so the replicas' mean is one device's total
+            if cut.combine == "sum" and summed_op(cut.values).name in loss_sums:
+                cut.combine = None
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
@@ -745,14 +751,14 @@ class _Analyzer:
         the replicas' gradients of their shards' sums; averaging them divides it by R.
 
         A ``Sum`` over every axis (or an ``L2Loss``) of a value computed from the batch
-        and a trainable variable counts when the gradient that enters its backward pass
+        and a variable, with a backward pass (a statistic has none), counts when the gradient that enters its backward pass
         (``gradient_entries``) depends neither on the batch (a mean divides by
         ``tf.shape(x)[0]`` or ``tf.size(x)``; a normalizer by a sum of a mask) nor,
         with static batches, on a constant multiple of the static batch or its
         reciprocal (``reduce_sum(x) / BATCH``, which a model built for R x BATCH
         divides by R x BATCH). Then everything between the sum and the loss is linear in
         it, with coefficients the same on every replica."""
-        trainable = {v.node for v in self.variables.values() if v.trainable}
+        variables = {v.node for v in self.variables.values()}
         static = {b for b in self.static_batch.values() if b and b > 1}
         candidates = {}
         for n in self.order:
@@ -765,7 +771,7 @@ class _Analyzer:
         out = []
         for name, node in candidates.items():
             found = entries.get(name)
-            if not found or not _value_ancestors(node.inputs[0].node) & trainable:
+            if not found or not _value_ancestors(node.inputs[0].node) & variables:
                 continue
             grads = {t for t, _ in found}
             if any(t.node in variant0 or _counts_rows(t.node, static) for t in grads):
@@ -853,6 +859,27 @@ def variant_nodes(seeds, cuts):
             variant.add(c)
             stack.append(c)
     return variant
+
+
+def _read_per_replica(cuts, cut_tensors, variant):
+    """What the forward pass computes from a batch statistic (a state cut's values) and
+    nothing else of the batch: the rewrite gives the average only to the statistic's
+    update, so these keep each replica's own value (a loss that a counter also adds up)."""
+    out, stack = set(), []
+    for cut in cuts:
+        if cut.role != "state":
+            continue
+        updates = set(statistic_update_readers(cut.values, cut.variables))
+        for c, pos in cut.values.node.consumers(cut.values.index):
+            if (c, pos) not in updates and c not in variant and c not in out:
+                out.add(c)
+                stack.append(c)
+    while stack:
+        for c, pos in stack.pop().consumers():
+            if c not in variant and c not in out and c.inputs[pos] not in cut_tensors:
+                out.add(c)
+                stack.append(c)
+    return out
 
 
 def statistic_update_readers(tensor, variables):
@@ -1323,10 +1350,16 @@ def batch_combine(values):
     totals) or a count of them (``tf.size``, ``tf.shape(x)[0]``); None (averaged) for
     anything else, a mean above all (BatchNorm's moments). Walks back through casts and
     reshapes, and a slice of a shape."""
+    return "sum" if summed_op(values).op in _SUMS else None
+
+
+def summed_op(values):
+    """The op a value passes on unchanged in kind (batch_combine's walk back through
+    casts, reshapes and a slice of a shape)."""
     n = values.node
     while n.op in _KEEPS_KIND or (n.op == "StridedSlice" and n.inputs[0].node.op in ("Shape", "ShapeN")):
         n = n.inputs[0].node
-    return "sum" if n.op in _SUMS else None
+    return n
 
 
 def _gathered_variable(indices, prefer=()):

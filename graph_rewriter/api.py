@@ -172,10 +172,11 @@ def pipeline():
     must run after (the pass manager refuses an order that breaks one) and whether a
     given plan needs it (the pass manager skips it when not)."""
     return [passes.SaverPass(), passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
-            passes.NormalizersPass(), passes.RandomDrawsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
+            passes.NormalizersPass(), passes.RandomDrawsPass(), passes.LossSumsPass(),
+            passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
             passes.CommunicationPass(),
             passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.LossSumsPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
+            passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
             passes.RecordIncarnationsPass(), passes.StepSequencePass(), passes.PlacePass(), passes.MetadataPass()]
 
 

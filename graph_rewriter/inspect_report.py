@@ -113,6 +113,7 @@ def report(result, batch_size=None):
         "strategy": plan["strategy"], "notes": list(plan.get("notes") or []), "num_replicas": r,
         **({"normalizers": list(plan["normalizers"])} if plan.get("normalizers") else {}),
         **({"random_draws": list(plan["random_draws"])} if plan.get("random_draws") else {}),
+        **({"loss_sums": list(plan["loss_sums"])} if plan.get("loss_sums") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
         "inputs": _inputs(md, nodes),
@@ -242,6 +243,9 @@ def format_report(rep):
     if rep.get("random_draws"):
         lines.append("random draws of the batch's rows (each replica draws every replica's rows and keeps its own): "
                      + ", ".join(rep["random_draws"]))
+    if rep.get("loss_sums"):
+        lines.append("losses summed over the batch's rows (each replica's sum and its gradient count "
+                     f"{rep['num_replicas']} times): " + ", ".join(rep["loss_sums"]))
     lines.append(f"replicas:   {rep['num_replicas']}")
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))

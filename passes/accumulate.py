@@ -58,7 +58,7 @@ from graph_rewriter.traversal import descendants, is_back_edge, reaches
 class AccumulatePass(Pass):
     name = "accumulate"
     requires = frozenset({"plan", "replicas"})
-    after = frozenset({"micro_batches"})   # it accumulates the micro-batch mean
+    after = frozenset({"micro_batches", "loss_sums"})   # it accumulates the micro-batch mean, a scaled loss sum
 
     def applies(self, ctx):
         return ctx.plan.sync and any(c.sync == "accumulate" for c in ctx.plan.cuts)

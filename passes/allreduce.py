@@ -56,7 +56,9 @@ _COMPRESS = {"fp16": "float16", "bf16": "bfloat16"}
 class AllReducePass(Pass):
     name = "allreduce"
     requires = frozenset({"plan", "replicas"})
-    after = frozenset({"micro_batches"})   # it reduces the micro-batch mean micro_batches reroutes to
+    # it reduces the micro-batch mean micro_batches reroutes to, and a statistic of a
+    # loss sum as loss_sums scales it
+    after = frozenset({"micro_batches", "loss_sums"})
 
     def applies(self, ctx):
         return ctx.num_replicas > 1 and bool(ctx.plan.packs)

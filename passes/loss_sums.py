@@ -19,27 +19,23 @@ keeps its own (averaged) gradient. With accumulation over k micro-batches the gr
 is averaged over them too, so the backward pass scales by R·k (as do backward ops that
 read the sum's value); a run's loss is still the sum over the run's rows.
 
-The sum itself is renamed ``<name>/replica_rows``; what the rewrite reduces of it (a
-statistic that adds it up, ``total.assign_add(loss)``, summed across the replicas by
-the communication passes) and an assign that reads it keep the replica's own sum.
+The sum itself is renamed ``<name>/replica_rows``, and every reader of the sum reads
+the scaled value. A statistic that adds the loss up (``total.assign_add(loss)``) then
+adds R times the replica's sum, which the analysis marks to be averaged across the
+replicas (not summed, as a plain sum over the rows is): one device's total. The
+communication passes run after this one, so they reduce the scaled value.
 """
 
 from graph_rewriter import dtypes
 from graph_rewriter.analysis import gradient_entries, in_gradients_scope, loop_frames
 from graph_rewriter.op_builder import const, dtype_of, make_op
-from graph_rewriter.op_vocabulary import DENSE_ASSIGNS, INCREMENTS
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.traversal import ancestors
 
 
 class LossSumsPass(Pass):
     name = "loss_sums"
     requires = frozenset({"plan", "replicas"})
-    # What a communication pass reduces of a sum (a statistic adding it up) keeps the
-    # replica's own value: it runs first, so its reduction is there to be told apart.
-    # merge_outputs renames replica 0's outputs; the sums are found by their names first.
-    after = frozenset({"replicate", "split_inputs", "micro_batches", "allreduce", "allgather",
-                       "communication", "accumulate", "sync_queues", "shard_variables"})
+    after = frozenset({"replicate", "split_inputs"})   # it scales every replica's sum
 
     def applies(self, ctx):
         return bool(ctx.plan.loss_sums) and ctx.num_replicas * ctx.plan.accumulation_steps > 1
@@ -57,13 +53,9 @@ class LossSumsPass(Pass):
         for i in rm.built:
             for name in plan.loss_sums:
                 total = rm.node(graph, i, name)
-                reduced = rm.rerouted.get((i, name, 0))
-                kept = ancestors([reduced.node]) | {reduced.node} if reduced is not None else set()
-                readers = [(c, pos) for c, pos in total.consumers(0)
-                           if c not in kept and c.op not in DENSE_ASSIGNS and c.op not in INCREMENTS]
                 with graph.adding_to_replica(i):
                     scaled = {}
-                    for c, pos in readers:
+                    for c, pos in total.consumers(0):
                         factor = backward_factor if in_gradients_scope(c.name) else forward_factor
                         if factor not in scaled:
                             scaled[factor] = _times(graph, total.output(0), factor, f"{total.name}/times_{factor}",

@@ -57,7 +57,7 @@ class MergeOutputsPass(Pass):
     requires = frozenset({"plan", "replicas"})
     # It renames replica 0's copy of an output, so every pass that finds replica 0's
     # nodes by their original names (through the ReplicaMap or the graph) runs first.
-    after = frozenset({"replicate", "split_inputs", "mirror_variables", "micro_batches", "allreduce",
+    after = frozenset({"replicate", "split_inputs", "loss_sums", "mirror_variables", "micro_batches", "allreduce",
                        "allgather", "communication", "accumulate", "sync_queues", "shard_variables"})
 
     def applies(self, ctx):

@@ -2,10 +2,11 @@
 their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
 word2vec tutorial, a script's counts of its batches, a sequence model's masked loss, a
-Transformer block.
+Transformer block, dropout, losses summed over the batch.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_word2vec.py, tests/test_batch_counts.py,
-tests/test_normalizers.py and tools/compare_outputs.py.
+tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py and
+tools/compare_outputs.py.
 """
 
 import numpy as np
@@ -500,3 +501,112 @@ def dropout_batches(steps, batch, seed=0):
     rng = np.random.RandomState(seed)
     return [{"x:0": rng.randn(batch, 4).astype(np.float32), "y:0": rng.randn(batch, 1).astype(np.float32)}
             for _ in range(steps)]
+
+
+# summed_loss_mlp's kinds: the losses a sum over the batch's rows makes undivided (the
+# analysis lists their sum), and the ones that divide it by a count of the rows
+SUMMED_LOSSES = ("sum", "l2_loss", "losses_sum", "xent_sum", "sum_over_batch", "sum_plus_decay",
+                 "loss_scaled", "learned_weight", "counted")
+MEAN_LOSSES = ("mean", "sum_over_rows", "mean_of_row_sums", "keras_mse", "losses_default")
+
+
+def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
+    """x [batch, 4] (None: dynamic) -> dense 16 relu -> dense 1, trained by SGD 0.01 (or
+    "momentum", or "adam" by hand: assign ops on m, v and the weights) on a loss per
+    ``kind``. Summed over the rows: "sum" (tf.reduce_sum of squared errors), "l2_loss"
+    (tf.nn.l2_loss of the errors), "losses_sum" (tf.compat.v1.losses.mean_squared_error
+    with reduction SUM), "xent_sum" (-reduce_sum(labels * log(p)), the early MNIST
+    tutorial's cross entropy), "sum_over_batch" (a sum divided by the static batch
+    ``batch``, a mean; with a dynamic batch by 16.0, a constant that is no count of the
+    rows: a sum), "sum_plus_decay" (a sum plus 1e-2 x the
+    weights' l2_loss), "loss_scaled" (the sum times a loss scale of 128, the gradients
+    divided by it), "learned_weight" (exp(-c) x sum + c, c a trainable weight, read once),
+    "counted" (the sum, also added up in a non-trainable ``loss_total``). A mean: "mean"
+    (tf.reduce_mean), "sum_over_rows" (divided by tf.shape(x)[0]), "mean_of_row_sums",
+    "keras_mse" (tf.keras' MeanSquaredError), "losses_default"
+    (tf.compat.v1.losses.mean_squared_error). Returns the GraphDef (variables w1, w2,
+    global_step; fetch loss:0, run train_op, init)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [batch, 4], name="x")
+        y = tf1.placeholder(tf.float32, [batch, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        p = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        err = tf.square(p - y)
+        if kind in ("sum", "counted"):
+            loss = tf.reduce_sum(err)
+        elif kind == "l2_loss":
+            loss = tf.nn.l2_loss(p - y)
+        elif kind == "losses_sum":
+            loss = tf1.losses.mean_squared_error(y, p, reduction=tf1.losses.Reduction.SUM)
+        elif kind == "xent_sum":
+            labels = tf.cast(y > 0, tf.float32)
+            prob = tf.sigmoid(p)
+            loss = -tf.reduce_sum(labels * tf.math.log(prob + 1e-6) + (1 - labels) * tf.math.log(1 - prob + 1e-6))
+        elif kind == "sum_plus_decay":
+            loss = tf.reduce_sum(err) + 1e-2 * tf.add_n([tf.nn.l2_loss(w1), tf.nn.l2_loss(w2)])
+        elif kind == "learned_weight":
+            c = tf.identity(tf1.get_variable("c", [], initializer=tf1.constant_initializer(0.5)))
+            loss = tf.exp(-c) * tf.reduce_sum(err) + c
+        elif kind == "loss_scaled":
+            loss = tf.reduce_sum(err)
+        elif kind == "mean":
+            loss = tf.reduce_mean(err)
+        elif kind == "sum_over_rows":
+            loss = tf.reduce_sum(err) / tf.cast(tf.shape(x)[0], tf.float32)
+        elif kind == "mean_of_row_sums":
+            loss = tf.reduce_mean(tf.reduce_sum(err, axis=1))
+        elif kind == "keras_mse":
+            loss = tf.keras.losses.MeanSquaredError()(y, p)
+        elif kind == "losses_default":
+            loss = tf1.losses.mean_squared_error(y, p)
+        elif kind == "sum_over_batch":
+            loss = tf.reduce_sum(err) / float(batch or 16)
+        else:
+            raise ValueError(f"summed_loss_mlp: unknown kind {kind!r}")
+        loss = tf.identity(loss, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        updates = []
+        if kind == "counted":
+            total = tf1.get_variable("loss_total", [], initializer=tf1.zeros_initializer(), trainable=False)
+            updates.append(total.assign_add(loss.op.inputs[0]))
+        train_vars = tf1.trainable_variables()
+        if kind == "loss_scaled":
+            grads = tf.gradients(loss * 128.0, train_vars)
+            pairs = [(gr / 128.0, v) for gr, v in zip(grads, train_vars)]
+        else:
+            pairs = list(zip(tf.gradients(loss, train_vars), train_vars))
+        if optimizer == "adam":
+            apply = _hand_written_adam(pairs, step)
+        else:
+            opt = (tf1.train.MomentumOptimizer(0.01, 0.9) if optimizer == "momentum"
+                   else tf1.train.GradientDescentOptimizer(0.01))
+            apply = opt.apply_gradients(pairs, global_step=step)
+        tf.group(apply, *updates, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def _hand_written_adam(pairs, step, lr=0.01, b1=0.9, b2=0.999, eps=1e-8):
+    """Adam as a script writes it with assign ops (no fused optimizer op); returns the
+    op that runs the updates and bumps ``step``."""
+    tf, tf1 = _tf()
+    updates = []
+    t = tf.cast(step, tf.float32) + 1.0
+    for grad, var in pairs:
+        name = var.op.name
+        m = tf1.get_variable(f"{name}/adam_m", var.shape, initializer=tf1.zeros_initializer(), trainable=False)
+        v = tf1.get_variable(f"{name}/adam_v", var.shape, initializer=tf1.zeros_initializer(), trainable=False)
+        m_new = m.assign(b1 * m + (1 - b1) * grad)
+        v_new = v.assign(b2 * v + (1 - b2) * tf.square(grad))
+        rate = lr * tf.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        updates.append(var.assign_sub(rate * m_new / (tf.sqrt(v_new) + eps)))
+    with tf.control_dependencies(updates):
+        return step.assign_add(1).op
+
+
+def summed_loss_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` rows for summed_loss_mlp."""
+    return dropout_batches(steps, batch, seed)

@@ -1,6 +1,8 @@
 """What a data-parallel rewrite must know about a plain single-device training GraphDef.
 
-Found from op types, OpDef argument names and graph structure, never from node names:
+Found from op types, OpDef argument names and graph structure, never from node names
+(one exception: the backward pass of a loss summed over the batch is found by the name
+scope tf.gradients gives it, ``gradients/<op>_grad/``; see gradient_entries):
 
 - variables (resource and ref) and every op that writes one;
 - batch inputs: placeholders with an unknown first dimension, tf.data iterator outputs;
@@ -242,7 +244,7 @@ class _Analyzer:
         coupled = self._coupled(cuts, variant)
         normalizers = self._find_normalizers(seeds, variant0)
         batch_draws = self._find_batch_draws(seeds, variant0)
-        loss_sums = self._find_loss_sums(variant0)
+        loss_sums = self._find_loss_sums(seeds, variant0)
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -743,15 +745,16 @@ class _Analyzer:
         return out
 
     # ---- losses summed over the batch -------------------------------------------------
-    def _find_loss_sums(self, variant0):
+    def _find_loss_sums(self, seeds, variant0):
         """Sums over the batch's rows that a loss adds up, not divided by a count of
         them: ``tf.reduce_sum(tf.square(p - y))``, ``tf.nn.l2_loss(p - y)``, a
         ``tf.compat.v1.losses`` loss with ``reduction=SUM``, and a sum divided by a
         constant that is not a count of the rows. One device's gradient is the sum of
         the replicas' gradients of their shards' sums; averaging them divides it by R.
 
-        A ``Sum`` over every axis (or an ``L2Loss``) of a value computed from the batch
-        and a variable, with a backward pass (a statistic has none), counts when the gradient that enters its backward pass
+        A ``Sum`` over every axis (or an ``L2Loss``) of a value computed from the batch's
+        rows one by one (``_reaches_rows``: not only from a mean over them) and a variable,
+        with a backward pass (a statistic has none), counts when the gradient that enters its backward pass
         (``gradient_entries``) depends neither on the batch (a mean divides by
         ``tf.shape(x)[0]`` or ``tf.size(x)``; a normalizer by a sum of a mask) nor,
         with static batches, on a constant multiple of the static batch or its
@@ -768,10 +771,12 @@ class _Analyzer:
         if not candidates:
             return []
         entries = gradient_entries(self.g.nodes, candidates)
+        seed_nodes = {t.node for t in seeds}
         out = []
         for name, node in candidates.items():
             found = entries.get(name)
-            if not found or not _value_ancestors(node.inputs[0].node) & variables:
+            if not found or not _value_ancestors(node.inputs[0].node) & variables \
+                    or not _reaches_rows(node.inputs[0], seed_nodes):
                 continue
             grads = {t for t, _ in found}
             if any(t.node in variant0 or _counts_rows(t.node, static) for t in grads):
@@ -1055,6 +1060,39 @@ def gradient_entries(nodes, sums):
         if len({t for t, _ in readers}) == 1:
             out.setdefault(name, []).extend(readers)
     return out
+
+
+_REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "ArgMax", "ArgMin", "All", "Any"))
+
+
+def _reaches_rows(tensor, batch_nodes, limit=4096):
+    """True if a value is computed from the rows of a batch input one by one along some
+    path: through ops that keep rows apart, a reduction whose constant axes leave the
+    first one, a MatMul's left operand (not transposed), a gather's indices. False when
+    every path to the batch passes a mean or sum over the rows or a product that
+    contracts them (``reduce_sum(square(reduce_mean(h, 0) - t))``, a loss on the batch's
+    mean features, is no sum over the rows)."""
+    seen, stack = set(), [tensor.node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in batch_nodes:
+            return True
+        if n.op in _REDUCTIONS:
+            axes = n.inputs[1].node if len(n.inputs) > 1 else None
+            if axes is not None and axes.op == "Const" and 0 not in dtypes.int_values(axes.attr["value"].tensor) \
+                    and all(v >= 0 for v in dtypes.int_values(axes.attr["value"].tensor)):
+                stack.append(n.inputs[0].node)
+        elif n.op == "MatMul":
+            if not n.attr["transpose_a"].b:
+                stack.append(n.inputs[0].node)
+        elif n.op in ("GatherV2", "Gather", "ResourceGather"):
+            stack.append(n.inputs[1].node)
+        elif n.op in _ROW_LOCAL:
+            stack.extend(t.node for t in n.inputs)
+    return False
 
 
 def _counts_rows(node, static):
@@ -1342,6 +1380,17 @@ def static_rank(tensor, depth=0):
 # their input is one.
 _KEEPS_KIND = frozenset(("Cast", "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"))
 _SUMS = frozenset(("Sum", "Size", "Shape", "ShapeN"))
+
+# Ops whose output keeps its inputs' rows apart (element i of the output's first axis, or
+# of a reshape of it, comes from row i of the inputs that have rows): a sum over every
+# axis of their output adds up the rows. Reductions and matrix products are handled apart.
+_ROW_LOCAL = ELEMENTWISE | _BROADCASTING | _KEEPS_KIND | frozenset((
+    "BiasAdd", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu", "Softmax", "LogSoftmax",
+    "Log1p", "Expm1", "Erf", "Sin", "Cos", "Floor", "Round", "AddN", "SoftmaxCrossEntropyWithLogits",
+    "SparseSoftmaxCrossEntropyWithLogits", "Transpose", "ConcatV2", "Pack", "Unpack", "StridedSlice",
+    "Slice", "Pad", "PadV2", "Tile", "OneHot", "Conv2D", "Conv1D", "DepthwiseConv2dNative", "MaxPool",
+    "AvgPool", "FusedBatchNormV3", "FusedBatchNorm", "BatchMatMulV2", "BatchMatMul", "Switch", "Merge",
+    "Enter", "Exit", "Identity", "L2Loss"))
 
 
 def batch_combine(values):

@@ -195,6 +195,16 @@ def _plan_loss_sums(plan, analysis, log):
     names = list(analysis.loss_sums)
     _check_given(plan.loss_sums, names, "loss_sums",
                  "a sum over this graph's batch that a loss adds up undivided")
+    if plan.loss_sums is not None:
+        from graph_rewriter.analysis import summed_op
+        for c in analysis.cuts:
+            total = summed_op(c.values).name
+            if total in names and total not in plan.loss_sums and plan.cut(c.variable).combine != "sum":
+                raise GraphRewriteError(
+                    f"the plan leaves the loss sum '{total}' unscaled, but the statistic '{c.variable}' that "
+                    "adds it up is averaged across the replicas (its cut has no \"combine\": \"sum\")",
+                    hint=f"give the cut of '{c.variable}' \"combine\": \"sum\" in the plan, or list "
+                         f"'{total}' in loss_sums")
     if plan.num_replicas * plan.accumulation_steps < 2 or not names:
         plan.loss_sums = None
     elif plan.loss_sums is None:

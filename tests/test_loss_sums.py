@@ -246,3 +246,27 @@ def test_between_graph_ps_scales_by_the_global_replica_count():
                         device_type="CPU", task="worker:1")
     factors = [n for n in result.graph_def.node if n.name.endswith("/factor")]
     assert factors and {n.attr["value"].tensor.float_val[0] for n in factors} == {4.0}
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "hybrid"])
+def test_the_template_export_equals_every_replica_built(strategy):
+    """Four replicas from a template replica: the export writes every replica's scaled
+    sum and gradient entry as building every replica does."""
+    from test_template_replicas import _assert_same_graph, _rewrite_both, _used_template
+    built, template, lines, _ = _rewrite_both(summed_loss_mlp("counted"), devices_per_worker=4, device_type="CPU",
+                                              strategy=strategy)
+    assert _used_template(lines)
+    _assert_same_graph(built, template)
+    assert built["replica_3/Sum"].op == "Mul" and built["replica_3/Sum"].input[0] == "replica_3/Sum/replica_rows"
+
+
+def test_a_plan_that_leaves_a_counted_sum_unscaled_must_sum_its_statistic():
+    """A statistic adding a loss sum up is averaged because every replica's sum counts R
+    times; a given plan that leaves the sum unscaled but the statistic averaged would
+    count 1/R of it, and is refused, naming both."""
+    graph_def = summed_loss_mlp("counted")
+    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
+    assert plan.cut("loss_total").combine is None
+    plan.loss_sums = []
+    with pytest.raises(gr.GraphRewriteError, match="leaves the loss sum 'Sum' unscaled.*'loss_total'"):
+        gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)

@@ -59,7 +59,7 @@ RTOL, ATOL = 1e-4, 1e-5
 REPLICAS = (2, 4)
 STRATEGIES = ("allreduce", "ps", "hybrid")
 TIMEOUT_SECONDS = 30
-FED_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "lstm_lm", "wide_deep")
+FED_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "lstm_lm", "wide_deep", "vae")
 LOSS_SCALE_MODELS = ("loss_scale", "loss_scale_v2")   # v1 cond (Switch/Merge), v2 cond (If)
 
 # Variables a trained reference may legitimately leave where they started (the good-step
@@ -179,11 +179,14 @@ def _rewrite(ex, replicas, strategy):
 #   loss_scale_v2 (If): the same numbers as loss_scale
 #   lstm_lm     R=2 2.4e-07, 6.0e-08                   R=4 2.4e-07, 7.5e-08
 #   wide_deep   R=2 6.0e-08, 3.0e-08                   R=4 6.0e-08, 6.0e-08
+#   vae         R=2 7.6e-06, 2.4e-07                   R=4 7.6e-06, 2.4e-07 (losses near 100: 7e-08 relative)
 # Before the gradient-cut work (7e29f41) the same cases gave: bert ps 0.239 / 0.375 (R=2),
 # exactly the per-replica-clipping control's numbers; bert allreduce/hybrid a cycle error;
 # loss_scale "cannot find the gradient"; lstm_lm 0.011 / 0.064 (R=2), 0.024 / 0.11 (R=4).
 # Before the random_draws pass (added in cac7d94), bert_dropout failed under every strategy: every
 # replica drew one device's masks of the batch's first rows.
+# Before the loss_sums pass, vae (its negative ELBO summed over the batch) trained 1/R of
+# one device's gradient under every strategy; its reparameterisation's draw is one per row.
 # Before 02f2868, loss_scale_v2: "cannot find the gradient of variable 'hidden_1/kernel':
 # it is updated by 'apply_if_finite' (If)".
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -73,7 +73,7 @@ CONFIGS = {
 
 ZOO_OPTIMIZERS = {"keras": ("keras_adam", "keras_sgd_momentum"),
                   "keras_embedding": ("keras_adam", "keras_sgd_momentum")}
-REAL_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep")
+REAL_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep", "vae")
 
 
 def build_inputs(out_dir, keras=False):
@@ -102,6 +102,8 @@ def build_inputs(out_dir, keras=False):
     graphs["script_dropout_cond_v2"] = tf1_scripts.dropout_mlp("cond", control_flow="v2")
     graphs["script_dropout_loop_v1"] = tf1_scripts.dropout_mlp("in_loop", control_flow="v1")
     graphs["script_dropout_cond_in_loop"] = tf1_scripts.dropout_mlp("cond_in_loop")
+    graphs["script_loss_sum_decay"] = tf1_scripts.summed_loss_mlp("sum_plus_decay")
+    graphs["script_loss_sum_counted_adam"] = tf1_scripts.summed_loss_mlp("counted", optimizer="adam")
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -47,6 +47,10 @@ The models (everything seeded: the graph seed and every op seed; ref variables,
   grouped in one train op, neither given global_step; global_step bumped once by an
   assign_add under control dependencies on both updates (the Estimator's
   DNNLinearCombined pattern).
+- ``build_vae``: a variational autoencoder whose reparameterisation draws one Gaussian
+  per row (``tf.random_normal(tf.shape(mu))``) and whose loss, the negative ELBO, is
+  summed over the batch (reconstruction cross entropy plus KL, each a ``tf.reduce_sum``
+  over every axis), AdamOptimizer with global_step; resource variables.
 
 Every single-device run is bit-for-bit deterministic. With ref variables that takes
 care: a read of a ref variable aliases the buffer that an optimizer's apply op updates
@@ -662,6 +666,67 @@ def build_wide_deep(seed=0, data_seed=0, batch_size=WD_BATCH):
     return ex, feed
 
 
+# ----- 6. A variational autoencoder with a loss summed over the batch -----------------------
+
+VAE_PIXELS = 16
+VAE_HIDDEN = 12
+VAE_LATENT = 3
+VAE_BATCH = 8
+VAE_LR = 0.01
+
+
+def build_vae(seed=0, data_seed=0, batch_size=VAE_BATCH):
+    """A VAE (Kingma and Welling's, in the shape of the TF1 scripts that train it on
+    binarised MNIST): an MLP encoder to the mean and log variance of a Gaussian latent,
+    the reparameterisation z = mu + exp(log_var / 2) * eps with eps a seeded
+    ``tf.random_normal(tf.shape(mu))`` (one draw per row), an MLP decoder to Bernoulli
+    logits, and the negative ELBO summed over the batch (the reconstruction cross
+    entropy and the KL divergence, each ``tf.reduce_sum`` over every axis, as PyTorch's
+    VAE example and its TF ports sum them), trained by AdamOptimizer with global_step.
+    Resource variables."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    seeds = _seeds(seed)
+
+    def dense(name, x, n_in, n_out, activation=None):
+        with tf1.variable_scope(name):
+            w = tf1.get_variable("kernel", [n_in, n_out], tf.float32,
+                                 initializer=tf1.glorot_uniform_initializer(seed=next(seeds)))
+            b = tf1.get_variable("bias", [n_out], tf.float32, initializer=tf1.zeros_initializer())
+        y = tf.matmul(x, w) + b
+        return activation(y) if activation is not None else y
+
+    with _graph(seed, resource=True) as graph:
+        x = tf1.placeholder(tf.float32, [None, VAE_PIXELS], name="x")
+        with tf1.variable_scope("encoder"):
+            h = dense("hidden", x, VAE_PIXELS, VAE_HIDDEN, tf.nn.relu)
+            mu = dense("mu", h, VAE_HIDDEN, VAE_LATENT)
+            log_var = dense("log_var", h, VAE_HIDDEN, VAE_LATENT)
+        eps = tf1.random_normal(tf.shape(mu), seed=next(seeds), name="eps")
+        z = mu + tf.exp(0.5 * log_var) * eps
+        with tf1.variable_scope("decoder"):
+            logits = dense("logits", dense("hidden", z, VAE_LATENT, VAE_HIDDEN, tf.nn.relu),
+                           VAE_HIDDEN, VAE_PIXELS)
+        reconstruction = tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(labels=x, logits=logits),
+                                       name="reconstruction")
+        kl = tf.identity(-0.5 * tf.reduce_sum(1.0 + log_var - tf.square(mu) - tf.exp(log_var)), name="kl")
+        loss = tf.add(reconstruction, kl, name="loss")
+        global_step = tf1.train.get_or_create_global_step()
+        tf1.train.AdamOptimizer(VAE_LR).minimize(loss, global_step=global_step, name="train_op")
+        ex = _finish(graph, "vae", "adam", [x.name], seed, resource=True,
+                     tensors={"eps": eps.name, "reconstruction": reconstruction.name, "kl": kl.name})
+
+    def feed(step):
+        rng = _rng(data_seed, step, 601)
+        # two prototypes, each pixel flipped with probability 0.1
+        proto = np.array([[1, 0] * (VAE_PIXELS // 2), [0, 1] * (VAE_PIXELS // 2)], np.float32)
+        rows = proto[rng.integers(0, 2, size=batch_size)]
+        flip = rng.random((batch_size, VAE_PIXELS)) < 0.1
+        return {"x:0": np.where(flip, 1.0 - rows, rows).astype(np.float32)}
+
+    return ex, feed
+
+
 def build_loss_scale_v2(**kw):
     """build_loss_scale with v2 control flow (If) and resource variables."""
     return build_loss_scale(control_flow="v2", **kw)
@@ -680,11 +745,12 @@ BUILDERS = {
     "resnet": build_resnet,
     "lstm_lm": build_lstm_lm,
     "wide_deep": build_wide_deep,
+    "vae": build_vae,
 }
 
 BATCHES = {"bert": BERT_BATCH, "bert_dropout": BERT_BATCH, "loss_scale": LS_BATCH, "loss_scale_v2": LS_BATCH,
            "lstm_lm": LM_BATCH,
-           "wide_deep": WD_BATCH}
+           "wide_deep": WD_BATCH, "vae": VAE_BATCH}
 
 
 def build(model, **kw):

@@ -507,7 +507,7 @@ def dropout_batches(steps, batch, seed=0):
 # analysis lists their sum), and the ones that divide it by a count of the rows
 SUMMED_LOSSES = ("sum", "l2_loss", "losses_sum", "xent_sum", "sum_over_batch", "sum_plus_decay",
                  "loss_scaled", "learned_weight", "counted")
-MEAN_LOSSES = ("mean", "sum_over_rows", "mean_of_row_sums", "keras_mse", "losses_default")
+MEAN_LOSSES = ("mean", "sum_over_rows", "mean_of_row_sums", "keras_mse", "losses_default", "mean_features")
 
 
 def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
@@ -524,7 +524,9 @@ def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
     "counted" (the sum, also added up in a non-trainable ``loss_total``). A mean: "mean"
     (tf.reduce_mean), "sum_over_rows" (divided by tf.shape(x)[0]), "mean_of_row_sums",
     "keras_mse" (tf.keras' MeanSquaredError), "losses_default"
-    (tf.compat.v1.losses.mean_squared_error). Returns the GraphDef (variables w1, w2,
+    (tf.compat.v1.losses.mean_squared_error), "mean_features" (a mean loss plus the squared
+    distance to 0.5 of the prediction from the batch's mean hidden units, summed: a sum,
+    but not over the rows). Returns the GraphDef (variables w1, w2,
     global_step; fetch loss:0, run train_op, init)."""
     tf, tf1 = _tf()
     g = tf.Graph()
@@ -533,7 +535,8 @@ def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
         y = tf1.placeholder(tf.float32, [batch, 1], name="y")
         w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
         w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
-        p = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        hidden = tf.nn.relu(tf.matmul(x, w1))
+        p = tf.matmul(hidden, w2)
         err = tf.square(p - y)
         if kind in ("sum", "counted"):
             loss = tf.reduce_sum(err)
@@ -562,6 +565,9 @@ def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
             loss = tf.keras.losses.MeanSquaredError()(y, p)
         elif kind == "losses_default":
             loss = tf1.losses.mean_squared_error(y, p)
+        elif kind == "mean_features":
+            mean_p = tf.matmul(tf.reduce_mean(hidden, axis=0, keepdims=True), w2)
+            loss = tf.reduce_mean(err) + 0.1 * tf.reduce_sum(tf.square(mean_p - 0.5))
         elif kind == "sum_over_batch":
             loss = tf.reduce_sum(err) / float(batch or 16)
         else:

@@ -2,9 +2,10 @@
 ``tf.nn.l2_loss``, a ``tf.compat.v1.losses`` loss with ``reduction=SUM``.
 
 One device's gradient of such a loss over the R replicas' batches is the sum of the
-replicas' gradients; averaging them (every strategy does) divided it by R. Before the
-loss_sums pass, two CPU replicas trained a ``reduce_sum`` MLP 9.4 away from one device in
-the loss after three SGD steps. Now each replica's sum, and the gradient into it, counts
+replicas' gradients; averaging them (every strategy does) divided it by R. Without the
+loss_sums pass (the control below), two CPU replicas train the ``reduce_sum`` MLP 0.081
+away from one device in the weights after three SGD steps, and report half its loss.
+Now each replica's sum, and the gradient into it, counts
 R times: R replicas compute what one device computes on their R batches
 (docs/semantics.md, "Gradients").
 """

@@ -138,6 +138,9 @@ class Analysis:
     # names of sums over the batch's rows (Sum over every axis, L2Loss) that a loss adds up
     # undivided by a count of rows: their gradient is summed over the replicas, not averaged
     loss_sums: list = dataclasses.field(default_factory=list)
+    # names of forward products in which rows of the batch meet other rows (in-batch
+    # negatives: every query against every document): a replica sees its own rows only
+    row_products: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -245,6 +248,7 @@ class _Analyzer:
         normalizers = self._find_normalizers(seeds, variant0)
         batch_draws = self._find_batch_draws(seeds, variant0)
         loss_sums = self._find_loss_sums(seeds, variant0)
+        row_products = self._find_row_products(seeds, variant0)
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -252,6 +256,7 @@ class _Analyzer:
                 cut.combine = None
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
+            row_products=row_products,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -784,6 +789,23 @@ class _Analyzer:
             out.append(name)
         return out
 
+    # ---- rows that meet other rows -----------------------------------------------------
+    def _find_row_products(self, seeds, variant0):
+        """Forward products of two tensors that both keep the batch's rows, over their
+        features: ``tf.matmul(queries, documents, transpose_b=True)``, the logits of a
+        contrastive loss with in-batch negatives, of a [rows, rows] shape. Each replica
+        computes it over its own shard, so every row meets R times fewer rows than on
+        one device, which the rewrite cannot give it (it would need the other replicas'
+        rows in the forward pass and their gradients back): the plan says so."""
+        seed_nodes = {t.node for t in seeds}
+        out = []
+        for n in self.order:
+            if n.op == "MatMul" and n in variant0 and n.attr["transpose_b"].b and not n.attr["transpose_a"].b \
+                    and not in_gradients_scope(n.name) \
+                    and all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs):
+                out.append(n.name)
+        return out
+
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
@@ -1065,13 +1087,21 @@ def gradient_entries(nodes, sums):
 _REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "ArgMax", "ArgMin", "All", "Any"))
 
 
-def _reaches_rows(tensor, batch_nodes, limit=4096):
+# Ops that may move rows or mix a batch tensor's rows with other rows along the first
+# axis (nce_loss slices its sampled classes' weights off a concatenation with the labels'):
+# a value they give need not have the batch's rows as its own first axis.
+_MOVES_ROWS = frozenset(("ConcatV2", "Pack", "Unpack", "StridedSlice", "Slice", "Pad", "PadV2", "Tile",
+                         "Transpose", "Reshape", "Squeeze", "ExpandDims"))
+
+
+def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     """True if a value is computed from the rows of a batch input one by one along some
     path: through ops that keep rows apart, a reduction whose constant axes leave the
     first one, a MatMul's left operand (not transposed), a gather's indices. False when
     every path to the batch passes a mean or sum over the rows or a product that
     contracts them (``reduce_sum(square(reduce_mean(h, 0) - t))``, a loss on the batch's
-    mean features, is no sum over the rows)."""
+    mean features, is no sum over the rows). ``strict``: not through ops that may move
+    rows (_MOVES_ROWS), so the value's first axis is the batch's rows."""
     seen, stack = set(), [tensor.node]
     while stack and len(seen) < limit:
         n = stack.pop()
@@ -1090,7 +1120,7 @@ def _reaches_rows(tensor, batch_nodes, limit=4096):
                 stack.append(n.inputs[0].node)
         elif n.op in ("GatherV2", "Gather", "ResourceGather"):
             stack.append(n.inputs[1].node)
-        elif n.op in _ROW_LOCAL:
+        elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS):
             stack.extend(t.node for t in n.inputs)
     return False
 

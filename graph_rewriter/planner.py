@@ -51,6 +51,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
     _plan_loss_sums(result, analysis, info)
+    _note_row_products(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -211,6 +212,24 @@ def _plan_loss_sums(plan, analysis, log):
         plan.loss_sums = names
         log(f"plan: the loss sums over the batch's rows; each replica's sum is scaled by the "
             f"{plan.num_replicas} replicas: {', '.join(names)}")
+
+
+ROW_PRODUCTS_START = "rows of the batch meet other rows"
+ROW_PRODUCTS = (ROW_PRODUCTS_START + " in {names} (a product of two batch tensors over their features, "
+                "e.g. a contrastive loss's in-batch negatives): each replica computes it over its own rows, so a "
+                "row meets {shard} of one device's {rows}, and the step differs from one device's")
+
+
+def _note_row_products(plan, analysis, log):
+    """A product in which the batch's rows meet each other (in-batch negatives) is
+    computed per replica: the plan's notes and the log say so (docs/semantics.md,
+    "Rows that meet other rows")."""
+    notes = [n for n in plan.notes or [] if not n.startswith(ROW_PRODUCTS_START)]
+    if plan.num_replicas > 1 and analysis.row_products:
+        notes.append(ROW_PRODUCTS.format(names=", ".join(f"'{n}'" for n in analysis.row_products),
+                                         shard=f"1/{plan.num_replicas}", rows="rows"))
+        log(f"plan: {notes[-1]}")
+    plan.notes = notes or None
 
 
 def _plan_normalizers(plan, analysis, cluster, log):

@@ -616,3 +616,35 @@ def _hand_written_adam(pairs, step, lr=0.01, b1=0.9, b2=0.999, eps=1e-8):
 def summed_loss_batches(steps, batch, seed=0):
     """``steps`` feeds of ``batch`` rows for summed_loss_mlp."""
     return dropout_batches(steps, batch, seed)
+
+
+def dual_encoder(negatives="in_batch"):
+    """A dual encoder trained with a contrastive loss, as retrieval and sentence-embedding
+    scripts train one: queries q [batch, 6] and documents d [batch, 6] each through a
+    tanh layer and normalised; with ``negatives`` "in_batch" the logits are every query
+    against every document of the batch (``tf.matmul(q, d, transpose_b=True)``, the
+    matching document on the diagonal); with "sampled", each query against its own
+    document and one fixed random document per row (no row meets another row). Softmax
+    cross entropy, mean over the rows, SGD 0.1. Returns the GraphDef (loss:0, train_op,
+    init; variables wq, wd)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        q = tf1.placeholder(tf.float32, [None, 6], name="q")
+        d = tf1.placeholder(tf.float32, [None, 6], name="d")
+        wq = tf1.get_variable("wq", [6, 5], initializer=tf1.glorot_uniform_initializer(seed=2))
+        wd = tf1.get_variable("wd", [6, 5], initializer=tf1.glorot_uniform_initializer(seed=3))
+        eq = tf.math.l2_normalize(tf.tanh(tf.matmul(q, wq)), axis=1)
+        ed = tf.math.l2_normalize(tf.tanh(tf.matmul(d, wd)), axis=1)
+        if negatives == "in_batch":
+            logits = tf.matmul(eq, ed, transpose_b=True, name="similarity") * 5.0
+            labels = tf.range(tf.shape(q)[0])
+        else:
+            other = tf.math.l2_normalize(tf.tanh(tf.matmul(tf.reverse(d, [1]), wd)), axis=1)
+            logits = tf.stack([tf.reduce_sum(eq * ed, 1), tf.reduce_sum(eq * other, 1)], axis=1) * 5.0
+            labels = tf.zeros_like(tf.shape(q)[0:1])[0] + tf.zeros([tf.shape(q)[0]], tf.int32)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+                              name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()

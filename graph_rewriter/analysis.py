@@ -1374,7 +1374,8 @@ _BROADCASTING = ELEMENTWISE | frozenset((
 def static_rank(tensor, depth=0):
     """The rank of a tensor, from the graph alone (no shape inference), or None: known
     for placeholders and constants, carried through element-wise ops, Fill(Shape(t)),
-    Reshape by a constant shape, StridedSlice, MatMul and the cross-entropy ops. Enough to tell the
+    Reshape by a constant shape, StridedSlice, MatMul, reductions over constant axes and
+    the cross-entropy ops. Enough to tell the
     sum of a [batch] weight vector (axes [0], every axis) from the sum over the time
     axis of a time-major [time, batch] mask (axes [0], one of two)."""
     n = tensor.node
@@ -1396,6 +1397,12 @@ def static_rank(tensor, depth=0):
         rank = static_rank(n.inputs[0], depth + 1)
         return None if rank is None else (
             rank - bin(n.attr["shrink_axis_mask"].i).count("1") + bin(n.attr["new_axis_mask"].i).count("1"))
+    if n.op in ("Sum", "Mean", "Max", "Min", "Prod") and n.inputs[1].node.op == "Const":
+        rank = static_rank(n.inputs[0], depth + 1)
+        if rank is None or n.attr["keep_dims"].b:
+            return rank
+        axes = {a % rank for a in dtypes.int_values(n.inputs[1].node.attr["value"].tensor)} if rank else set()
+        return rank - len(axes)
     if n.op == "SparseSoftmaxCrossEntropyWithLogits":
         return static_rank(n.inputs[1], depth + 1) if tensor.index == 0 else 2
     if n.op == "SoftmaxCrossEntropyWithLogits":

@@ -30,7 +30,7 @@ READS = {"w1": "w1/Read/ReadVariableOp:0", "w2": "w2/Read/ReadVariableOp:0"}
 # kind -> the sum the analysis lists, with a dynamic batch
 FOUND = {"sum": ["Sum"], "l2_loss": ["L2Loss"], "losses_sum": ["mean_squared_error/Sum"], "xent_sum": ["Sum"],
          "sum_plus_decay": ["Sum"], "loss_scaled": ["Sum"], "learned_weight": ["Sum"], "counted": ["Sum"],
-         "sum_over_batch": ["Sum"]}
+         "sum_over_batch": ["Sum"], "sum_of_row_sums": ["total"]}
 
 
 def _reads(kind):
@@ -76,7 +76,8 @@ def test_the_analysis_finds_the_losses_summed_over_the_rows(kind):
     """Listed: a sum of squared errors, an l2_loss, tf.compat.v1.losses with SUM, a summed
     cross entropy, a sum plus weight decay, a loss-scaled sum, a sum with a trainable
     weight, a sum also counted in a statistic, a sum divided by a constant (16.0) that
-    is no count of a dynamic batch's rows. Not: a mean, a sum divided by tf.shape(x)[0], the mean
+    is no count of a dynamic batch's rows, a sum of per-row sums (its rank read through
+    the inner reduction). Not: a mean, a sum divided by tf.shape(x)[0], the mean
     of per-example sums, Keras' and tf.compat.v1.losses' default reductions."""
     assert analyze(graph_io.load_graph(summed_loss_mlp(kind))).loss_sums == FOUND.get(kind, [])
 

@@ -506,7 +506,7 @@ def dropout_batches(steps, batch, seed=0):
 # summed_loss_mlp's kinds: the losses a sum over the batch's rows makes undivided (the
 # analysis lists their sum), and the ones that divide it by a count of the rows
 SUMMED_LOSSES = ("sum", "l2_loss", "losses_sum", "xent_sum", "sum_over_batch", "sum_plus_decay",
-                 "loss_scaled", "learned_weight", "counted")
+                 "loss_scaled", "learned_weight", "counted", "sum_of_row_sums")
 MEAN_LOSSES = ("mean", "sum_over_rows", "mean_of_row_sums", "keras_mse", "losses_default", "mean_features")
 
 
@@ -521,7 +521,8 @@ def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
     rows: a sum), "sum_plus_decay" (a sum plus 1e-2 x the
     weights' l2_loss), "loss_scaled" (the sum times a loss scale of 128, the gradients
     divided by it), "learned_weight" (exp(-c) x sum + c, c a trainable weight, read once),
-    "counted" (the sum, also added up in a non-trainable ``loss_total``). A mean: "mean"
+    "counted" (the sum, also added up in a non-trainable ``loss_total``),
+    "sum_of_row_sums" (a sum over the rows of each row's sum over its columns). A mean: "mean"
     (tf.reduce_mean), "sum_over_rows" (divided by tf.shape(x)[0]), "mean_of_row_sums",
     "keras_mse" (tf.keras' MeanSquaredError), "losses_default"
     (tf.compat.v1.losses.mean_squared_error), "mean_features" (a mean loss plus the squared
@@ -555,6 +556,8 @@ def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
             loss = tf.exp(-c) * tf.reduce_sum(err) + c
         elif kind == "loss_scaled":
             loss = tf.reduce_sum(err)
+        elif kind == "sum_of_row_sums":
+            loss = tf.reduce_sum(tf.reduce_sum(err, axis=1), name="total")
         elif kind == "mean":
             loss = tf.reduce_mean(err)
         elif kind == "sum_over_rows":

@@ -40,7 +40,7 @@ from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.op_vocabulary import (
     DENSE_ASSIGNS, ELEMENTWISE, FUNCTION_CALLS, INCREMENTS, ITERATOR_GET_NEXT, LINEAR_SCATTERS,
     PASS_THROUGH, PLACEHOLDERS, POST_PROCESSING, QUEUE_BATCH_DEQUEUES, QUEUES, RANDOM_DRAWS, READERS,
-    SAVER_OPS, STATELESS_RANDOM_DRAWS, VARIABLE_OPS)
+    RESTORE_OPS, SAVER_OPS, STATELESS_RANDOM_DRAWS, VARIABLE_OPS)
 from graph_rewriter.traversal import (absorb_exclusive_ancestors, ancestors, descendants, is_back_edge,
                                       topological_order)
 
@@ -295,7 +295,13 @@ class _Analyzer:
 
     # ---- the saver and the input pipeline -------------------------------------------
     def _find_saver_nodes(self):
-        seeds = [n for n in self.order if n.op in SAVER_OPS]
+        """The Saver's save and restore ops and everything downstream of them. A restore
+        that no save op shares its file name with is no Saver's:
+        ``tf.compat.v1.train.init_from_checkpoint`` (BERT's warm start) reads a variable's
+        initial value from a checkpoint with one, run by the init op."""
+        saves = [n for n in self.order if n.op in SAVER_OPS and n.op not in RESTORE_OPS]
+        named = ancestors(saves, data_only=True) if saves else set()
+        seeds = saves + [n for n in self.order if n.op in RESTORE_OPS and n.inputs and n.inputs[0].node in named]
         if not seeds:
             return set()
         region = set(seeds)
@@ -847,7 +853,7 @@ class _Analyzer:
                 if w.op not in ("Assign", "AssignVariableOp") or w in self.saver_nodes:
                     continue
                 value = w.inputs[opdefs.input_position(w, "value")]
-                if _is_pure_initial_value(value.node):
+                if is_pure_initial_value(value.node):
                     var.initializer = w
                     break
         initializers = {v.initializer for v in self.variables.values() if v.initializer is not None}
@@ -856,11 +862,14 @@ class _Analyzer:
         # A variable initialized from another's value (an ExponentialMovingAverage's
         # shadow: initialized_value(), a tf.cond on the other being initialized) has no
         # pure initial value; its initializer is the assign an init op runs.
+        # tf.compat.v1.train.init_from_checkpoint (BERT's warm start) gives a variable a
+        # second assign, from a RestoreV2 of the checkpoint, and makes the init op run it
+        # instead of the assign from the initial value: the one an init op runs wins.
         run_by_init = {c for op in init_ops for c in op.control_inputs}
         for var in self.variables.values():
-            if var.initializer is None:
+            if var.initializer is None or var.initializer not in run_by_init:
                 var.initializer = next((w for w in var.writers if w in run_by_init
-                                        and w.op in ("Assign", "AssignVariableOp")), None)
+                                        and w.op in ("Assign", "AssignVariableOp")), var.initializer)
         return init_ops
 
 
@@ -1004,7 +1013,7 @@ def enqueued_from(enqueue):
                      stop=lambda n: n.op in QUEUES or n.op in VARIABLE_OPS) | {t.node for t in enqueue.inputs[1:]}
 
 
-def _is_pure_initial_value(node):
+def is_pure_initial_value(node):
     """True if a value depends on no variable, placeholder, iterator, queue or checkpoint:
     what an initializer computes (constants, random ops, arithmetic on them)."""
     stack, seen = [node], {node}

@@ -65,6 +65,7 @@ def input_kind(op):
     return "queue" if op in QUEUE_BATCH_DEQUEUES else "placeholder"
 SAVER_OPS = frozenset(("SaveV2", "RestoreV2", "Save", "Restore", "RestoreSlice", "SaveSlices",
                        "MergeV2Checkpoints"))
+RESTORE_OPS = frozenset(("RestoreV2", "Restore", "RestoreSlice"))
 
 
 # Ops that post-process gradients between the backward pass and the updates, and that

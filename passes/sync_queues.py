@@ -35,7 +35,7 @@ every replica's; the token and queue counts are the workers', not the replicas'.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.analysis import written_variables
+from graph_rewriter.analysis import is_pure_initial_value, written_variables
 from graph_rewriter.collectives import all_reduce_mean, barrier_instance_key, group_key, host_group
 from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, make_op, read_or_default, shape_attr
@@ -114,13 +114,18 @@ def _ps_writes(graph, rm, plan):
     """The global ops that write a parameter-server variable during a step (not its
     initializer, not a restore): a counter of runs a predicate reads, bumped after a
     v1 cond. Synchronous training writes such a variable once per step, so the chief
-    does it and the other workers wait for it with the update."""
+    does it and the other workers wait for it with the update. An assign of an initial
+    value that nothing runs is none: the initializer init_from_checkpoint replaced (the
+    init op assigns the checkpoint's value instead); run each step, it would reset the
+    variable."""
     on_ps = {v.name for v in plan.variables if v.placement == "ps"}
     initializers = {v.initializer for v in plan.variables if v.initializer}
     restores = restore_region(graph)
     out = []
     for n in graph:
         if n.name in initializers or rm.replica_of(graph, n.name) is not None or n in restores:
+            continue
+        if n.is_sink and n.op in ("Assign", "AssignVariableOp") and is_pure_initial_value(n.inputs[1].node):
             continue
         if any(v.name in on_ps for v, _ in written_variables(n, graph.library)):
             out.append(n)

@@ -651,3 +651,40 @@ def dual_encoder(negatives="in_batch"):
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
         tf1.global_variables_initializer()
     return g.as_graph_def()
+
+
+def warm_started_mlp(checkpoint_dir, resource=True):
+    """BERT fine-tuning's warm start (``tf.compat.v1.train.init_from_checkpoint``), in
+    small: writes a "pre-trained" checkpoint of an encoder ``bert/w1`` [4, 16] (all 0.3)
+    into ``checkpoint_dir``, then builds the fine-tuning graph, that encoder and a new head
+    ``head/w2`` [16, 1], whose init op loads ``bert/`` from the checkpoint (the variable's
+    initializer reads it) and initialises the head from its seed; squared error, Adam with
+    a global step. Returns (GraphDef, the checkpoint's path)."""
+    import os
+    tf, tf1 = _tf()
+
+    def body():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        with tf1.variable_scope("bert", use_resource=resource):
+            w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        with tf1.variable_scope("head", use_resource=resource):
+            w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), name="loss")
+        return w1
+
+    path = os.path.join(checkpoint_dir, "pretrained.ckpt")
+    g = tf.Graph()
+    with g.as_default():
+        w1 = body()
+        with tf1.Session() as sess:
+            sess.run(w1.assign(tf.fill([4, 16], 0.3)))
+            tf1.train.Saver([w1]).save(sess, path)
+    g = tf.Graph()
+    with g.as_default():
+        body()
+        tf1.train.init_from_checkpoint(path, {"bert/": "bert/"})
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.AdamOptimizer(0.01).minimize(g.get_tensor_by_name("loss:0"), global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def(), path

@@ -104,6 +104,9 @@ def build_inputs(out_dir, keras=False):
     graphs["script_dropout_cond_in_loop"] = tf1_scripts.dropout_mlp("cond_in_loop")
     graphs["script_loss_sum_decay"] = tf1_scripts.summed_loss_mlp("sum_plus_decay")
     graphs["script_loss_sum_counted_adam"] = tf1_scripts.summed_loss_mlp("counted", optimizer="adam")
+    os.makedirs(os.path.join(out_dir, "warm_start"), exist_ok=True)
+    graphs["script_warm_start"] = tf1_scripts.warm_started_mlp(os.path.join(out_dir, "warm_start"))[0]
+    graphs["script_dual_encoder"] = tf1_scripts.dual_encoder("in_batch")
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -764,12 +764,12 @@ class _Analyzer:
         the replicas' gradients of their shards' sums; averaging them divides it by R.
 
         A ``Sum`` over every axis (or an ``L2Loss``) of a value computed from the batch's
-        rows one by one (``_reaches_rows``: not only from a mean over them) and a variable,
-        with a backward pass (a statistic has none), counts when the gradient that enters its backward pass
-        (``gradient_entries``) depends neither on the batch (a mean divides by
-        ``tf.shape(x)[0]`` or ``tf.size(x)``; a normalizer by a sum of a mask) nor,
-        with static batches, on a constant multiple of the static batch or its
-        reciprocal (``reduce_sum(x) / BATCH``, which a model built for R x BATCH
+        rows one by one (``_reaches_rows``: not only from a mean over them) and a
+        variable, with a backward pass (a statistic has none), counts when the gradient
+        that enters its backward pass (``gradient_entries``) depends neither on the batch
+        (a mean divides by ``tf.shape(x)[0]`` or ``tf.size(x)``; a normalizer by a sum of
+        a mask) nor, with static batches, on a constant multiple of the static batch or
+        its reciprocal (``reduce_sum(x) / BATCH``, which a model built for R x BATCH
         divides by R x BATCH). Then everything between the sum and the loss is linear in
         it, with coefficients the same on every replica."""
         variables = {v.node for v in self.variables.values()}

@@ -49,7 +49,7 @@ class LossSumsPass(Pass):
         sums = {name: rm.node(graph, 0, name) for name in plan.loss_sums}
         mine = [n for n in graph.nodes if "_grad/" in n.name and rm.replica_of(graph, n.name) == 0]
         entries = gradient_entries(mine, sums)
-        renames = {}
+        moved, taken = {}, {}   # sum -> its new name; the product -> the sum's name
         for i in rm.built:
             for name in plan.loss_sums:
                 total = rm.node(graph, i, name)
@@ -67,11 +67,10 @@ class LossSumsPass(Pass):
                         entry.set_input(pos, _times(graph, grad, backward_factor,
                                                     f"{entry.name}/times_{backward_factor}", rm.devices[i]))
                 if forward_factor in scaled:
-                    renames[total] = graph.unique_name(f"{total.name}/replica_rows")
-                    renames[scaled[forward_factor].node] = total.name
-        # two steps: the sums leave their names before their products take them
-        graph.rename_nodes({n: new for n, new in renames.items() if new.endswith("/replica_rows")})
-        graph.rename_nodes({n: new for n, new in renames.items() if not new.endswith("/replica_rows")})
+                    moved[total] = graph.unique_name(f"{total.name}/replica_rows")
+                    taken[scaled[forward_factor].node] = total.name
+        graph.rename_nodes(moved)   # the sums leave their names before their products take them
+        graph.rename_nodes(taken)
         graph.touch()
         return True
 

@@ -299,9 +299,8 @@ class _Analyzer:
         that no save op shares its file name with is no Saver's:
         ``tf.compat.v1.train.init_from_checkpoint`` (BERT's warm start) reads a variable's
         initial value from a checkpoint with one, run by the init op."""
-        saves = [n for n in self.order if n.op in SAVER_OPS and n.op not in RESTORE_OPS]
-        named = ancestors(saves, data_only=True) if saves else set()
-        seeds = saves + [n for n in self.order if n.op in RESTORE_OPS and n.inputs and n.inputs[0].node in named]
+        seeds = [n for n in self.order if n.op in SAVER_OPS and n.op not in RESTORE_OPS]
+        seeds += saver_restores(self.order)
         if not seeds:
             return set()
         region = set(seeds)
@@ -875,6 +874,16 @@ class _Analyzer:
 
 # ----- helpers shared by the analysis and the passes --------------------------------------
 
+def saver_restores(nodes):
+    """The restore ops among ``nodes`` that belong to a Saver: those that share their file
+    name with a save op. A restore without one reads a variable's initial value from a
+    checkpoint (``tf.compat.v1.train.init_from_checkpoint``) and is run by the init op."""
+    nodes = list(nodes)
+    saves = [n for n in nodes if n.op in SAVER_OPS and n.op not in RESTORE_OPS]
+    named = ancestors(saves, data_only=True) if saves else set()
+    return [n for n in nodes if n.op in RESTORE_OPS and n.inputs and n.inputs[0].node in named]
+
+
 def variant_nodes(seeds, cuts):
     """Nodes whose value depends, through data edges, on a seed tensor; a tensor in
     ``cuts`` stops the dependence (the rewrite replaces it by its cross-replica mean)."""
@@ -1436,7 +1445,7 @@ _ROW_LOCAL = ELEMENTWISE | _BROADCASTING | _KEEPS_KIND | frozenset((
     "SparseSoftmaxCrossEntropyWithLogits", "Transpose", "ConcatV2", "Pack", "Unpack", "StridedSlice",
     "Slice", "Pad", "PadV2", "Tile", "OneHot", "Conv2D", "Conv1D", "DepthwiseConv2dNative", "MaxPool",
     "AvgPool", "FusedBatchNormV3", "FusedBatchNorm", "BatchMatMulV2", "BatchMatMul", "Switch", "Merge",
-    "Enter", "Exit", "Identity", "L2Loss"))
+    "Enter", "Exit"))
 
 
 def batch_combine(values):

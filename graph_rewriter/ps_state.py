@@ -84,12 +84,10 @@ def init_ops(graph, plan, rm):
     return list(out)
 
 
-_RESTORES = ("RestoreV2", "Restore", "RestoreSlice")
-
-
 def restore_region(graph):
     """The Saver's restore ops and everything downstream of them (the restore assigns)."""
-    return descendants([n for n in graph if n.op in _RESTORES])
+    from graph_rewriter.analysis import saver_restores
+    return descendants(saver_restores(graph))
 
 
 def int_variable(graph, name, shared, device, inits):

@@ -17,7 +17,7 @@ import tensorflow as tf
 import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
-from graph_rewriter.testing.tf1_scripts import MEAN_LOSSES, SUMMED_LOSSES, summed_loss_batches, summed_loss_mlp
+from graph_rewriter.testing.tf1_scripts import MEAN_LOSSES, SUMMED_LOSSES, dropout_batches, summed_loss_mlp
 from pass_graphs import PS2_WORKERS2
 
 import test_cluster as tc
@@ -63,7 +63,7 @@ def _assert_same(got, want, what):
 
 
 def _assert_trains_as_one_device(kind, replicas=2, optimizer="sgd", **options):
-    graph_def, feeds, reads = summed_loss_mlp(kind, optimizer=optimizer), summed_loss_batches(STEPS, 2 * BATCH), _reads(kind)
+    graph_def, feeds, reads = summed_loss_mlp(kind, optimizer=optimizer), dropout_batches(STEPS, 2 * BATCH), _reads(kind)
     want = _one_device(graph_def, feeds, reads)
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", **options)
     assert result.plan.loss_sums == FOUND.get(kind)
@@ -126,7 +126,7 @@ def test_micro_batches_count_every_runs_rows():
     """accumulation_steps=2 on 2 replicas: two runs, each fed half of a batch, end where
     one device's step on the whole batch ends (the gradient counts R x k = 4 times)."""
     graph_def, reads = summed_loss_mlp("sum_plus_decay"), _reads("sum_plus_decay")
-    feeds = summed_loss_batches(STEPS, 4 * BATCH)
+    feeds = dropout_batches(STEPS, 4 * BATCH)
     _, want = _one_device(graph_def, feeds, reads)
     result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", accumulation_steps=2)
     assert result.plan.loss_sums == ["Sum"]
@@ -144,7 +144,7 @@ def test_micro_batches_count_every_runs_rows():
 def test_static_batches_train_as_one_device_built_for_the_global_batch(kind):
     """A batch-8 graph on 2 replicas fed 16 rows equals the same script built for 16:
     its sums over 16 rows, and ``reduce_sum(x) / 16`` (a mean, left averaged)."""
-    feeds, reads = summed_loss_batches(STEPS, 2 * BATCH), _reads(kind)
+    feeds, reads = dropout_batches(STEPS, 2 * BATCH), _reads(kind)
     want = _one_device(summed_loss_mlp(kind, batch=2 * BATCH), feeds, reads)
     result = gr.rewrite(summed_loss_mlp(kind, batch=BATCH), devices_per_worker=2, device_type="CPU")
     _assert_same(_train(gr.Session(result), feeds, reads), want, f"static {kind}")
@@ -154,7 +154,7 @@ def test_the_loss_fetched_by_name_is_one_devices_in_any_session():
     """The sum's scaled value takes the sum's name, so Session's mean over the replicas
     of ``Sum:0`` and of ``loss:0``, and a plain session's ``loss:0`` (merged in the graph,
     ``outputs``), are one device's sum over the batch."""
-    graph_def, feeds = summed_loss_mlp("sum_plus_decay"), summed_loss_batches(1, 2 * BATCH)
+    graph_def, feeds = summed_loss_mlp("sum_plus_decay"), dropout_batches(1, 2 * BATCH)
     graph = tf.Graph()
     with graph.as_default():
         tf1.import_graph_def(graph_def, name="")
@@ -177,7 +177,7 @@ def test_the_loss_fetched_by_name_is_one_devices_in_any_session():
 def test_without_the_pass_two_replicas_are_off_by_the_replica_count(tmp_path):
     """The control: a given plan's ``"loss_sums": []`` (here read back from JSON) keeps
     the average, and the training differs from one device's."""
-    graph_def, feeds, reads = summed_loss_mlp("sum"), summed_loss_batches(STEPS, 2 * BATCH), _reads("sum")
+    graph_def, feeds, reads = summed_loss_mlp("sum"), dropout_batches(STEPS, 2 * BATCH), _reads("sum")
     want = _one_device(graph_def, feeds, reads)
     plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
     assert plan.loss_sums == ["Sum"]
@@ -234,7 +234,7 @@ def test_mean_losses_are_left_alone_and_train_as_one_device(kind):
 def test_two_workers_train_as_one_device_on_loopback_servers(strategy, pool, procs, tmp_path):
     """Between-graph, 2 workers x 1 replica, each its own client fed its half of every
     batch: the factor is the global replica count, 2."""
-    feeds, graph_def = summed_loss_batches(STEPS, 2 * BATCH), summed_loss_mlp("sum_plus_decay")
+    feeds, graph_def = dropout_batches(STEPS, 2 * BATCH), summed_loss_mlp("sum_plus_decay")
     _, want = _one_device(graph_def, feeds, READS)
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, READS.values(), feeds)
     for name, tensor in READS.items():

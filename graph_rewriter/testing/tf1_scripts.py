@@ -455,10 +455,7 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
     with g.as_default(), ControlFlow(control_flow):
         if kind != "unseeded":
             tf1.set_random_seed(1)
-        x = tf1.placeholder(tf.float32, [batch, 4], name="x")
-        y = tf1.placeholder(tf.float32, [batch, 1], name="y")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        x, y, w1, w2 = _mlp_inputs(batch)
         h = tf.nn.relu(tf.matmul(x, w1))
         if kind in ("dropout", "unseeded"):
             h = tf.nn.dropout(h, rate=0.5)
@@ -496,8 +493,20 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
     return g.as_graph_def()
 
 
+def _mlp_inputs(batch):
+    """The placeholders x [batch, 4] and y [batch, 1] and the weights w1 [4, 16] and
+    w2 [16, 1] (seeds 2 and 3) of dropout_mlp and summed_loss_mlp."""
+    tf, tf1 = _tf()
+    x = tf1.placeholder(tf.float32, [batch, 4], name="x")
+    y = tf1.placeholder(tf.float32, [batch, 1], name="y")
+    w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+    w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+    return x, y, w1, w2
+
+
 def dropout_batches(steps, batch, seed=0):
-    """``steps`` feeds of ``batch`` rows for dropout_mlp."""
+    """``steps`` feeds of ``batch`` rows for dropout_mlp, summed_loss_mlp and
+    warm_started_mlp."""
     rng = np.random.RandomState(seed)
     return [{"x:0": rng.randn(batch, 4).astype(np.float32), "y:0": rng.randn(batch, 1).astype(np.float32)}
             for _ in range(steps)]
@@ -532,10 +541,7 @@ def summed_loss_mlp(kind="sum", batch=None, optimizer="sgd"):
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [batch, 4], name="x")
-        y = tf1.placeholder(tf.float32, [batch, 1], name="y")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        x, y, w1, w2 = _mlp_inputs(batch)
         hidden = tf.nn.relu(tf.matmul(x, w1))
         p = tf.matmul(hidden, w2)
         err = tf.square(p - y)
@@ -614,11 +620,6 @@ def _hand_written_adam(pairs, step, lr=0.01, b1=0.9, b2=0.999, eps=1e-8):
         updates.append(var.assign_sub(rate * m_new / (tf.sqrt(v_new) + eps)))
     with tf.control_dependencies(updates):
         return step.assign_add(1).op
-
-
-def summed_loss_batches(steps, batch, seed=0):
-    """``steps`` feeds of ``batch`` rows for summed_loss_mlp."""
-    return dropout_batches(steps, batch, seed)
 
 
 def dual_encoder(negatives="in_batch"):

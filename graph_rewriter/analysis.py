@@ -141,6 +141,15 @@ class Analysis:
     # names of forward products in which rows of the batch meet other rows (in-batch
     # negatives: every query against every document): a replica sees its own rows only
     row_products: list = dataclasses.field(default_factory=list)
+    # names of forward ops that move the batch's rows within it (mixup's reversed or
+    # shuffled batch): a replica moves its own rows only
+    moved_rows: list = dataclasses.field(default_factory=list)
+    # names of forward statistics over the batch's rows that training uses other than
+    # linearly (BatchNorm in training mode, a center loss): each replica's is its shard's
+    batch_statistics: list = dataclasses.field(default_factory=list)
+    # names of forward means over rows that a condition on the batch's values selects
+    # (tf.boolean_mask): each replica divides by its own count of them
+    selected_means: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -249,6 +258,11 @@ class _Analyzer:
         batch_draws = self._find_batch_draws(seeds, variant0)
         loss_sums = self._find_loss_sums(seeds, variant0)
         row_products = self._find_row_products(seeds, variant0)
+        training = _Lazy(lambda: _value_ancestors_of(
+            c.values.node for c in cuts if c.role == "gradient"))
+        moved_rows = self._find_moved_rows(seeds, variant0, training)
+        batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
+        selected_means = self._find_selected_means(variant0, training)
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -256,7 +270,8 @@ class _Analyzer:
                 cut.combine = None
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
-            row_products=row_products,
+            row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
+            selected_means=selected_means,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -811,6 +826,77 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
+    def _find_moved_rows(self, seeds, variant0, training):
+        """Forward ops that move the batch's rows within it, whose value training
+        uses: a reverse or roll along the rows (mixup's ``lam * x + (1 - lam) *
+        tf.reverse(x, [0])``), a shuffle of them, a gather of them by indices computed
+        from one of those (mixup's ``tf.gather(x, tf.random.shuffle(tf.range(n)))``).
+        Each replica moves its own shard's rows, so row i meets another row than on one
+        device: the plan says so."""
+        seed_nodes = {t.node for t in seeds}
+        out = []
+        for n in self.order:
+            if n.op not in _ROW_MOVES or n not in variant0 or in_gradients_scope(n.name):
+                continue
+            if n.op in ("ReverseV2", "Roll"):
+                moves = _const_axes_hold_rows(n.inputs[2 if n.op == "Roll" else 1], n.inputs[0])
+            elif n.op == "RandomShuffle":
+                moves = True
+            else:
+                moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
+                         and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
+                         and any(a.op in _ROW_MOVES for a in _value_ancestors(n.inputs[1].node)))
+            if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=True) and n in training.value:
+                out.append(n.name)
+        return out
+
+    def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums):
+        """Forward statistics over the batch's rows (a reduction whose constant axes
+        hold the rows, a FusedBatchNorm in training mode) that training uses other than
+        linearly: in an op with the rows (BatchNorm's ``x - mean``, a center loss's
+        ``h - reduce_mean(h, 0)``) or a non-linear one (``square(reduce_mean(h, 0) -
+        t)``) whose value the gradients read. Each replica computes the statistic over
+        its own shard, and the mean of non-linear functions of the shards' statistics is
+        not the function of one device's. A statistic that reaches the loss linearly,
+        the mean loss itself, a sum or a mean by hand (divided by a count of rows or a
+        normalizer the rewrite syncs), stays one device's and is not listed."""
+        seed_nodes = {t.node for t in seeds}
+        handled = {_the_sum(t.node) for t in normalizers} | set(loss_sums)
+        divisors = set(normalizers)
+        out = []
+        for n in self.order:
+            if n in handled or n.name in handled or n not in variant0 or in_gradients_scope(n.name):
+                continue
+            if n.op in _FUSED_BATCH_NORMS:
+                # normalises its input, computed from the batch, over every axis but the
+                # channels', the rows' among them
+                found = n.attr["is_training"].b if "is_training" in n.attr else True
+            elif n.op in _STATISTICS:
+                found = _const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
+                    n.inputs[0], seed_nodes, strict=True) and (
+                    n in training.value if n.op in _NON_LINEAR_STATISTICS
+                    else _used_non_linearly(n, seed_nodes, divisors, training))
+            else:
+                continue
+            if found:
+                out.append(n.name)
+        return out
+
+    def _find_selected_means(self, variant0, training):
+        """Forward means over rows that a condition on the batch's values selects: the
+        loss of the labelled rows only, ``reduce_mean(tf.boolean_mask(xent, labels >= 0))``
+        (a gather by the indices of a ``Where``, or a DynamicPartition, through ops that
+        keep rows apart). One device divides by the batch's count of selected rows; each
+        replica divides by its shard's, and the replicas' means are averaged alike
+        whatever their counts."""
+        out = []
+        for n in self.order:
+            if n.op == "Mean" and n in variant0 and not in_gradients_scope(n.name):
+                select = _row_selection(n.inputs[0], variant0)
+                if select is not None and select in training.value:
+                    out.append(n.name)
+        return out
+
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
@@ -1143,6 +1229,119 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     return False
 
 
+# Forward ops that move a tensor's rows within it (along axis 0, for the first two).
+_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather"))
+_FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
+_STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
+_NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
+
+
+class _Lazy:
+    """A value computed on first use (the ancestors of the gradients, needed only when a
+    graph has a candidate)."""
+
+    def __init__(self, compute):
+        self._compute, self._value = compute, None
+
+    @property
+    def value(self):
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+
+def _value_ancestors_of(nodes):
+    """The union of _value_ancestors over ``nodes``, in one walk."""
+    seen, stack = set(), list(nodes)
+    seen.update(stack)
+    while stack:
+        n = stack.pop()
+        if n.op in _SHAPE_ONLY:
+            continue
+        for t in n.inputs:
+            if t.node not in seen and not is_back_edge(t.node, n):
+                seen.add(t.node)
+                stack.append(t.node)
+    return seen
+
+
+def _is_const(tensor, value):
+    n = tensor.node
+    return n.op == "Const" and list(dtypes.int_values(n.attr["value"].tensor)) == [value]
+
+
+def _const_axes_hold_rows(axes, value):
+    """True if a constant ``axes`` tensor names axis 0 of ``value`` (a negative axis
+    counts when value's rank is known)."""
+    n = axes.node
+    if n.op != "Const":
+        return False
+    values = list(dtypes.int_values(n.attr["value"].tensor))
+    if 0 in values:
+        return True
+    if any(v < 0 for v in values):
+        rank = static_rank(value)
+        return rank is not None and any(v + rank == 0 for v in values)
+    return False
+
+
+def _used_non_linearly(stat, seed_nodes, divisors, training, limit=256):
+    """True if training uses a value computed from the statistic ``stat`` other than
+    linearly: in an op with a value computed from the batch's rows one by one, an op
+    not in _LINEAR, or a product or quotient with another value of the batch (other
+    than a count of its rows, which is a shape, or a synced normalizer), where the
+    gradients read that op's input or output (``training``: the gradients' ancestors;
+    ``exp(loss)``, a perplexity only fetched, does not count)."""
+    seen, stack = {stat}, [stat]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        for c, pos in n.consumers():
+            if c in seen or in_gradients_scope(c.name) or c.op in _SHAPE_ONLY:
+                continue
+            seen.add(c)
+            others = [t for i, t in enumerate(c.inputs) if i != pos]
+            if c.op in _LINEAR:
+                if any(_reaches_rows(t, seed_nodes) for t in others):
+                    bad = True
+                elif c.op in ("Mul", "RealDiv", "Div", "DivNoNan"):
+                    bad = (c.op != "Mul" and pos == 1) or any(
+                        t not in divisors and _value_ancestors(t.node) & seed_nodes for t in others)
+                else:
+                    bad = False
+            else:
+                bad = True
+            if bad:
+                if n in training.value or c in training.value:
+                    return True
+                continue
+            stack.append(c)
+    return False
+
+
+def _row_selection(tensor, variant0, limit=512):
+    """The op that selects the rows ``tensor`` is computed from one by one, by a
+    condition on the batch's values (a gather by a ``Where``'s indices, as
+    ``tf.boolean_mask`` builds it, or a DynamicPartition), or None."""
+    seen, stack = set(), [tensor.node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "DynamicPartition" and n in variant0:
+            return n
+        if n.op in ("GatherV2", "Gather"):
+            idx = n.inputs[1].node
+            while idx.op in _KEEPS_KIND or idx.op == "StridedSlice":
+                idx = idx.inputs[0].node
+            if idx.op == "Where" and idx in variant0:
+                return n
+            stack.append(n.inputs[0].node)
+        elif n.op in _ROW_LOCAL and n.op not in ("ConcatV2", "Pack", "Tile"):
+            stack.extend(t.node for t in n.inputs)
+    return None
+
+
 def _counts_rows(node, static):
     """True if a value depends on a constant that is a multiple of a static batch size
     in ``static`` or the reciprocal of one (``reduce_sum(x) / BATCH``), or on a constant
@@ -1434,6 +1633,10 @@ def static_rank(tensor, depth=0):
 # Ops that pass a value on unchanged in kind: what they output is a sum, or a count, if
 # their input is one.
 _KEEPS_KIND = frozenset(("Cast", "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"))
+# Ops through which a statistic reaches the loss linearly, given their other operands
+# do not depend on the batch's values (_used_non_linearly).
+_LINEAR = _KEEPS_KIND | frozenset((
+    "Neg", "Add", "AddV2", "Sub", "AddN", "Mul", "RealDiv", "Div", "DivNoNan", "Sum", "Mean", "CheckNumerics"))
 _SUMS = frozenset(("Sum", "Size", "Shape", "ShapeN"))
 
 # Ops whose output keeps its inputs' rows apart (element i of the output's first axis, or

@@ -51,7 +51,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
     _plan_loss_sums(result, analysis, info)
-    _note_row_products(result, analysis, info)
+    _note_rows_meeting(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
         vp = planned.get(v.name)
@@ -214,22 +214,42 @@ def _plan_loss_sums(plan, analysis, log):
             f"{plan.num_replicas} replicas: {', '.join(names)}")
 
 
-ROW_PRODUCTS_START = "rows of the batch meet other rows"
-ROW_PRODUCTS = (ROW_PRODUCTS_START + " in {names} (a product of two batch tensors over their features, "
+ROWS_MEET_START = "rows of the batch meet other rows"
+ROW_PRODUCTS = (ROWS_MEET_START + " in {names} (a product of two batch tensors over their features, "
                 "e.g. a contrastive loss's in-batch negatives): each replica computes it over its own rows, so a "
-                "row meets {shard} of one device's {rows}, and the step differs from one device's")
+                "row meets {shard} of one device's rows, and the step differs from one device's")
+MOVED_ROWS = (ROWS_MEET_START + " in {names} (rows moved within the batch, e.g. mixup's reversed or shuffled "
+              "batch): each replica moves its own rows only, so a row meets another row than on one device, "
+              "and the step differs from one device's")
+BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's rows that training uses, e.g. "
+                    "batch normalization in training mode): each replica computes them over its own rows, as "
+                    "data-parallel training without synchronised batch statistics does, and the step differs "
+                    "from one device's; moving averages of them are averaged across the replicas")
+SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
+                  "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
+                  "rows and the replicas' means are averaged alike, so unless every replica selects as many "
+                  "rows the step differs from one device's")
 
 
-def _note_row_products(plan, analysis, log):
-    """A product in which the batch's rows meet each other (in-batch negatives) is
-    computed per replica: the plan's notes and the log say so (docs/semantics.md,
-    "Rows that meet other rows")."""
-    notes = [n for n in plan.notes or [] if not n.startswith(ROW_PRODUCTS_START)]
-    if plan.num_replicas > 1 and analysis.row_products:
-        notes.append(ROW_PRODUCTS.format(names=", ".join(f"'{n}'" for n in analysis.row_products),
-                                         shard=f"1/{plan.num_replicas}", rows="rows"))
-        log(f"plan: {notes[-1]}")
+def _note_rows_meeting(plan, analysis, log):
+    """Where the batch's rows meet each other in the forward pass (in-batch negatives,
+    mixup, batch statistics, a mean over selected rows), each replica computes with its own rows: the plan's notes
+    and the log say so (docs/semantics.md, "Rows that meet other rows")."""
+    notes = [n for n in plan.notes or [] if not n.startswith(ROWS_MEET_START)]
+    if plan.num_replicas > 1:
+        for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),
+                                (BATCH_STATISTICS, analysis.batch_statistics),
+                                (SELECTED_MEANS, analysis.selected_means)):
+            if names:
+                notes.append(template.format(names=_listed(names), shard=f"1/{plan.num_replicas}"))
+                log(f"plan: {notes[-1]}")
     plan.notes = notes or None
+
+
+def _listed(names, limit=4):
+    """'a', 'b', 'c', 'd' and 3 more."""
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _plan_normalizers(plan, analysis, cluster, log):

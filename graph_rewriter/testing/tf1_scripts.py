@@ -689,3 +689,89 @@ def warm_started_mlp(checkpoint_dir, resource=True):
         tf1.train.AdamOptimizer(0.01).minimize(g.get_tensor_by_name("loss:0"), global_step=step, name="train_op")
         tf1.global_variables_initializer()
     return g.as_graph_def(), path
+
+
+# rows_meeting_mlp's kinds, by what the analysis finds in them: (field, the ops' names)
+ROWS_MEETING = {
+    "mixup": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "mixup_shuffled": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "roll": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "center_loss": ("batch_statistics", ["center"]),
+    "mean_features": ("batch_statistics", ["center"]),
+    "batch_max": ("batch_statistics", ["center"]),
+    "fused_batch_norm": ("batch_statistics", ["bn"]),
+    "labelled_rows": ("selected_means", ["loss_of_labelled"]),
+    "partitioned_rows": ("selected_means", ["loss_of_labelled"]),
+}
+# kinds where no row meets another: each trains as one device
+ROWS_APART = ("plain", "reversed_features", "mean_by_hand", "perplexity", "inference_batch_norm",
+              "normalised_by_count")
+
+
+def rows_meeting_mlp(kind="plain"):
+    """dropout_mlp's network (x [None, 4] -> dense 16 relu -> dense 1, squared error, SGD
+    0.1 with a global step) with a forward op in which, per ``kind``, rows of the batch
+    meet other rows (ROWS_MEETING: mixup by ``tf.reverse(x, [0])``, by a gather of
+    ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
+    reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
+    the batch; a fused BatchNorm in training mode; the mean loss of the rows with
+    ``x[:, 0] > 0`` by tf.boolean_mask or tf.dynamic_partition) or none does
+    (ROWS_APART: features reversed, a mean by hand ``reduce_sum / tf.shape(x)[0]``, a
+    perplexity only fetched, a fused BatchNorm in inference mode, the labelled rows'
+    loss summed and divided by their count, a normaliser the rewrite syncs). Returns the
+    GraphDef (fetch loss:0, run train_op, init; variables w1, w2)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x, y, w1, w2 = _mlp_inputs(None)
+        if kind in ("mixup", "mixup_shuffled", "roll"):
+            if kind == "mixup":
+                move = lambda t, name: tf.reverse(t, [0], name=name)   # noqa: E731
+            elif kind == "roll":
+                move = lambda t, name: tf.roll(t, 1, 0, name=name)   # noqa: E731
+            else:
+                order = tf.random.shuffle(tf.range(tf.shape(x)[0]), seed=5)
+                move = lambda t, name: tf.gather(t, order, name=name)   # noqa: E731
+            x, y = 0.7 * x + 0.3 * move(x, "mixed_x"), 0.7 * y + 0.3 * move(y, "mixed_y")
+        elif kind == "reversed_features":
+            x = x + 0.5 * tf.reverse(x, [1])
+        labelled = x[:, 0] > 0.0
+        if kind == "labelled_rows":
+            x, y = tf.boolean_mask(x, labelled), tf.boolean_mask(y, labelled)
+        elif kind == "partitioned_rows":
+            part = tf.cast(labelled, tf.int32)
+            x, y = tf.dynamic_partition(x, part, 2)[1], tf.dynamic_partition(y, part, 2)[1]
+        h = tf.matmul(x, w1)
+        if kind in ("fused_batch_norm", "inference_batch_norm"):
+            training = kind == "fused_batch_norm"
+            stats = {} if training else {"mean": tf.zeros([16]), "variance": tf.ones([16])}
+            h4, _, _ = tf1.nn.fused_batch_norm(tf.reshape(h, [-1, 1, 1, 16]), tf.ones([16]), tf.zeros([16]),
+                                               is_training=training, name="bn", **stats)
+            h = tf.reshape(h4, [-1, 16])
+        h = tf.nn.relu(h)
+        err = tf.square(tf.matmul(h, w2) - y)
+        if kind in ("labelled_rows", "partitioned_rows"):
+            loss = tf.reduce_mean(err, name="loss_of_labelled")
+        elif kind == "mean_by_hand":
+            loss = tf.reduce_sum(err) / tf.cast(tf.shape(x)[0], tf.float32)
+        elif kind == "normalised_by_count":
+            mask = tf.cast(labelled, tf.float32)
+            loss = tf.reduce_sum(err[:, 0] * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        else:
+            loss = tf.reduce_mean(err)
+        if kind == "center_loss":
+            loss += 0.5 * tf.reduce_mean(tf.square(h - tf.reduce_mean(h, 0, name="center")))
+        elif kind == "mean_features":
+            loss += 0.5 * tf.reduce_sum(tf.square(tf.reduce_mean(h, 0, name="center") - 0.5))
+        elif kind == "batch_max":
+            loss += 0.1 * tf.reduce_max(tf.abs(h), name="center")
+        elif kind == "perplexity":
+            tf.exp(loss, name="perplexity")
+        elif kind not in ROWS_MEETING and kind not in ROWS_APART:
+            raise ValueError(f"rows_meeting_mlp: unknown kind {kind!r}")
+        loss = tf.identity(loss, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()

@@ -107,6 +107,8 @@ def build_inputs(out_dir, keras=False):
     os.makedirs(os.path.join(out_dir, "warm_start"), exist_ok=True)
     graphs["script_warm_start"] = tf1_scripts.warm_started_mlp(os.path.join(out_dir, "warm_start"))[0]
     graphs["script_dual_encoder"] = tf1_scripts.dual_encoder("in_batch")
+    for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows"):   # rows that meet other rows
+        graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -857,15 +857,21 @@ class _Analyzer:
         ``h - reduce_mean(h, 0)``) or a non-linear one (``square(reduce_mean(h, 0) -
         t)``) whose value the gradients read. Each replica computes the statistic over
         its own shard, and the mean of non-linear functions of the shards' statistics is
-        not the function of one device's. A statistic that reaches the loss linearly,
+        not the function of one device's. A FusedBatchNorm in a function of a v2 cond
+        (Keras' BatchNormalization behind its learning phase) is named
+        ``call:function:node``. A statistic that reaches the loss linearly,
         the mean loss itself, a sum or a mean by hand (divided by a count of rows or a
         normalizer the rewrite syncs), stays one device's and is not listed."""
         seed_nodes = {t.node for t in seeds}
         handled = {_the_sum(t.node) for t in normalizers} | set(loss_sums)
         divisors = set(normalizers)
+        functions = {f.signature.name: f for f in self.g.library.function} if self.g.library is not None else {}
         out = []
         for n in self.order:
             if n in handled or n.name in handled or n not in variant0 or in_gradients_scope(n.name):
+                continue
+            if n.op in _FUNCTIONAL:
+                out += _called_batch_norms(n, functions, variant0)
                 continue
             if n.op in _FUSED_BATCH_NORMS:
                 # normalises its input, computed from the batch, over every axis but the
@@ -1420,6 +1426,23 @@ def _called_draws(call, library, variant, static=()):
                     (body.reached_from({nd.name}) - {nd.name}) & reached)
             if counts:
                 out.append(f"{call.name}:{name}:{nd.name}")
+    return out
+
+
+def _called_batch_norms(call, functions, variant):
+    """The FusedBatchNorms in training mode, of a value the call passes from the batch,
+    in the functions of the v2 cond or while loop ``call`` (``call:function:node``)."""
+    skip = _FUNCTIONAL[call.op][1]
+    out = []
+    for _, name in called_functions(call):
+        fn = functions.get(name)
+        if fn is None or not any(nd.op in _FUSED_BATCH_NORMS for nd in fn.node_def):
+            continue
+        args = [a.name for a in fn.signature.input_arg]
+        reached = _Body(fn).reached_from({arg for arg, t in zip(args, call.inputs[skip:]) if t.node in variant})
+        out += [f"{call.name}:{name}:{nd.name}" for nd in fn.node_def
+                if nd.op in _FUSED_BATCH_NORMS and nd.name in reached
+                and (nd.attr["is_training"].b if "is_training" in nd.attr else True)]
     return out
 
 

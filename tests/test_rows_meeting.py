@@ -177,3 +177,27 @@ def test_one_replica_has_no_note_and_inspect_prints_it(tmp_path, capsys):
     from graph_rewriter.cli import main
     assert main(["inspect", path]) == 0
     assert ROWS_MEET_START + " in 'similarity'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rank, found", [
+    (2, ["batch_normalization/moments/mean", "batch_normalization/moments/variance"]),
+    (4, [r"batch_normalization/cond:batch_normalization_cond_true_\d+:FusedBatchNormV3"]),
+], ids=["dense", "conv"])
+def test_keras_batch_norm_is_found_behind_its_learning_phase(rank, found):
+    """tf_keras' BatchNormalization in a TF1 graph: after a Dense layer its moments in the
+    graph; after a Conv2D a FusedBatchNorm in the training branch of the learning
+    phase's v2 cond, named call:function:node."""
+    import re
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        inp = tf_keras.Input(shape=(4, 4, 2) if rank == 4 else (4,))
+        h = tf_keras.layers.Conv2D(3, 2)(inp) if rank == 4 else tf_keras.layers.Dense(8)(inp)
+        h = tf_keras.layers.Flatten()(tf_keras.layers.BatchNormalization()(h))
+        model = tf_keras.Model(inp, tf_keras.layers.Dense(1)(h))
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        loss = tf.reduce_mean(tf.square(model.output - y))
+        opt = tf_keras.optimizers.legacy.SGD(0.1)
+        tf.group(*opt.get_updates(loss, model.trainable_weights), *model.updates, name="train_op")
+    names = _found(g.as_graph_def())["batch_statistics"]
+    assert len(names) == len(found) and all(re.fullmatch(f, n) for f, n in zip(found, names))

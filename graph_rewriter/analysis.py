@@ -893,15 +893,19 @@ class _Analyzer:
         loss of the labelled rows only, ``reduce_mean(tf.boolean_mask(xent, labels >= 0))``
         (a gather by the indices of a ``Where``, or a DynamicPartition, through ops that
         keep rows apart). One device divides by the batch's count of selected rows; each
-        replica divides by its shard's, and the replicas' means are averaged alike
-        whatever their counts."""
-        out = []
+        replica divides by its shard's, and the replicas' means would be averaged alike
+        whatever their counts (passes/normalizers.py divides by the replicas' mean count
+        instead). Only means whose backward pass tf.gradients built (gradient_entries)."""
+        found = {}
         for n in self.order:
-            if n.op == "Mean" and n in variant0 and not in_gradients_scope(n.name):
+            if n.op == "Mean" and n in variant0 and not in_gradients_scope(n.name) \
+                    and dtypes.as_dtype(n.attr["T"].type).is_floating:
                 select = _row_selection(n.inputs[0], variant0)
                 if select is not None and select in training.value:
-                    out.append(n.name)
-        return out
+                    found[n.name] = n
+        # the rewrite scales the gradient where it enters the mean's backward pass
+        entries = gradient_entries(self.order, found) if found else {}
+        return [name for name in found if name in entries]
 
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
@@ -1162,12 +1166,13 @@ def in_gradients_scope(name):
 
 def gradient_entries(nodes, sums):
     """{name: [(gradient tensor, (reader, input position))]} for the ``sums`` (name ->
-    node, each a Sum or an L2Loss): where the gradient of the sum enters its backward
-    pass, in every gradients scope the graph has for it. The backward pass of a Sum
+    node, each a Sum, an L2Loss or a Mean): where the gradient of the sum enters its
+    backward pass, in every gradients scope the graph has for it. The backward pass of a Sum
     broadcasts that gradient to the summed value's shape (Reshape, then Tile or
     BroadcastTo); an L2Loss's multiplies the summed value by it. It is the one
     floating-point input the scope's ops read from outside it that is not the sum's
-    own input. Nothing but the name scope tells which ops are a forward op's backward
+    own input or output (a Mean's backward reads its output's shape). Nothing but the
+    name scope tells which ops are a forward op's backward
     (with static shapes the broadcast reads only constants), so this reads the names of
     ``nodes``: a ``gradients`` scope, the sum's name, ``_grad/``. A scope whose inputs do
     not fit is left out."""
@@ -1187,7 +1192,7 @@ def gradient_entries(nodes, sums):
         inside = set(members)
         own = set(sums[name].inputs)
         readers = [(t, (n, pos)) for n in members for pos, t in enumerate(n.inputs)
-                   if t.node not in inside and t not in own
+                   if t.node not in inside and t not in own and t.node is not sums[name]
                    and dtypes.as_dtype(dtype_of(t)).is_floating]
         if len({t for t, _ in readers}) == 1:
             out.setdefault(name, []).extend(readers)

@@ -112,6 +112,7 @@ def report(result, batch_size=None):
     return {
         "strategy": plan["strategy"], "notes": list(plan.get("notes") or []), "num_replicas": r,
         **({"normalizers": list(plan["normalizers"])} if plan.get("normalizers") else {}),
+        **({"selected_means": list(plan["selected_means"])} if plan.get("selected_means") else {}),
         **({"random_draws": list(plan["random_draws"])} if plan.get("random_draws") else {}),
         **({"loss_sums": list(plan["loss_sums"])} if plan.get("loss_sums") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
@@ -240,6 +241,9 @@ def format_report(rep):
     if rep.get("normalizers"):
         lines.append("loss normalizers (sums over the batch a loss divides by, averaged across replicas): "
                      + ", ".join(rep["normalizers"]))
+    if rep.get("selected_means"):
+        lines.append("means over selected rows (each divides by the replicas' mean count of selected rows): "
+                     + ", ".join(rep["selected_means"]))
     if rep.get("random_draws"):
         lines.append("random draws of the batch's rows (each replica draws every replica's rows and keeps its own): "
                      + ", ".join(rep["random_draws"]))

@@ -156,6 +156,10 @@ class Plan:
     # replica divides by their mean over the replicas (passes/normalizers.py); None:
     # none, and absent from the JSON
     normalizers: list = None
+    # means over rows a condition on the batch selects (reduce_mean(tf.boolean_mask(...))):
+    # every replica's is scaled by its count of rows over the replicas' mean count, so it
+    # divides by that mean (passes/normalizers.py); None: none, and absent from the JSON
+    selected_means: list = None
     # seeded random ops that draw one value per row of the batch (dropout's mask): each
     # replica draws the R replicas' rows with the op's seeds and keeps its own
     # (passes/random_draws.py); None: none, and absent from the JSON; an empty list in a
@@ -214,6 +218,8 @@ class Plan:
             del d["alone_bytes"]
         if d["normalizers"] is None:
             del d["normalizers"]
+        if d["selected_means"] is None:
+            del d["selected_means"]
         if d["random_draws"] is None:
             del d["random_draws"]
         if d["loss_sums"] is None:
@@ -259,7 +265,8 @@ class Plan:
                 bytes_per_pack=d.get("bytes_per_pack"), alone_bytes=d.get("alone_bytes"),
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
                 notes=list(d["notes"]) if d.get("notes") else None,
-                normalizers=d.get("normalizers"), random_draws=d.get("random_draws"),
+                normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
+                random_draws=d.get("random_draws"),
                 loss_sums=d.get("loss_sums"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None

@@ -239,7 +239,8 @@ def _note_rows_meeting(plan, analysis, log):
     if plan.num_replicas > 1:
         for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),
                                 (BATCH_STATISTICS, analysis.batch_statistics),
-                                (SELECTED_MEANS, analysis.selected_means)):
+                                (SELECTED_MEANS, [n for n in analysis.selected_means
+                                                  if n not in (plan.selected_means or ())])):
             if names:
                 notes.append(template.format(names=_listed(names), shard=f"1/{plan.num_replicas}"))
                 log(f"plan: {notes[-1]}")
@@ -253,26 +254,36 @@ def _listed(names, limit=4):
 
 
 def _plan_normalizers(plan, analysis, cluster, log):
-    """The loss normalizers the analysis found (sums over the batch a loss divides by)
-    are averaged across replicas by a collective, so each replica's loss is its share of
-    one device's. A collective needs every replica in one collective group: in one
+    """The loss normalizers the analysis found (sums over the batch a loss divides by,
+    and the counts of rows that means over selected rows divide by) are averaged across
+    replicas by a collective, so each replica's loss is its share of one device's. A collective needs every replica in one collective group: in one
     task, or where the plan already all-reduces or gathers between tasks. Otherwise (a
     parameter-server plan across machines) they stay per replica, and the plan says so.
     A given plan keeps its own choice."""
     notes = [n for n in plan.notes or [] if not n.startswith(UNSYNCED_NORMALIZERS_START)]
     names = [t.name for t in analysis.normalizers]
+    means = list(analysis.selected_means)
     _check_given(plan.normalizers, names, "normalizers", "a sum over the batch a loss of this graph divides by")
+    _check_given(plan.selected_means, means, "selected_means",
+                 "a mean of this graph over rows a condition on the batch selects")
     collectives = len(cluster.compute_tasks) == 1 or plan.uses_collectives()
-    if plan.num_replicas < 2 or not names:
-        plan.normalizers = None
-    elif collectives:
-        if plan.normalizers is None:
+    if plan.num_replicas < 2 or not collectives:
+        if plan.num_replicas > 1 and names:
+            notes.append(UNSYNCED_NORMALIZERS.format(names=", ".join(names)))
+            log(f"plan: {notes[-1]}")
+        plan.normalizers = plan.selected_means = None   # (selected means: a note on rows that meet)
+    else:
+        if not names:
+            plan.normalizers = None
+        elif plan.normalizers is None:
             plan.normalizers = names
             log(f"plan: the loss divides by a sum over the batch, averaged across replicas: {', '.join(names)}")
-    else:
-        plan.normalizers = None
-        notes.append(UNSYNCED_NORMALIZERS.format(names=", ".join(names)))
-        log(f"plan: {notes[-1]}")
+        if not means:
+            plan.selected_means = None
+        elif plan.selected_means is None:
+            plan.selected_means = means
+            log(f"plan: a mean over rows the batch selects divides by the replicas' mean count of them: "
+                f"{', '.join(means)}")
     plan.notes = notes or None
 
 

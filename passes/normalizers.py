@@ -11,13 +11,32 @@ that reads it, forward and backward, by the mean over the replicas:
     replica r:  Y_r ─> CollectiveReduceV2(Add, Div) ─> Ȳ = Y / R ─> what read Y_r
 
 Replica r's loss is then N_r / Ȳ, the mean of the replicas' losses is N / Y (one
-device's), and the mean of their gradients is Σ ∇N_r / Y (one device's). The
-normalizers are reduced in a chain, each after the previous one, so every replica issues
-them in the same order.
+device's), and the mean of their gradients is Σ ∇N_r / Y (one device's).
+
+A mean over rows a condition on the batch selects, ``reduce_mean(tf.boolean_mask(xent,
+labelled))`` (plan.selected_means), divides by a count of rows as well, inside the Mean:
+one device by the batch's count C, replica r by its C_r. Each replica's mean is scaled by
+C_r / C̄, forward and at the entry of its backward pass (the Mean's backward divides by
+C_r again):
+
+    forward:   Mean ─> MulNoNan(·, C_r / C̄) ─> what read it   (takes the name "Mean")
+    backward:  dL/dMean ─> × C_r / C̄ ─> Mean_grad (broadcast, ÷ C_r)
+
+so replica r's loss is S_r / C̄ and the mean of the replicas' is S / C (one device's). A
+replica that selects no rows has mean NaN (0/0) and factor 0, and MulNoNan makes its
+share 0, as its rows' share of one device's mean is. The mean is renamed
+``<name>/replica_rows``; C_r is the Size of the mean's input, and C̄ is reduced in the
+same chain as the normalizers, after them. The chain reduces one after the other, so
+every replica issues them in the same order.
 """
 
+from graph_rewriter import dtypes
+from graph_rewriter.analysis import gradient_entries
 from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_instance_key
+from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
+
+_SHAPE_READERS = frozenset(("Shape", "ShapeN", "Size", "Rank"))
 
 
 class NormalizersPass(Pass):
@@ -25,23 +44,61 @@ class NormalizersPass(Pass):
     requires = frozenset({"plan", "replicas"})
 
     def applies(self, ctx):
-        return ctx.num_replicas > 1 and bool(ctx.plan.normalizers)
+        return ctx.num_replicas > 1 and bool(ctx.plan.normalizers or ctx.plan.selected_means)
 
     def run(self, graph, ctx):
         rm, plan = ctx.replicas, ctx.plan
-        if rm.group_size == 1 or not plan.normalizers:
+        divisors, means = plan.normalizers or [], plan.selected_means or []
+        if rm.group_size == 1 or not (divisors or means):
             return False
         gkey = group_key(rm.group_devices)
+        mine = [n for n in graph.nodes if "_grad/" in n.name and rm.replica_of(graph, n.name) == 0]
+        entries = gradient_entries(mine, {name: rm.node(graph, 0, name) for name in means}) if means else {}
+        renames = []
         for i in rm.built:
-            previous = None
-            for k, name in enumerate(plan.normalizers):
+            chain = []
+
+            def reduced(k, tensor, i=i, chain=chain):
+                with graph.adding_to_replica(i):
+                    chain.append(all_reduce_mean(
+                        graph, f"{rm.prefixes[i]}normalizers/{k}", tensor, rm.group_size, gkey,
+                        normalizer_instance_key(plan, k), rm.devices[i], control_inputs=chain[-1:]))
+                return chain[-1].output(0)
+
+            for k, name in enumerate(divisors):
                 divisor = rm.tensor(graph, i, name)
                 readers = divisor.node.consumers(divisor.index)
-                with graph.adding_to_replica(i):
-                    mean = all_reduce_mean(graph, f"{rm.prefixes[i]}normalizers/{k}", divisor, rm.group_size, gkey,
-                                           normalizer_instance_key(plan, k), rm.devices[i],
-                                           control_inputs=[previous] if previous is not None else [])
+                mean = reduced(k, divisor)
                 for c, pos in readers:
-                    c.set_input(pos, mean.output(0))
-                previous = mean
+                    c.set_input(pos, mean)
+            for j, name in enumerate(means):
+                renames.append(_scale_mean(graph, rm, i, name, entries[name],
+                                           lambda count, k=len(divisors) + j: reduced(k, count)))
+        graph.rename_nodes(dict(r for r, _ in renames))   # the means leave their names first
+        graph.rename_nodes(dict(t for _, t in renames))
+        graph.touch()
         return True
+
+
+def _scale_mean(graph, rm, i, name, entries, reduced):
+    """Replica i's selected mean times its count of rows over the replicas' mean count
+    (``reduced``), for its readers and at its backward pass's ``entries``; returns the
+    renames (the mean -> <name>/replica_rows, the product -> name)."""
+    mean, device = rm.node(graph, i, name), rm.devices[i]
+    dtype = mean.attr["T"].type
+    readers = [(c, pos) for c, pos in mean.consumers(0) if c.op not in _SHAPE_READERS]
+    with graph.adding_to_replica(i):
+        size = make_op(graph, "Size", f"{mean.name}/rows", [mean.inputs[0]],
+                       type_attrs={"out_type": dtypes.as_dtype("int32").as_datatype_enum}, device=device)
+        count = make_op(graph, "Cast", f"{mean.name}/count", [size.output(0)],
+                        type_attrs={"DstT": dtype}, device=device).output(0)
+        factor = make_op(graph, "RealDiv", f"{mean.name}/factor", [count, reduced(count)],
+                         device=device).output(0)
+        product = make_op(graph, "MulNoNan", f"{mean.name}/scaled", [mean.output(0), factor], device=device)
+        for c, pos in readers:
+            c.set_input(pos, product.output(0))
+        for _, (reader, pos) in entries:
+            entry = rm.node(graph, i, reader.name)
+            entry.set_input(pos, make_op(graph, "Mul", f"{entry.name}/scaled", [entry.inputs[pos], factor],
+                                         device=device).output(0))
+    return (mean, graph.unique_name(f"{mean.name}/replica_rows")), (product, mean.name)

@@ -6,8 +6,9 @@ per replica can give it one device's value: a dual encoder's in-batch negatives
 ``tf.matmul(queries, documents, transpose_b=True)`` (1.32 apart in the loss after three
 steps at 2 replicas, below), mixup's reversed or shuffled batch, statistics over the
 batch's rows used other than linearly (BatchNorm in training mode, a center loss), a
-mean over the rows a condition on the batch selects (``tf.boolean_mask``). The rewrite
-says so: the analysis lists each, and the plan's notes, the log and ``graph-rewrite
+mean over the rows a condition on the batch selects (``tf.boolean_mask``) where no
+collective can sync its count (tests/test_selected_means.py makes it exact where one
+can). The rewrite says so: the analysis lists each, and the plan's notes, the log and ``graph-rewrite
 inspect`` name them (docs/semantics.md, "Rows that meet other rows"). Each note is shown
 true (the step differs from one device's), and the controls, where rows stay apart or
 meet only linearly (a mean by hand, a normaliser the rewrite syncs), train as one device
@@ -105,7 +106,7 @@ def _mlp_one_device(graph_def, feeds):
 
 
 @pytest.mark.parametrize("kind", ["mixup", "mixup_shuffled", "center_loss", "mean_features",
-                                  "fused_batch_norm", "labelled_rows"])
+                                  "fused_batch_norm"])
 def test_each_note_names_what_it_found_and_is_true(kind):
     """The note names the ops and says why, the log carries it, and it is true: 2
     replicas train away from one device on the same batches."""

@@ -842,10 +842,10 @@ class _Analyzer:
                 moves = _const_axes_hold_rows(n.inputs[2 if n.op == "Roll" else 1], n.inputs[0])
             elif n.op == "RandomShuffle":
                 moves = True
-            else:
+            else:   # a gather of the rows themselves, by moved indices
                 moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
                          and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
-                         and any(a.op in _ROW_MOVES for a in _value_ancestors(n.inputs[1].node)))
+                         and _computed_from_moves(n.inputs[1]))
             if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=True) and n in training.value:
                 out.append(n.name)
         return out
@@ -1274,6 +1274,22 @@ def _value_ancestors_of(nodes):
                 seen.add(t.node)
                 stack.append(t.node)
     return seen
+
+
+def _computed_from_moves(tensor, limit=256):
+    """True if a value (a gather's indices) is computed from a reverse, roll or shuffle
+    (``tf.random.shuffle(tf.range(n))``), within ``limit`` ancestors."""
+    seen, stack = set(), [tensor.node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("ReverseV2", "Roll", "RandomShuffle"):
+            return True
+        if n.op not in _SHAPE_ONLY:
+            stack.extend(t.node for t in n.inputs)
+    return False
 
 
 def _is_const(tensor, value):

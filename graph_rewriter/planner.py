@@ -161,6 +161,10 @@ UNSYNCED_NORMALIZERS = (UNSYNCED_NORMALIZERS_START + " (a count of tokens or of 
                         "{names}); without collectives between the workers (a ps plan across machines) each "
                         "replica divides by its own shard's, which equals one device only when the shards' sums "
                         "are equal (strategy allreduce or hybrid averages it)")
+MICRO_BATCH_COUNTS_START = "with accumulation_steps"
+MICRO_BATCH_COUNTS = (MICRO_BATCH_COUNTS_START + " {k} the loss divides by each micro-batch's count ({names}), "
+                      "not the whole batch's: unless the micro-batches count alike (tokens, non-zero weights, "
+                      "selected rows), the {k} runs differ from one step on the whole batch")
 
 
 def _check_given(given, found, field, what):
@@ -260,9 +264,12 @@ def _plan_normalizers(plan, analysis, cluster, log):
     task, or where the plan already all-reduces or gathers between tasks. Otherwise (a
     parameter-server plan across machines) they stay per replica, and the plan says so.
     A given plan keeps its own choice."""
-    notes = [n for n in plan.notes or [] if not n.startswith(UNSYNCED_NORMALIZERS_START)]
+    notes = [n for n in plan.notes or [] if not n.startswith((UNSYNCED_NORMALIZERS_START, MICRO_BATCH_COUNTS_START))]
     names = [t.name for t in analysis.normalizers]
     means = list(analysis.selected_means)
+    if plan.accumulation_steps > 1 and (names or means):
+        notes.append(MICRO_BATCH_COUNTS.format(k=plan.accumulation_steps, names=_listed(names + means)))
+        log(f"plan: {notes[-1]}")
     _check_given(plan.normalizers, names, "normalizers", "a sum over the batch a loss of this graph divides by")
     _check_given(plan.selected_means, means, "selected_means",
                  "a mean of this graph over rows a condition on the batch selects")

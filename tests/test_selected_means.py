@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import graph_rewriter as gr
 from graph_rewriter.planner import ROWS_MEET_START
-from graph_rewriter.testing.tf1_scripts import dropout_batches, rows_meeting_mlp
+from graph_rewriter.testing.tf1_scripts import dropout_batches, masked_sequence_model, rows_meeting_mlp
 from pass_graphs import PS2_WORKERS2
 
 import test_cluster as tc
@@ -148,3 +148,31 @@ def test_two_workers_train_as_one_device_on_loopback_servers(pool, procs, tmp_pa
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, READS.values(), feeds)
     for name, tensor in READS.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("graph_def, names", [
+    (lambda: rows_meeting_mlp("labelled_rows"), f"'{MEAN}'"),
+    (lambda: masked_sequence_model("masked"), "'Sum_1:0'")], ids=["selected_mean", "normalizer"])
+def test_micro_batches_divide_by_their_own_counts_and_the_plan_says_so(graph_def, names):
+    """With accumulation_steps 2 each micro-batch divides by its own count, and the note
+    says so, with 1 replica too; without accumulation there is no such note."""
+    from graph_rewriter.planner import MICRO_BATCH_COUNTS_START
+    for replicas, k in ((2, 2), (1, 2), (2, 1)):
+        result = gr.rewrite(graph_def(), devices_per_worker=replicas, device_type="CPU", accumulation_steps=k)
+        notes = [n for n in result.plan.notes or [] if n.startswith(MICRO_BATCH_COUNTS_START)]
+        assert len(notes) == (k > 1) and all(names in n and "each micro-batch's count" in n for n in notes)
+
+
+@pytest.mark.parametrize("kind, differs", [("labelled_rows", True), ("plain", False)])
+def test_the_micro_batch_note_is_true(kind, differs):
+    """Two runs of 8 rows with accumulation_steps 2 against one step of the 16 rows: the
+    mean over selected rows differs (the halves select different counts); the plain
+    mean loss, the control, is one device's step."""
+    feed = dropout_batches(1, BATCH)[0]
+    halves = [{k: v[h * BATCH // 2:(h + 1) * BATCH // 2] for k, v in feed.items()} for h in range(2)]
+    graph_def = rows_meeting_mlp(kind)
+    want = _one_device(graph_def, [feed])[1]
+    got = _train(gr.Session(gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", accumulation_steps=2)),
+                 halves)[1]
+    gap = max(np.max(np.abs(got[n] - want[n])) for n in READS)
+    assert gap > 1e-3 if differs else gap < 1e-6, gap

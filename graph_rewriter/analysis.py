@@ -829,7 +829,7 @@ class _Analyzer:
     def _find_moved_rows(self, seeds, variant0, training):
         """Forward ops that move the batch's rows within it, whose value training
         uses: a reverse or roll along the rows (mixup's ``lam * x + (1 - lam) *
-        tf.reverse(x, [0])``), a shuffle of them, a gather of them by indices computed
+        tf.reverse(x, [0])`` or ``x[::-1]``), a shuffle of them, a gather of them by indices computed
         from one of those (mixup's ``tf.gather(x, tf.random.shuffle(tf.range(n)))``).
         Each replica moves its own shard's rows, so row i meets another row than on one
         device: the plan says so."""
@@ -840,6 +840,10 @@ class _Analyzer:
                 continue
             if n.op in ("ReverseV2", "Roll"):
                 moves = _const_axes_hold_rows(n.inputs[2 if n.op == "Roll" else 1], n.inputs[0])
+            elif n.op == "StridedSlice":   # x[::-1]
+                strides = n.inputs[3].node
+                moves = strides.op == "Const" and dtypes.int_values(strides.attr["value"].tensor)[:1] == [-1] \
+                    and not n.attr["ellipsis_mask"].i and not n.attr["new_axis_mask"].i & 1
             elif n.op == "RandomShuffle":
                 moves = True
             else:   # a gather of the rows themselves, by moved indices
@@ -1241,7 +1245,7 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
 
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
-_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather"))
+_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice"))
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))

@@ -105,7 +105,7 @@ def _mlp_one_device(graph_def, feeds):
     return _train_mlp(tf1.Session(graph=graph), feeds)
 
 
-@pytest.mark.parametrize("kind", ["mixup", "mixup_shuffled", "center_loss", "mean_features",
+@pytest.mark.parametrize("kind", ["mixup", "mixup_sliced", "mixup_shuffled", "center_loss", "mean_features",
                                   "fused_batch_norm"])
 def test_each_note_names_what_it_found_and_is_true(kind):
     """The note names the ops and says why, the log carries it, and it is true: 2

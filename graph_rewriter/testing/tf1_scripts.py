@@ -694,6 +694,7 @@ def warm_started_mlp(checkpoint_dir, resource=True):
 # rows_meeting_mlp's kinds, by what the analysis finds in them: (field, the ops' names)
 ROWS_MEETING = {
     "mixup": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "mixup_sliced": ("moved_rows", ["mixed_x/strided_slice", "mixed_y/strided_slice"]),
     "mixup_shuffled": ("moved_rows", ["mixed_x", "mixed_y"]),
     "roll": ("moved_rows", ["mixed_x", "mixed_y"]),
     "center_loss": ("batch_statistics", ["center"]),
@@ -711,7 +712,7 @@ ROWS_APART = ("plain", "reversed_features", "mean_by_hand", "perplexity", "infer
 def rows_meeting_mlp(kind="plain"):
     """dropout_mlp's network (x [None, 4] -> dense 16 relu -> dense 1, squared error, SGD
     0.1 with a global step) with a forward op in which, per ``kind``, rows of the batch
-    meet other rows (ROWS_MEETING: mixup by ``tf.reverse(x, [0])``, by a gather of
+    meet other rows (ROWS_MEETING: mixup by ``tf.reverse(x, [0])``, by ``x[::-1]``, by a gather of
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
     the batch; a fused BatchNorm in training mode; the mean loss of the rows with
@@ -725,9 +726,13 @@ def rows_meeting_mlp(kind="plain"):
     with g.as_default():
         tf1.set_random_seed(1)
         x, y, w1, w2 = _mlp_inputs(None)
-        if kind in ("mixup", "mixup_shuffled", "roll"):
+        if kind in ("mixup", "mixup_sliced", "mixup_shuffled", "roll"):
             if kind == "mixup":
                 move = lambda t, name: tf.reverse(t, [0], name=name)   # noqa: E731
+            elif kind == "mixup_sliced":
+                def move(t, name):
+                    with tf.name_scope(name):
+                        return t[::-1]
             elif kind == "roll":
                 move = lambda t, name: tf.roll(t, 1, 0, name=name)   # noqa: E731
             else:

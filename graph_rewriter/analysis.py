@@ -1146,7 +1146,13 @@ _SHAPE_ONLY = frozenset(("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLi
 def _value_ancestors(node):
     """Every node ``node``'s value depends on through data edges, not looking past ops
     whose value is their input's shape (Shape, Size, OnesLike, ...)."""
-    seen, stack = {node}, [node]
+    return _value_ancestors_of([node])
+
+
+def _value_ancestors_of(nodes):
+    """The union of _value_ancestors over ``nodes``, in one walk."""
+    stack = list(nodes)
+    seen = set(stack)
     while stack:
         n = stack.pop()
         if n.op in _SHAPE_ONLY:
@@ -1263,21 +1269,6 @@ class _Lazy:
         if self._value is None:
             self._value = self._compute()
         return self._value
-
-
-def _value_ancestors_of(nodes):
-    """The union of _value_ancestors over ``nodes``, in one walk."""
-    seen, stack = set(), list(nodes)
-    seen.update(stack)
-    while stack:
-        n = stack.pop()
-        if n.op in _SHAPE_ONLY:
-            continue
-        for t in n.inputs:
-            if t.node not in seen and not is_back_edge(t.node, n):
-                seen.add(t.node)
-                stack.append(t.node)
-    return seen
 
 
 def _computed_from_moves(tensor, limit=256):

@@ -37,18 +37,18 @@ def _batches(steps=3, rows=8):
             for _ in range(steps)]
 
 
-def _train(session, feeds):
+def _train(session, feeds, reads=READS):
     with session as sess:
         sess.run("init")
         losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        return np.array(losses), sess.run(READS)
+        return np.array(losses), sess.run(reads)
 
 
-def _one_device(graph_def, feeds):
+def _one_device(graph_def, feeds, reads=READS):
     graph = tf.Graph()
     with graph.as_default():
         tf1.import_graph_def(graph_def, name="")
-    return _train(tf1.Session(graph=graph), feeds)
+    return _train(tf1.Session(graph=graph), feeds, reads)
 
 
 def _notes(result):
@@ -91,20 +91,6 @@ NOTE_WORDS = {"moved_rows": "rows moved within the batch", "batch_statistics": "
 MLP_READS = {"w1": "w1/Read/ReadVariableOp:0", "w2": "w2/Read/ReadVariableOp:0"}
 
 
-def _train_mlp(session, feeds):
-    with session as sess:
-        sess.run("init")
-        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        return np.array(losses), sess.run(MLP_READS)
-
-
-def _mlp_one_device(graph_def, feeds):
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    return _train_mlp(tf1.Session(graph=graph), feeds)
-
-
 @pytest.mark.parametrize("kind", ["mixup", "mixup_sliced", "mixup_shuffled", "center_loss", "mean_features",
                                   "fused_batch_norm"])
 def test_each_note_names_what_it_found_and_is_true(kind):
@@ -117,17 +103,17 @@ def test_each_note_names_what_it_found_and_is_true(kind):
     [note] = _notes(result)
     assert NOTE_WORDS[field] in note and all(f"'{n}'" in note for n in names)
     assert any(note in line for line in lines)
-    want, got = _mlp_one_device(graph_def, feeds), _train_mlp(gr.Session(result), feeds)
+    want, got = _one_device(graph_def, feeds, MLP_READS), _train(gr.Session(result), feeds, MLP_READS)
     assert np.max(np.abs(got[0] - want[0])) > 1e-3
 
 
 @pytest.mark.parametrize("kind", ROWS_APART)
 def test_rows_that_stay_apart_train_as_one_device_with_no_note(kind):
     graph_def, feeds = rows_meeting_mlp(kind), dropout_batches(3, 16)
-    want = _mlp_one_device(graph_def, feeds)
+    want = _one_device(graph_def, feeds, MLP_READS)
     result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU")
     assert not _notes(result)
-    got = _train_mlp(gr.Session(result), feeds)
+    got = _train(gr.Session(result), feeds, MLP_READS)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     for name in MLP_READS:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=1e-5, atol=1e-6)

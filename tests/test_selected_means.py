@@ -20,6 +20,7 @@ from graph_rewriter.testing.tf1_scripts import dropout_batches, masked_sequence_
 from pass_graphs import PS2_WORKERS2
 
 import test_cluster as tc
+import test_rows_meeting
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 
 tf1 = tf.compat.v1
@@ -30,17 +31,11 @@ MEAN = "loss_of_labelled"
 
 
 def _train(session, feeds):
-    with session as sess:
-        sess.run("init")
-        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        return np.array(losses), sess.run(READS)
+    return test_rows_meeting._train(session, feeds, READS)
 
 
 def _one_device(graph_def, feeds):
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    return _train(tf1.Session(graph=graph), feeds)
+    return test_rows_meeting._one_device(graph_def, feeds, READS)
 
 
 def _assert_one_device(result, graph_def, feeds):

@@ -829,10 +829,12 @@ class _Analyzer:
     def _find_moved_rows(self, seeds, variant0, training):
         """Forward ops that move the batch's rows within it, whose value training
         uses: a reverse or roll along the rows (mixup's ``lam * x + (1 - lam) *
-        tf.reverse(x, [0])`` or ``x[::-1]``), a shuffle of them, a gather of them by indices computed
-        from one of those (mixup's ``tf.gather(x, tf.random.shuffle(tf.range(n)))``).
-        Each replica moves its own shard's rows, so row i meets another row than on one
-        device: the plan says so."""
+        tf.reverse(x, [0])`` or ``x[::-1]``), a shuffle of them, a gather of them by
+        indices computed from one of those (mixup's ``tf.gather(x,
+        tf.random.shuffle(tf.range(n)))``), a top_k (or sort) of a value with one entry
+        per row (hard example mining: the mean of the k largest of the rows' losses).
+        Each replica moves or ranks its own shard's rows, so row i meets other rows than
+        on one device: the plan says so."""
         seed_nodes = {t.node for t in seeds}
         out = []
         for n in self.order:
@@ -846,6 +848,11 @@ class _Analyzer:
                     and not n.attr["ellipsis_mask"].i and not n.attr["new_axis_mask"].i & 1
             elif n.op == "RandomShuffle":
                 moves = True
+            elif n.op in ("TopKV2", "TopK"):   # ranks the rows of a [rows] value against each other
+                if static_rank(n.inputs[0]) == 1 and _reaches_rows(n.inputs[0], seed_nodes) \
+                        and n in training.value:
+                    out.append(n.name)
+                continue
             else:   # a gather of the rows themselves, by moved indices
                 moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
                          and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
@@ -1251,7 +1258,8 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
 
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
-_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice"))
+_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice", "TopKV2",
+                        "TopK"))
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))

@@ -222,9 +222,9 @@ ROWS_MEET_START = "rows of the batch meet other rows"
 ROW_PRODUCTS = (ROWS_MEET_START + " in {names} (a product of two batch tensors over their features, "
                 "e.g. a contrastive loss's in-batch negatives): each replica computes it over its own rows, so a "
                 "row meets {shard} of one device's rows, and the step differs from one device's")
-MOVED_ROWS = (ROWS_MEET_START + " in {names} (rows moved within the batch, e.g. mixup's reversed or shuffled "
-              "batch): each replica moves its own rows only, so a row meets another row than on one device, "
-              "and the step differs from one device's")
+MOVED_ROWS = (ROWS_MEET_START + " in {names} (rows moved or ranked within the batch, e.g. mixup's reversed or "
+              "shuffled batch, a top_k of the rows' losses): each replica moves or ranks its own rows only, so a "
+              "row meets other rows than on one device, and the step differs from one device's")
 BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's rows that training uses, e.g. "
                     "batch normalization in training mode): each replica computes them over its own rows, as "
                     "data-parallel training without synchronised batch statistics does, and the step differs "

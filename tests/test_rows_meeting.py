@@ -86,13 +86,13 @@ def test_the_analysis_finds_nothing_where_rows_stay_apart(kind):
 
 
 # the words each kind of note says what it found with
-NOTE_WORDS = {"moved_rows": "rows moved within the batch", "batch_statistics": "statistics over the batch's rows",
+NOTE_WORDS = {"moved_rows": "rows moved or ranked within the batch", "batch_statistics": "statistics over the batch's rows",
               "selected_means": "a mean over the rows a condition on the batch selects"}
 MLP_READS = {"w1": "w1/Read/ReadVariableOp:0", "w2": "w2/Read/ReadVariableOp:0"}
 
 
-@pytest.mark.parametrize("kind", ["mixup", "mixup_sliced", "mixup_shuffled", "center_loss", "mean_features",
-                                  "fused_batch_norm"])
+@pytest.mark.parametrize("kind", ["mixup", "mixup_sliced", "mixup_shuffled", "hardest_rows", "center_loss",
+                                  "mean_features", "fused_batch_norm"])
 def test_each_note_names_what_it_found_and_is_true(kind):
     """The note names the ops and says why, the log carries it, and it is true: 2
     replicas train away from one device on the same batches."""

@@ -697,6 +697,7 @@ ROWS_MEETING = {
     "mixup_sliced": ("moved_rows", ["mixed_x/strided_slice", "mixed_y/strided_slice"]),
     "mixup_shuffled": ("moved_rows", ["mixed_x", "mixed_y"]),
     "roll": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "hardest_rows": ("moved_rows", ["hardest"]),
     "center_loss": ("batch_statistics", ["center"]),
     "mean_features": ("batch_statistics", ["center"]),
     "batch_max": ("batch_statistics", ["center"]),
@@ -715,7 +716,8 @@ def rows_meeting_mlp(kind="plain"):
     meet other rows (ROWS_MEETING: mixup by ``tf.reverse(x, [0])``, by ``x[::-1]``, by a gather of
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
-    the batch; a fused BatchNorm in training mode; the mean loss of the rows with
+    the batch; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
+    a fused BatchNorm in training mode; the mean loss of the rows with
     ``x[:, 0] > 0`` by tf.boolean_mask or tf.dynamic_partition) or none does
     (ROWS_APART: features reversed, a mean by hand ``reduce_sum / tf.shape(x)[0]``, a
     perplexity only fetched, a fused BatchNorm in inference mode, the labelled rows'
@@ -758,6 +760,9 @@ def rows_meeting_mlp(kind="plain"):
         err = tf.square(tf.matmul(h, w2) - y)
         if kind in ("labelled_rows", "partitioned_rows"):
             loss = tf.reduce_mean(err, name="loss_of_labelled")
+        elif kind == "hardest_rows":   # online hard example mining: the quarter of the rows with the largest loss
+            rows = tf.reshape(err, [-1])
+            loss = tf.reduce_mean(tf.nn.top_k(rows, k=tf.shape(rows)[0] // 4, name="hardest").values)
         elif kind == "mean_by_hand":
             loss = tf.reduce_sum(err) / tf.cast(tf.shape(x)[0], tf.float32)
         elif kind == "normalised_by_count":

@@ -863,7 +863,8 @@ class _Analyzer:
 
     def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums):
         """Forward statistics over the batch's rows (a reduction whose constant axes
-        hold the rows, a FusedBatchNorm in training mode) that training uses other than
+        hold the rows, a product of two batch tensors contracting the rows, a
+        FusedBatchNorm in training mode) that training uses other than
         linearly: in an op with the rows (BatchNorm's ``x - mean``, a center loss's
         ``h - reduce_mean(h, 0)``) or a non-linear one (``square(reduce_mean(h, 0) -
         t)``) whose value the gradients read. Each replica computes the statistic over
@@ -893,6 +894,11 @@ class _Analyzer:
                     n.inputs[0], seed_nodes, strict=True) and (
                     n in training.value if n.op in _NON_LINEAR_STATISTICS
                     else _used_non_linearly(n, seed_nodes, divisors, training))
+            elif n.op == "MatMul" and n.attr["transpose_a"].b and not n.attr["transpose_b"].b:
+                # a sum over the rows of products of their features: a covariance or
+                # cross-correlation of the batch (Barlow Twins' C = z_a^T z_b / n)
+                found = all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs) and _used_non_linearly(
+                    n, seed_nodes, divisors, training)
             else:
                 continue
             if found:

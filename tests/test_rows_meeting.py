@@ -92,7 +92,7 @@ MLP_READS = {"w1": "w1/Read/ReadVariableOp:0", "w2": "w2/Read/ReadVariableOp:0"}
 
 
 @pytest.mark.parametrize("kind", ["mixup", "mixup_sliced", "mixup_shuffled", "hardest_rows", "center_loss",
-                                  "mean_features", "fused_batch_norm"])
+                                  "mean_features", "cross_correlation", "fused_batch_norm"])
 def test_each_note_names_what_it_found_and_is_true(kind):
     """The note names the ops and says why, the log carries it, and it is true: 2
     replicas train away from one device on the same batches."""

@@ -701,6 +701,7 @@ ROWS_MEETING = {
     "center_loss": ("batch_statistics", ["center"]),
     "mean_features": ("batch_statistics", ["center"]),
     "batch_max": ("batch_statistics", ["center"]),
+    "cross_correlation": ("batch_statistics", ["center"]),
     "fused_batch_norm": ("batch_statistics", ["bn"]),
     "labelled_rows": ("selected_means", ["loss_of_labelled"]),
     "partitioned_rows": ("selected_means", ["loss_of_labelled"]),
@@ -716,7 +717,7 @@ def rows_meeting_mlp(kind="plain"):
     meet other rows (ROWS_MEETING: mixup by ``tf.reverse(x, [0])``, by ``x[::-1]``, by a gather of
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
-    the batch; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
+    the batch, on the features' cross-correlation over the batch; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
     a fused BatchNorm in training mode; the mean loss of the rows with
     ``x[:, 0] > 0`` by tf.boolean_mask or tf.dynamic_partition) or none does
     (ROWS_APART: features reversed, a mean by hand ``reduce_sum / tf.shape(x)[0]``, a
@@ -776,6 +777,9 @@ def rows_meeting_mlp(kind="plain"):
             loss += 0.5 * tf.reduce_sum(tf.square(tf.reduce_mean(h, 0, name="center") - 0.5))
         elif kind == "batch_max":
             loss += 0.1 * tf.reduce_max(tf.abs(h), name="center")
+        elif kind == "cross_correlation":   # Barlow Twins' redundancy reduction: C = h^T h / n, off-diagonal to 0
+            c = tf.matmul(h, h, transpose_a=True, name="center") / tf.cast(tf.shape(h)[0], tf.float32)
+            loss += 0.01 * tf.reduce_sum(tf.square(c - tf.linalg.diag(tf.linalg.diag_part(c))))
         elif kind == "perplexity":
             tf.exp(loss, name="perplexity")
         elif kind not in ROWS_MEETING and kind not in ROWS_APART:

@@ -1190,15 +1190,15 @@ def in_gradients_scope(name):
 def gradient_entries(nodes, sums):
     """{name: [(gradient tensor, (reader, input position))]} for the ``sums`` (name ->
     node, each a Sum, an L2Loss or a Mean): where the gradient of the sum enters its
-    backward pass, in every gradients scope the graph has for it. The backward pass of a Sum
-    broadcasts that gradient to the summed value's shape (Reshape, then Tile or
-    BroadcastTo); an L2Loss's multiplies the summed value by it. It is the one
+    backward pass, in every gradients scope the graph has for it. The backward pass of
+    a Sum or Mean broadcasts that gradient to the summed value's shape (Reshape, then
+    Tile or BroadcastTo); an L2Loss's multiplies the summed value by it. It is the one
     floating-point input the scope's ops read from outside it that is not the sum's
     own input or output (a Mean's backward reads its output's shape). Nothing but the
-    name scope tells which ops are a forward op's backward
-    (with static shapes the broadcast reads only constants), so this reads the names of
-    ``nodes``: a ``gradients`` scope, the sum's name, ``_grad/``. A scope whose inputs do
-    not fit is left out."""
+    name scope tells which ops are a forward op's backward (with static shapes the
+    broadcast reads only constants), so this reads the names of ``nodes``: a
+    ``gradients`` scope, the sum's name, ``_grad/``. A scope whose inputs do not fit
+    is left out."""
     scopes = {}
     for n in nodes:
         if "_grad/" not in n.name:

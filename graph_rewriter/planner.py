@@ -237,8 +237,9 @@ SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a conditi
 
 def _note_rows_meeting(plan, analysis, log):
     """Where the batch's rows meet each other in the forward pass (in-batch negatives,
-    mixup, batch statistics, a mean over selected rows), each replica computes with its own rows: the plan's notes
-    and the log say so (docs/semantics.md, "Rows that meet other rows")."""
+    mixup, batch statistics, a mean over selected rows left unsynced), each replica
+    computes with its own rows: the plan's notes and the log say so (docs/semantics.md,
+    "Rows that meet other rows")."""
     notes = [n for n in plan.notes or [] if not n.startswith(ROWS_MEET_START)]
     if plan.num_replicas > 1:
         for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),
@@ -260,11 +261,13 @@ def _listed(names, limit=4):
 def _plan_normalizers(plan, analysis, cluster, log):
     """The loss normalizers the analysis found (sums over the batch a loss divides by,
     and the counts of rows that means over selected rows divide by) are averaged across
-    replicas by a collective, so each replica's loss is its share of one device's. A collective needs every replica in one collective group: in one
-    task, or where the plan already all-reduces or gathers between tasks. Otherwise (a
-    parameter-server plan across machines) they stay per replica, and the plan says so.
-    A given plan keeps its own choice."""
-    notes = [n for n in plan.notes or [] if not n.startswith((UNSYNCED_NORMALIZERS_START, MICRO_BATCH_COUNTS_START))]
+    replicas by a collective, so each replica's loss is its share of one device's. A
+    collective needs every replica in one collective group: in one task, or where the
+    plan already all-reduces or gathers between tasks. Otherwise (a parameter-server
+    plan across machines) they stay per replica, and the plan says so. A given plan
+    keeps its own choice. With micro-batches each divides by its own count: a note."""
+    notes = [n for n in plan.notes or []
+             if not n.startswith((UNSYNCED_NORMALIZERS_START, MICRO_BATCH_COUNTS_START))]
     names = [t.name for t in analysis.normalizers]
     means = list(analysis.selected_means)
     if plan.accumulation_steps > 1 and (names or means):

@@ -848,16 +848,14 @@ class _Analyzer:
                     and not n.attr["ellipsis_mask"].i and not n.attr["new_axis_mask"].i & 1
             elif n.op == "RandomShuffle":
                 moves = True
-            elif n.op in ("TopKV2", "TopK"):   # ranks the rows of a [rows] value against each other
-                if static_rank(n.inputs[0]) == 1 and _reaches_rows(n.inputs[0], seed_nodes) \
-                        and n in training.value:
-                    out.append(n.name)
-                continue
+            elif n.op in ("TopKV2", "TopK"):   # ranks the rows of a [rows] value (maybe a reshape) together
+                moves = static_rank(n.inputs[0]) == 1
             else:   # a gather of the rows themselves, by moved indices
                 moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
                          and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
                          and _computed_from_moves(n.inputs[1]))
-            if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=True) and n in training.value:
+            strict = n.op not in ("TopKV2", "TopK")
+            if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=strict) and n in training.value:
                 out.append(n.name)
         return out
 
@@ -875,12 +873,13 @@ class _Analyzer:
         the mean loss itself, a sum or a mean by hand (divided by a count of rows or a
         normalizer the rewrite syncs), stays one device's and is not listed."""
         seed_nodes = {t.node for t in seeds}
-        handled = {_the_sum(t.node) for t in normalizers} | set(loss_sums)
+        sums = (_the_sum(t.node) for t in normalizers)   # the normalizers' own, synced
+        handled = {total.name for total in sums if total is not None} | set(loss_sums)
         divisors = set(normalizers)
         functions = {f.signature.name: f for f in self.g.library.function} if self.g.library is not None else {}
         out = []
         for n in self.order:
-            if n in handled or n.name in handled or n not in variant0 or in_gradients_scope(n.name):
+            if n.name in handled or n not in variant0 or in_gradients_scope(n.name):
                 continue
             if n.op in _FUNCTIONAL:
                 out += _called_batch_norms(n, functions, variant0)
@@ -1232,6 +1231,21 @@ _MOVES_ROWS = frozenset(("ConcatV2", "Pack", "Unpack", "StridedSlice", "Slice", 
                          "Transpose", "Reshape", "Squeeze", "ExpandDims"))
 
 
+def _search_back(node, found, follow, limit):
+    """The first node ``found`` accepts, walking back from ``node`` along the nodes
+    ``follow(n)`` gives, each visited once, at most ``limit`` of them; or None."""
+    seen, stack = set(), [node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if found(n):
+            return n
+        stack.extend(follow(n))
+    return None
+
+
 def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     """True if a value is computed from the rows of a batch input one by one along some
     path: through ops that keep rows apart, a reduction whose constant axes leave the
@@ -1240,27 +1254,21 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     contracts them (``reduce_sum(square(reduce_mean(h, 0) - t))``, a loss on the batch's
     mean features, is no sum over the rows). ``strict``: not through ops that may move
     rows (_MOVES_ROWS), so the value's first axis is the batch's rows."""
-    seen, stack = set(), [tensor.node]
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n in batch_nodes:
-            return True
+    def follow(n):
         if n.op in _REDUCTIONS:
             axes = n.inputs[1].node if len(n.inputs) > 1 else None
             if axes is not None and axes.op == "Const" and 0 not in dtypes.int_values(axes.attr["value"].tensor) \
                     and all(v >= 0 for v in dtypes.int_values(axes.attr["value"].tensor)):
-                stack.append(n.inputs[0].node)
+                return [n.inputs[0].node]
         elif n.op == "MatMul":
             if not n.attr["transpose_a"].b:
-                stack.append(n.inputs[0].node)
+                return [n.inputs[0].node]
         elif n.op in ("GatherV2", "Gather", "ResourceGather"):
-            stack.append(n.inputs[1].node)
+            return [n.inputs[1].node]
         elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS):
-            stack.extend(t.node for t in n.inputs)
-    return False
+            return [t.node for t in n.inputs]
+        return []
+    return _search_back(tensor.node, lambda n: n in batch_nodes, follow, limit) is not None
 
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
@@ -1288,17 +1296,8 @@ class _Lazy:
 def _computed_from_moves(tensor, limit=256):
     """True if a value (a gather's indices) is computed from a reverse, roll or shuffle
     (``tf.random.shuffle(tf.range(n))``), within ``limit`` ancestors."""
-    seen, stack = set(), [tensor.node]
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in ("ReverseV2", "Roll", "RandomShuffle"):
-            return True
-        if n.op not in _SHAPE_ONLY:
-            stack.extend(t.node for t in n.inputs)
-    return False
+    return _search_back(tensor.node, lambda n: n.op in ("ReverseV2", "Roll", "RandomShuffle"),
+                        lambda n: [] if n.op in _SHAPE_ONLY else [t.node for t in n.inputs], limit) is not None
 
 
 def _is_const(tensor, value):
@@ -1358,24 +1357,23 @@ def _row_selection(tensor, variant0, limit=512):
     """The op that selects the rows ``tensor`` is computed from one by one, by a
     condition on the batch's values (a gather by a ``Where``'s indices, as
     ``tf.boolean_mask`` builds it, or a DynamicPartition), or None."""
-    seen, stack = set(), [tensor.node]
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "DynamicPartition" and n in variant0:
-            return n
+    def selects(n):
+        if n.op == "DynamicPartition":
+            return n in variant0
+        if n.op not in ("GatherV2", "Gather"):
+            return False
+        idx = n.inputs[1].node
+        while idx.op in _KEEPS_KIND or idx.op == "StridedSlice":
+            idx = idx.inputs[0].node
+        return idx.op == "Where" and idx in variant0
+
+    def follow(n):
         if n.op in ("GatherV2", "Gather"):
-            idx = n.inputs[1].node
-            while idx.op in _KEEPS_KIND or idx.op == "StridedSlice":
-                idx = idx.inputs[0].node
-            if idx.op == "Where" and idx in variant0:
-                return n
-            stack.append(n.inputs[0].node)
-        elif n.op in _ROW_LOCAL and n.op not in ("ConcatV2", "Pack", "Tile"):
-            stack.extend(t.node for t in n.inputs)
-    return None
+            return [n.inputs[0].node]
+        if n.op in _ROW_LOCAL and n.op not in ("ConcatV2", "Pack", "Tile"):
+            return [t.node for t in n.inputs]
+        return []
+    return _search_back(tensor.node, selects, follow, limit)
 
 
 def _counts_rows(node, static):

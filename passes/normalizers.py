@@ -56,44 +56,48 @@ class NormalizersPass(Pass):
         entries = gradient_entries(mine, {name: rm.node(graph, 0, name) for name in means}) if means else {}
         renames = []
         for i in rm.built:
-            chain = []
+            previous = None   # the chain's last all-reduce
 
-            def reduced(k, tensor, i=i, chain=chain):
+            def averaged(k, tensor):
                 with graph.adding_to_replica(i):
-                    chain.append(all_reduce_mean(
-                        graph, f"{rm.prefixes[i]}normalizers/{k}", tensor, rm.group_size, gkey,
-                        normalizer_instance_key(plan, k), rm.devices[i], control_inputs=chain[-1:]))
-                return chain[-1].output(0)
+                    return all_reduce_mean(graph, f"{rm.prefixes[i]}normalizers/{k}", tensor, rm.group_size, gkey,
+                                           normalizer_instance_key(plan, k), rm.devices[i],
+                                           control_inputs=[previous] if previous is not None else [])
 
             for k, name in enumerate(divisors):
                 divisor = rm.tensor(graph, i, name)
                 readers = divisor.node.consumers(divisor.index)
-                mean = reduced(k, divisor)
+                previous = averaged(k, divisor)
                 for c, pos in readers:
-                    c.set_input(pos, mean)
-            for j, name in enumerate(means):
-                renames.append(_scale_mean(graph, rm, i, name, entries[name],
-                                           lambda count, k=len(divisors) + j: reduced(k, count)))
+                    c.set_input(pos, previous.output(0))
+            for k, name in enumerate(means, start=len(divisors)):
+                mean = rm.node(graph, i, name)
+                with graph.adding_to_replica(i):
+                    count = _rows_of(graph, mean, rm.devices[i])
+                previous = averaged(k, count)
+                renames.append(_scale_mean(graph, rm, i, mean, entries[name], count, previous.output(0)))
         graph.rename_nodes(dict(r for r, _ in renames))   # the means leave their names first
         graph.rename_nodes(dict(t for _, t in renames))
         graph.touch()
         return True
 
 
-def _scale_mean(graph, rm, i, name, entries, reduced):
-    """Replica i's selected mean times its count of rows over the replicas' mean count
-    (``reduced``), for its readers and at its backward pass's ``entries``; returns the
-    renames (the mean -> <name>/replica_rows, the product -> name)."""
-    mean, device = rm.node(graph, i, name), rm.devices[i]
-    dtype = mean.attr["T"].type
+def _rows_of(graph, mean, device):
+    """The count of elements a Mean divides by, in its dtype: the Size of its input."""
+    size = make_op(graph, "Size", f"{mean.name}/rows", [mean.inputs[0]],
+                   type_attrs={"out_type": dtypes.as_dtype("int32").as_datatype_enum}, device=device)
+    return make_op(graph, "Cast", f"{mean.name}/count", [size.output(0)],
+                   type_attrs={"DstT": mean.attr["T"].type}, device=device).output(0)
+
+
+def _scale_mean(graph, rm, i, mean, entries, count, mean_count):
+    """Replica i's selected mean times its ``count`` over the replicas' ``mean_count``,
+    for its readers and at its backward pass's ``entries``; returns the renames (the
+    mean -> <name>/replica_rows, the product -> its name)."""
+    device = rm.devices[i]
     readers = [(c, pos) for c, pos in mean.consumers(0) if c.op not in _SHAPE_READERS]
     with graph.adding_to_replica(i):
-        size = make_op(graph, "Size", f"{mean.name}/rows", [mean.inputs[0]],
-                       type_attrs={"out_type": dtypes.as_dtype("int32").as_datatype_enum}, device=device)
-        count = make_op(graph, "Cast", f"{mean.name}/count", [size.output(0)],
-                        type_attrs={"DstT": dtype}, device=device).output(0)
-        factor = make_op(graph, "RealDiv", f"{mean.name}/factor", [count, reduced(count)],
-                         device=device).output(0)
+        factor = make_op(graph, "RealDiv", f"{mean.name}/factor", [count, mean_count], device=device).output(0)
         product = make_op(graph, "MulNoNan", f"{mean.name}/scaled", [mean.output(0), factor], device=device)
         for c, pos in readers:
             c.set_input(pos, product.output(0))

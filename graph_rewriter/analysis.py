@@ -150,6 +150,9 @@ class Analysis:
     # names of forward means over rows that a condition on the batch's values selects
     # (tf.boolean_mask): each replica divides by its own count of them
     selected_means: list = dataclasses.field(default_factory=list)
+    # the batch statistics that synchronised batch statistics cannot all-reduce, each
+    # with the reason (name -> sentence): a max of the rows, a BatchNorm in a function
+    statistics_obstacles: dict = dataclasses.field(default_factory=dict)
 
     @property
     def trainable(self):
@@ -263,6 +266,8 @@ class _Analyzer:
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
         selected_means = self._find_selected_means(variant0, training)
+        obstacles = {name: reason for name in batch_statistics
+                     for reason in [self._sync_obstacle(name)] if reason is not None}
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -271,7 +276,7 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
-            selected_means=selected_means,
+            selected_means=selected_means, statistics_obstacles=obstacles,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -923,6 +928,26 @@ class _Analyzer:
         entries = gradient_entries(self.order, found) if found else {}
         return [name for name in found if name in entries]
 
+    def _sync_obstacle(self, name):
+        """Why the batch statistic ``name`` cannot be synchronised across the replicas
+        (passes/batch_statistics.py), or None: a Mean over the rows whose backward pass
+        reads its gradient from one tensor (or that has none), or a FusedBatchNorm in
+        the graph whose reserve spaces only its backward FusedBatchNormGrads read."""
+        if ":" in name:
+            call, function, _ = name.split(":", 2)
+            return (f"it is inside the function '{function}' that '{call}' calls (tf_keras' BatchNormalization "
+                    "behind its learning phase builds a v2 cond); call the layer with training=True so it is "
+                    "in the graph itself")
+        n = self.g.node(name)
+        if n.op in _FUSED_BATCH_NORMS:
+            return fused_batch_norm_obstacle(n)
+        if n.op != "Mean":
+            return (f"it is a {n.op} over the rows; only means (tf.nn.moments, a BatchNorm's statistics) "
+                    "and fused BatchNorms are synchronised")
+        if gradient_scopes(self.order, {name: n}) and not gradient_entries(self.order, {name: n}):
+            return "its backward pass reads the gradient from more than one tensor"
+        return None
+
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
         for cut in cuts:
@@ -1193,24 +1218,10 @@ def gradient_entries(nodes, sums):
     a Sum or Mean broadcasts that gradient to the summed value's shape (Reshape, then
     Tile or BroadcastTo); an L2Loss's multiplies the summed value by it. It is the one
     floating-point input the scope's ops read from outside it that is not the sum's
-    own input or output (a Mean's backward reads its output's shape). Nothing but the
-    name scope tells which ops are a forward op's backward (with static shapes the
-    broadcast reads only constants), so this reads the names of ``nodes``: a
-    ``gradients`` scope, the sum's name, ``_grad/``. A scope whose inputs do not fit
-    is left out."""
-    scopes = {}
-    for n in nodes:
-        if "_grad/" not in n.name:
-            continue
-        for m in _GRADIENTS_SCOPE.finditer(n.name):
-            rest = n.name[m.end():]
-            k = rest.find("_grad/")
-            while k >= 0:
-                if rest[:k] in sums:
-                    scopes.setdefault((rest[:k], n.name[:m.end() + k + len("_grad/")]), []).append(n)
-                k = rest.find("_grad/", k + 1)
+    own input or output (a Mean's backward reads its output's shape). A scope whose
+    inputs do not fit is left out."""
     out = {}
-    for (name, scope), members in scopes.items():
+    for (name, scope), members in gradient_scopes(nodes, sums).items():
         inside = set(members)
         own = set(sums[name].inputs)
         readers = [(t, (n, pos)) for n in members for pos, t in enumerate(n.inputs)
@@ -1219,6 +1230,58 @@ def gradient_entries(nodes, sums):
         if len({t for t, _ in readers}) == 1:
             out.setdefault(name, []).extend(readers)
     return out
+
+
+def gradient_scopes(nodes, named):
+    """{(name, scope): [node]}: the backward passes tf.gradients built for the forward
+    ops ``named`` (name -> node), each scope's members among ``nodes``. Nothing but the
+    name scope tells which ops are a forward op's backward (with static shapes a Mean's
+    broadcast reads only constants), so this reads the names: a ``gradients`` scope,
+    the op's name, ``_grad/``."""
+    scopes = {}
+    for n in nodes:
+        if "_grad/" not in n.name:
+            continue
+        for m in _GRADIENTS_SCOPE.finditer(n.name):
+            rest = n.name[m.end():]
+            k = rest.find("_grad/")
+            while k >= 0:
+                if rest[:k] in named:
+                    scopes.setdefault((rest[:k], n.name[:m.end() + k + len("_grad/")]), []).append(n)
+                k = rest.find("_grad/", k + 1)
+    return scopes
+
+
+FUSED_BATCH_NORM_GRADS = frozenset(("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"))
+BATCH_NORM_AXES = {"NHWC": [0, 1, 2], "NCHW": [0, 2, 3], "NDHWC": [0, 1, 2, 3], "NCDHW": [0, 2, 3, 4]}
+
+
+def dead_zeros_like(n):
+    """A ZerosLike whose value nobody reads: tf.gradients makes one for each output of a
+    multi-output op that gets no gradient (a FusedBatchNorm's reserve spaces), and
+    leaves it unread (replicate may make its other replicas' copies control inputs)."""
+    return n.op == "ZerosLike" and not n.consumers()
+
+
+def fused_batch_norm_obstacle(n):
+    """Why the FusedBatchNorm ``n`` (in training mode) cannot be replaced by its
+    synchronised ops, or None: its reserve spaces (outputs 3 on) must be read only by
+    the FusedBatchNormGrads of its backward pass (of the same input, in training mode),
+    whose placeholder outputs (3 on) nobody reads (or unread ZerosLikes of them)."""
+    fmt = n.attr["data_format"].s.decode() if "data_format" in n.attr else "NHWC"
+    if fmt not in BATCH_NORM_AXES:
+        return f"its data_format {fmt} is not one of {', '.join(BATCH_NORM_AXES)}"
+    for c, pos in n.consumers():
+        index = c.inputs[pos].index
+        if index < 3 or dead_zeros_like(c):
+            continue
+        if c.op not in FUSED_BATCH_NORM_GRADS or pos < 3:
+            return f"'{c.name}' ({c.op}) reads its reserve space {index - 2}"
+        if c.inputs[1] != n.inputs[0] or not c.attr["is_training"].b:
+            return f"its backward '{c.name}' is not of the same input in training mode"
+        if any(r.inputs[p].index >= 3 for r, p in c.consumers()):
+            return f"something reads the reserve-space outputs of its backward '{c.name}'"
+    return None
 
 
 _REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "ArgMax", "ArgMin", "All", "Any"))

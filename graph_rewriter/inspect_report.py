@@ -115,6 +115,8 @@ def report(result, batch_size=None):
         **({"selected_means": list(plan["selected_means"])} if plan.get("selected_means") else {}),
         **({"random_draws": list(plan["random_draws"])} if plan.get("random_draws") else {}),
         **({"loss_sums": list(plan["loss_sums"])} if plan.get("loss_sums") else {}),
+        **({"sync_batch_statistics": list(plan["sync_batch_statistics"])}
+           if plan.get("sync_batch_statistics") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
         "inputs": _inputs(md, nodes),
@@ -244,6 +246,9 @@ def format_report(rep):
     if rep.get("selected_means"):
         lines.append("means over selected rows (each divides by the replicas' mean count of selected rows): "
                      + ", ".join(rep["selected_means"]))
+    if rep.get("sync_batch_statistics"):
+        lines.append("synchronised batch statistics (all-reduced over every replica's rows, forward and "
+                     "backward): " + ", ".join(rep["sync_batch_statistics"]))
     if rep.get("random_draws"):
         lines.append("random draws of the batch's rows (each replica draws every replica's rows and keeps its own): "
                      + ", ".join(rep["random_draws"]))

@@ -117,6 +117,25 @@ def boolean(name):
     return check
 
 
+def _bool_or_names(name):
+    """True or False as given; one name, or several, as a tuple."""
+    names = _tuple_of(name, "True, False or names", "True or ['bn/moments/mean']")
+
+    def convert(value):
+        return value if isinstance(value, bool) else names(value)
+    return convert
+
+
+def _check_bool_or_names(name):
+    def check(value):
+        if isinstance(value, bool):
+            return
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise GraphRewriteError(f"{name} must be True, False or names, got {value!r}",
+                                    hint=f"pass {name}=True, or the names the plan's notes list")
+    return check
+
+
 def _check_devices_per_worker(value):
     if not _is_int(value):
         raise GraphRewriteError(f"devices_per_worker must be an integer >= 1, got {value!r}",
@@ -374,6 +393,16 @@ class Options:
         False, "All-reduce sparse gradients as dense tensors instead of gathering their rows.",
         check=boolean("sparse_as_dense"),
         cli=Flag("--sparse-as-dense", action="const", const=True))
+    sync_batch_statistics: object = option(
+        False, "All-reduce the statistics training takes over the batch's rows (BatchNorm in "
+        "training mode, tf.nn.moments) over every replica's rows, forward and backward, so each "
+        "replica normalises with one device's statistics (synchronised BatchNorm); True: every "
+        "one the analysis lists, or the names of some. A fused BatchNorm is replaced by its ops.",
+        accepts="False | True | names of batch statistics", convert=_bool_or_names("sync_batch_statistics"),
+        check=_check_bool_or_names("sync_batch_statistics"),
+        cli=Flag("--sync-batch-statistics", action="const", const=True,
+                 help="all-reduce batch statistics (BatchNorm in training mode) over every "
+                      "replica's rows, forward and backward (synchronised BatchNorm)"))
     merge: dict = option(
         default_factory=dict,
         help="How a fetched tensor is merged across the replicas, per tensor: sum, mean, "

@@ -170,6 +170,10 @@ class Plan:
     # the replica count (passes/loss_sums.py); None: none, and absent from the JSON; an
     # empty list in a given plan leaves them averaged
     loss_sums: list = None
+    # batch statistics (BatchNorm's in training mode) all-reduced over every replica's
+    # rows, forward and at their backward pass (passes/batch_statistics.py; the option
+    # sync_batch_statistics asks for them); None: none, and absent from the JSON
+    sync_batch_statistics: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -224,6 +228,8 @@ class Plan:
             del d["random_draws"]
         if d["loss_sums"] is None:
             del d["loss_sums"]
+        if d["sync_batch_statistics"] is None:
+            del d["sync_batch_statistics"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
@@ -267,7 +273,7 @@ class Plan:
                 notes=list(d["notes"]) if d.get("notes") else None,
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
                 random_draws=d.get("random_draws"),
-                loss_sums=d.get("loss_sums"))
+                loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 

@@ -51,6 +51,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
     _plan_loss_sums(result, analysis, info)
+    _plan_batch_statistics(result, analysis, options, cluster, info)
     _note_rows_meeting(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
@@ -218,6 +219,50 @@ def _plan_loss_sums(plan, analysis, log):
             f"{plan.num_replicas} replicas: {', '.join(names)}")
 
 
+SYNCED_MICRO_BATCHES = ("with accumulation_steps {k} the synchronised batch statistics ({names}) are each "
+                        "micro-batch's, over the {r} replicas' rows of it, not the whole step's")
+
+
+def _plan_batch_statistics(plan, analysis, options, cluster, log):
+    """The batch statistics to all-reduce over every replica's rows (the option
+    sync_batch_statistics: True for every one the analysis lists, or names; a given
+    plan keeps its own list). One the rewrite cannot synchronise, or a plan whose
+    replicas meet in no collective group (parameter servers across machines), is
+    refused: the user asked for one device's statistics."""
+    found = list(analysis.batch_statistics)
+    wanted, field = plan.sync_batch_statistics, "the plan's sync_batch_statistics"
+    if wanted is None:
+        asked, field = options.sync_batch_statistics, "sync_batch_statistics"
+        wanted = found if asked is True else list(asked or [])
+    for name in wanted:
+        if name not in found:
+            raise GraphRewriteError(
+                f"{field} names '{name}', which is not a statistic over the batch's rows that this graph "
+                f"trains with (found: {', '.join(found) or 'none'})",
+                hint="name only what the plan's notes list as batch statistics, or pass True for all")
+        if name in analysis.statistics_obstacles:
+            others = [n for n in found if n not in analysis.statistics_obstacles]
+            raise GraphRewriteError(
+                f"{field}: the batch statistic '{name}' cannot be synchronised: "
+                f"{analysis.statistics_obstacles[name]}",
+                hint=f"pass the names of the others ({_listed(others)})" if others
+                else "drop sync_batch_statistics")
+    if plan.num_replicas < 2 or not wanted:
+        plan.sync_batch_statistics = [] if plan.sync_batch_statistics == [] else None
+        return
+    if not (len(cluster.compute_tasks) == 1 or plan.uses_collectives()):
+        raise GraphRewriteError(
+            f"{field}: the replicas of this {plan.strategy} plan across machines meet in no collective "
+            "group, so their batch statistics cannot be all-reduced",
+            hint="use strategy allreduce or hybrid, or leave sync_batch_statistics off")
+    plan.sync_batch_statistics = list(wanted)
+    log(f"plan: batch statistics all-reduced over the {plan.num_replicas} replicas' rows: {_listed(wanted)}")
+    if plan.accumulation_steps > 1:
+        note = SYNCED_MICRO_BATCHES.format(k=plan.accumulation_steps, names=_listed(wanted), r=plan.num_replicas)
+        plan.notes = (plan.notes or []) + [note]
+        log(f"plan: {note}")
+
+
 ROWS_MEET_START = "rows of the batch meet other rows"
 ROW_PRODUCTS = (ROWS_MEET_START + " in {names} (a product of two batch tensors over their features, "
                 "e.g. a contrastive loss's in-batch negatives): each replica computes it over its own rows, so a "
@@ -228,7 +273,8 @@ MOVED_ROWS = (ROWS_MEET_START + " in {names} (rows moved or ranked within the ba
 BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's rows that training uses, e.g. "
                     "batch normalization in training mode): each replica computes them over its own rows, as "
                     "data-parallel training without synchronised batch statistics does, and the step differs "
-                    "from one device's; moving averages of them are averaged across the replicas")
+                    "from one device's; moving averages of them are averaged across the replicas "
+                    "(sync_batch_statistics all-reduces them over every replica's rows)")
 SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
                   "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
                   "rows and the replicas' means are averaged alike, so unless every replica selects as many "
@@ -243,7 +289,8 @@ def _note_rows_meeting(plan, analysis, log):
     notes = [n for n in plan.notes or [] if not n.startswith(ROWS_MEET_START)]
     if plan.num_replicas > 1:
         for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),
-                                (BATCH_STATISTICS, analysis.batch_statistics),
+                                (BATCH_STATISTICS, [n for n in analysis.batch_statistics
+                                                    if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means
                                                   if n not in (plan.selected_means or ())])):
             if names:

@@ -805,17 +805,17 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipe
     _assert_matches("iterator between-graph", losses, values, ref_losses, ref_values)
 
 
-def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb"):
+def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb", options=None):
     """Trains ``graph`` between-graph on 2 workers x 1 replica of a pooled cluster (with a
     ps task unless ``strategy`` is allreduce), each its own worker_client process, worker
     k fed the k-th half of every global batch of ``feeds`` (none: an in-graph pipeline),
     ``steps`` steps; returns worker 0's values of the ``reads`` tensors. ``suffix``
-    "meta" saves MetaGraphDefs (their QueueRunners)."""
+    "meta" saves MetaGraphDefs (their QueueRunners); ``options``: more rewrite keywords."""
     with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
         outs = []
         for k in range(2):
             path = gr.rewrite(graph, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
-                              task=f"worker:{k}").save(str(tmp_path / f"worker{k}.{suffix}"))
+                              task=f"worker:{k}", **(options or {})).save(str(tmp_path / f"worker{k}.{suffix}"))
             out = str(tmp_path / f"worker{k}_out.npz")
             cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
                    "--target", cluster.target("worker", k), "--steps", str(steps), "--out", out,

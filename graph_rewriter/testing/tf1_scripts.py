@@ -789,3 +789,89 @@ def rows_meeting_mlp(kind="plain"):
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
         tf1.global_variables_initializer()
     return g.as_graph_def()
+
+
+# batch_norm_cnn's kinds: how its two BatchNorms are written
+BATCH_NORMS = ("layers", "layers_cond", "moments", "fused_average", "nchw")
+
+
+def batch_norm_cnn(kind="layers"):
+    """A small CNN with two BatchNorms in training mode, in the way TF1 scripts write them
+    (BATCH_NORMS): ``layers`` is tf.compat.v1.layers.batch_normalization(training=True)
+    (a fused BatchNorm on 4-D input; moving averages in UPDATE_OPS, grouped into the
+    train op as its documentation says); ``layers_cond`` the same behind a v1 tf.cond on
+    a ``training`` placeholder (default True); ``moments`` tf.nn.moments and
+    tf.nn.batch_normalization by hand; ``fused_average`` tf.nn.fused_batch_norm keeping
+    its moving averages itself (exponential_avg_factor 0.1, what tf_keras' fused path
+    does eagerly); ``nchw`` fused BatchNorms of channels-first tensors. x [None, 6, 6, 2]
+    -> conv 3x3 (4) -> BN -> relu -> conv 3x3 stride 2 (4) -> BN -> relu -> mean over
+    the image -> dense 1, squared error, Momentum 0.1 / 0.9 with a global step. Returns
+    (GraphDef, {variable: tensor to read} of every variable, slots and moving averages
+    included): fetch loss:0, run train_op, init."""
+    tf, tf1 = _tf()
+    from graph_rewriter.testing.models import _batch_normalization
+    g = tf.Graph()
+    before = tf1.control_flow_v2_enabled()
+    if kind == "layers_cond":
+        tf1.disable_control_flow_v2()    # a TF1 script's tf.cond: Switch and Merge (restored below)
+    try:
+        with g.as_default():
+            tf1.set_random_seed(1)
+            x = tf1.placeholder(tf.float32, [None, 6, 6, 2], name="x")
+            y = tf1.placeholder(tf.float32, [None, 1], name="y")
+            training = tf1.placeholder_with_default(True, [], name="training") if kind == "layers_cond" else True
+
+            def variable(name, shape, init, trainable=True):
+                return tf1.get_variable(name, shape, initializer=init, trainable=trainable)
+
+            def batch_norm(h, name):
+                if kind in ("layers", "layers_cond"):
+                    return _batch_normalization()(h, training=training, momentum=0.9, name=name)
+                gamma = variable(f"{name}/gamma", [4], tf1.ones_initializer())
+                beta = variable(f"{name}/beta", [4], tf1.zeros_initializer())
+                moving_mean = variable(f"{name}/moving_mean", [4], tf1.zeros_initializer(), trainable=False)
+                moving_var = variable(f"{name}/moving_variance", [4], tf1.ones_initializer(), trainable=False)
+                if kind == "moments":
+                    mean, var = tf.nn.moments(h, [0, 1, 2], name=f"{name}/moments")
+                    for moving, value in ((moving_mean, mean), (moving_var, var)):
+                        tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS,
+                                              tf1.assign_sub(moving, 0.1 * (moving - value)))
+                    return tf.nn.batch_normalization(h, mean, var, beta, gamma, 1e-3)
+                nchw = kind == "nchw"
+                if nchw:
+                    h = tf.transpose(h, [0, 3, 1, 2])
+                out, mean, var = tf1.nn.fused_batch_norm(
+                    h, gamma, beta, mean=moving_mean, variance=moving_var, epsilon=1e-3, is_training=True,
+                    data_format="NCHW" if nchw else "NHWC", name=name,
+                    exponential_avg_factor=0.1 if kind == "fused_average" else 1.0)
+                decay = 1.0 if kind == "fused_average" else 0.1   # the kernel averaged already
+                for moving, value in ((moving_mean, mean), (moving_var, var)):
+                    tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS,
+                                          tf1.assign_sub(moving, decay * (moving - value)))
+                return tf.transpose(out, [0, 2, 3, 1]) if nchw else out
+
+            k1 = variable("conv1", [3, 3, 2, 4], tf1.glorot_uniform_initializer(seed=2))
+            h = tf.nn.relu(batch_norm(tf.nn.conv2d(x, k1, 1, "SAME"), "bn1"))
+            k2 = variable("conv2", [3, 3, 4, 4], tf1.glorot_uniform_initializer(seed=3))
+            h = tf.nn.relu(batch_norm(tf.nn.conv2d(h, k2, 2, "SAME"), "bn2"))
+            w = variable("dense", [4, 1], tf1.glorot_uniform_initializer(seed=4))
+            loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(tf.reduce_mean(h, [1, 2]), w) - y)), name="loss")
+            step = tf1.train.get_or_create_global_step()
+            minimize = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step)
+            tf.group(minimize, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
+            tf1.global_variables_initializer()
+            reads = {v.op.name: f"{v.op.name}/Read/ReadVariableOp:0" if v.op.type == "VarHandleOp" else v.name
+                     for v in tf1.global_variables()}
+    finally:
+        if before:
+            tf1.enable_control_flow_v2()
+    if kind not in BATCH_NORMS:
+        raise ValueError(f"batch_norm_cnn: unknown kind {kind!r}")
+    return g.as_graph_def(), reads
+
+
+def cnn_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` images for batch_norm_cnn."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, 6, 6, 2).astype(np.float32), "y:0": rng.randn(batch, 1).astype(np.float32)}
+            for _ in range(steps)]

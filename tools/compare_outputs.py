@@ -69,6 +69,7 @@ CONFIGS = {
     "hybrid_2x2": dict(cluster=PS_CLUSTER, strategy="hybrid", devices_per_worker=2),
     "hybrid_between_w1": dict(cluster=PS_CLUSTER, strategy="hybrid", task=("worker", 1)),
     "auto_2x2": dict(cluster=PS_CLUSTER, strategy="auto", devices_per_worker=2),
+    "allreduce_sync_bn_2x2": dict(cluster=TWO_WORKERS, devices_per_worker=2, sync_batch_statistics=True),
 }
 
 ZOO_OPTIMIZERS = {"keras": ("keras_adam", "keras_sgd_momentum"),
@@ -109,6 +110,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_dual_encoder"] = tf1_scripts.dual_encoder("in_batch")
     for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows"):   # rows that meet other rows
         graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)
+    graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -109,6 +109,15 @@ class GradientCut:
     # A state whose value is a sum or a count over the batch's rows: "sum" (the
     # replicas' values add up to one device's); None: averaged (a batch mean).
     combine: str = None
+    # A later update of a variable an earlier cut updates too (a BatchNorm applied twice:
+    # a GAN's discriminator on real and fake rows, a Keras model called on a tensor):
+    # "<variable>/update_<k>", its name in the plan; None: the variable's.
+    name: str = None
+
+    @property
+    def key(self):
+        """The cut's name in the plan: its variable's, or ``name`` for a later update."""
+        return self.name or self.variable
 
 
 @dataclasses.dataclass
@@ -163,6 +172,15 @@ class Analysis:
             if c.variable == variable_name:
                 return c
         return None
+
+
+def _name_later_updates(cuts):
+    """Every cut after the first of one variable (in graph order) gets a name of its own,
+    "<variable>/update_<k>", so the plan tells its packs and accumulators apart."""
+    seen = {}
+    for cut in cuts:
+        k = seen[cut.variable] = seen.get(cut.variable, -1) + 1
+        cut.name = f"{cut.variable}/update_{k}" if k else None
 
 
 def dtype_size(dt):
@@ -255,6 +273,7 @@ class _Analyzer:
         self._check_cuts_independent(cuts, variant)
         init_ops = self._find_initializers()
         cuts.sort(key=lambda c: self.position[c.values.node])
+        _name_later_updates(cuts)
         _set_train_ops(cuts, self.variables, self.saver_nodes)
         coupled = self._coupled(cuts, variant)
         normalizers = self._find_normalizers(seeds, variant0)
@@ -887,12 +906,13 @@ class _Analyzer:
             if n.name in handled or n not in variant0 or in_gradients_scope(n.name):
                 continue
             if n.op in _FUNCTIONAL:
-                out += _called_batch_norms(n, functions, variant0)
+                if n in training.value:   # (a Keras model's first call, on its Input, may train nothing)
+                    out += _called_batch_norms(n, functions, variant0)
                 continue
             if n.op in _FUSED_BATCH_NORMS:
                 # normalises its input, computed from the batch, over every axis but the
                 # channels', the rows' among them
-                found = n.attr["is_training"].b if "is_training" in n.attr else True
+                found = (n.attr["is_training"].b if "is_training" in n.attr else True) and n in training.value
             elif n.op in _STATISTICS:
                 found = _const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
                     n.inputs[0], seed_nodes, strict=True) and (
@@ -1098,11 +1118,14 @@ def _set_train_ops(cuts, variables, saver_nodes):
     for c in cuts:
         var = variables[c.variable]
         updates = [w for w in var.writers if w is not var.initializer and w not in saver_nodes]
-        found[c.variable] = sorted({n.name for n in descendants(updates) | set(updates)
-                                    if not n.readers() and n.op not in READERS and n.op not in PASS_THROUGH})
+        if c.key != c.variable or any(other.name for other in cuts if other.variable == c.variable):
+            below = descendants([c.values.node])   # a variable updated twice: this cut's updates only
+            updates = [w for w in updates if w in below]
+        found[c.key] = sorted({n.name for n in descendants(updates) | set(updates)
+                               if not n.readers() and n.op not in READERS and n.op not in PASS_THROUGH})
     if len({tuple(r) for r in found.values()}) > 1:
         for c in cuts:
-            c.train_ops = found[c.variable]
+            c.train_ops = found[c.key]
 
 
 def _input_queue_ops(order):

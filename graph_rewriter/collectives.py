@@ -66,7 +66,7 @@ def instance_base(plan):
     shape = "|".join([plan.fingerprint, plan.strategy, str(plan.num_replicas), str(plan.compression)]
                      + [f"{p.dtype}:{p.bytes}:{','.join(p.cuts)}" + (f":{p.algorithm}" if p.algorithm else "")
                         for p in plan.packs]
-                     + [f"{c.variable}:{c.sync}" for c in plan.cuts])
+                     + [f"{c.key}:{c.sync}" for c in plan.cuts])
     return (_digest("instances|" + shape) % (1 << 17)) * _INSTANCE_SLOTS + 1
 
 

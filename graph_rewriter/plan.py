@@ -48,6 +48,14 @@ class CutPlan:
     # a state update that is a sum or a count over the batch: "sum" (the replicas' values
     # are added, not averaged); None: averaged (absent from the JSON)
     combine: str = None
+    # a later update of a variable another cut updates too (a BatchNorm applied twice):
+    # "<variable>/update_<k>", what packs list; None: the variable's name (absent from the JSON)
+    name: str = None
+
+    @property
+    def key(self):
+        """The cut's name in packs and accumulators: its variable's, or ``name``."""
+        return self.name or self.variable
 
 
 @dataclasses.dataclass
@@ -235,6 +243,8 @@ class Plan:
                 del c["train_ops"]
             if c["combine"] is None:
                 del c["combine"]
+            if c["name"] is None:
+                del c["name"]
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]
@@ -286,8 +296,9 @@ class Plan:
                                     hint="fix the JSON, or write the plan again with `graph-rewrite plan`") from None
         return cls.from_dict(d, source)
 
-    def cut(self, variable):
+    def cut(self, key):
+        """The cut named ``key``: a variable's (its first update), or a later update's name."""
         for c in self.cuts:
-            if c.variable == variable:
+            if c.key == key:
                 return c
         return None

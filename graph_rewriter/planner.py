@@ -205,7 +205,7 @@ def _plan_loss_sums(plan, analysis, log):
         from graph_rewriter.analysis import summed_op
         for c in analysis.cuts:
             total = summed_op(c.values).name
-            if total in names and total not in plan.loss_sums and plan.cut(c.variable).combine != "sum":
+            if total in names and total not in plan.loss_sums and plan.cut(c.key).combine != "sum":
                 raise GraphRewriteError(
                     f"the plan leaves the loss sum '{total}' unscaled, but the statistic '{c.variable}' that "
                     "adds it up is averaged across the replicas (its cut has no \"combine\": \"sum\")",
@@ -457,7 +457,7 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
             sync=sync, dtype=dtype_name(dtype_of(c.values) if c.role == "state" else var.dtype),
             shape=var.shape, bytes=var.nbytes,
             variables=list(c.variables), received=list(c.received),
-            post_processing=list(c.post_processing), train_ops=c.train_ops, combine=c.combine,
+            post_processing=list(c.post_processing), train_ops=c.train_ops, combine=c.combine, name=c.name,
             rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
             index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
@@ -613,7 +613,7 @@ def assign_packs(plan, bytes_per_pack, alone_bytes=None):
             open_pack[key] = p if size is not None and not alone else None
         if alone:
             plan.alone_bytes = alone_bytes
-        p.cuts.append(c.variable)
+        p.cuts.append(c.key)
         p.bytes += size or 0
         c.pack = len(plan.packs) - 1 if p is plan.packs[-1] else plan.packs.index(p)
     for p in plan.packs:
@@ -626,12 +626,12 @@ def check_plan(plan, analysis, options, num_replicas):
         raise GraphRewriteError(
             f"the plan is for {plan.num_replicas} replicas, but the options give {num_replicas}",
             hint="make the plan again with the same cluster and devices_per_worker")
-    known = {c.variable: c for c in analysis.cuts}
+    known = {c.key: c for c in analysis.cuts}
     for c in plan.cuts:
-        found = known.get(c.variable)
+        found = known.get(c.key)
         if found is None:
             raise GraphRewriteError(
-                f"the plan names variable '{c.variable}', which has no gradient in this graph",
+                f"the plan names variable '{c.key}', which has no gradient in this graph",
                 hint="make the plan again for this graph (graph-rewrite plan)")
         allowed = DENSE_SYNCS if c.kind == "dense" else SPARSE_SYNCS
         if c.sync not in allowed:
@@ -658,7 +658,7 @@ def check_plan(plan, analysis, options, num_replicas):
             if v.ps_task is not None and not 0 <= v.ps_task < plan.num_ps:
                 raise GraphRewriteError(
                     f"plan: variable '{v.name}' is on ps task {v.ps_task}, but there are {plan.num_ps}")
-    missing = set(known) - {c.variable for c in plan.cuts}
+    missing = set(known) - {c.key for c in plan.cuts}
     if missing:
         raise GraphRewriteError(
             f"the plan has no entry for variable '{sorted(missing)[0]}'",

@@ -171,9 +171,9 @@ class AccumulatePass(Pass):
         for j in range(st.slots):
             suffix = "" if st.slots == 1 else f"_{j}"
             acc = make_op(graph, "SparseConditionalAccumulator" if sparse else "ConditionalAccumulator",
-                          f"{ACCUMULATORS}/{cut.variable}{suffix}", [], device=dev,
+                          f"{ACCUMULATORS}/{cut.key}{suffix}", [], device=dev,
                           attrs={"dtype": _wire_dtype(cut), "shape": shape_attr(cut.shape),
-                                 "shared_name": shared_name(plan.fingerprint, f"{cut.variable}/gradients{suffix}"),
+                                 "shared_name": shared_name(plan.fingerprint, f"{cut.key}/gradients{suffix}"),
                                  "reduction_type": "SUM" if sparse or cut.combine == "sum" else "MEAN"})
             # An earlier run's gradients may still be in it (a step cancelled after some
             # replicas applied theirs): setting its step to 0 would keep them, since they
@@ -202,7 +202,7 @@ class AccumulatePass(Pass):
         step picks); returns a node that runs when the contribution is made."""
         rm = ctx.replicas
         dev = accs[0].device
-        s = f"{rm.prefixes[i]}{ACCUMULATORS}/{cut.variable}/apply"
+        s = f"{rm.prefixes[i]}{ACCUMULATORS}/{cut.key}/apply"
         values = rm.tensor(graph, i, cut.values)
         if _integer(cut):
             values = make_op(graph, "Cast", f"{s}/as_float", [values], attrs={"DstT": _wire_dtype(cut)},
@@ -242,7 +242,7 @@ class AccumulatePass(Pass):
         into the optimizer's update in place of replica 0's own gradient."""
         rm = ctx.replicas
         dev = accs[0].device
-        scope = f"{ACCUMULATORS}/{cut.variable}"
+        scope = f"{ACCUMULATORS}/{cut.key}"
         dtype = _wire_dtype(cut)
         sparse = cut.kind == "sparse"
         op = "SparseAccumulatorTakeGradient" if sparse else "AccumulatorTakeGradient"

@@ -68,7 +68,7 @@ class AllReducePass(Pass):
         if rm.group_size == 1 or not plan.packs:
             return False
         gkey = group_key(rm.group_devices)
-        cuts = {c.variable: c for c in plan.cuts}
+        cuts = {c.key: c for c in plan.cuts}
         memo = _Memo()   # this run's shared nodes (the pass itself keeps nothing)
         for p, pack in enumerate(plan.packs):   # one node sums every replica's pack
             if pack.algorithm == "reduce_to_one":
@@ -108,10 +108,10 @@ class AllReducePass(Pass):
                 values = self._densify(graph, f"{scope}/{cut.variable}", cut, values, indices, device)
             elif cut.role == "state":
                 # found on replica 0, mapped to replica i's clones (the same structure)
-                master = memo.state_readers.get(cut.variable)
+                master = memo.state_readers.get(cut.key)
                 if master is None:
                     master_values = rm.tensor(graph, 0, cut.values)
-                    master = memo.state_readers[cut.variable] = [
+                    master = memo.state_readers[cut.key] = [
                         (c.name, p) for c, p in statistic_update_readers(master_values, cut.variables)]
                 readers.append(([(rm.node(graph, i, name), p) for name, p in master], None))
             else:
@@ -167,7 +167,7 @@ class AllReducePass(Pass):
         else:
             parts = [out]
         for cut, part, (value_readers, index_readers) in zip(cuts, parts, readers):
-            shaped = make_op(graph, "Reshape", f"{scope}/{cut.variable}/mean",
+            shaped = make_op(graph, "Reshape", f"{scope}/{cut.key}/mean",
                              [part, memo.const(graph, rm, i, cut.shape, "int64", device)],
                              device=device).output(0)
             for c, pos in value_readers:

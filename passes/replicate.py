@@ -171,7 +171,7 @@ def _global_nodes(graph, analysis, plan):
     per_replica = set()
     stack = []
     for cut in analysis.cuts:
-        if plan.cut(cut.variable).sync != "accumulate":
+        if plan.cut(cut.key).sync != "accumulate":
             stack += [c for c, _ in gradient_readers(cut.values, cut.indices)]
     while stack:
         n = stack.pop()

@@ -875,3 +875,62 @@ def cnn_batches(steps, batch, seed=0):
     rng = np.random.RandomState(seed)
     return [{"x:0": rng.randn(batch, 6, 6, 2).astype(np.float32), "y:0": rng.randn(batch, 1).astype(np.float32)}
             for _ in range(steps)]
+
+
+def batch_norm_twice(kind="discriminator"):
+    """One BatchNorm's variables updated by two of its applications: ``discriminator``, a
+    GAN discriminator's step (conv 3x3 -> tf.compat.v1.layers.batch_normalization -> relu
+    -> mean -> dense 1, reused on real images x and fake ones z; least-squares loss, SGD
+    0.1; the moving averages updated by both applications through UPDATE_OPS);
+    ``keras_call``, a tf_keras functional model (Conv2D, BatchNormalization, Flatten,
+    Dense) built on its own Input and called on x with training=True, whose updates for x
+    the train op runs (Momentum 0.1 / 0.9). The batch norm's moving averages then have
+    two updates in the graph. Returns (GraphDef, {variable: tensor to read}): fetch
+    loss:0, run train_op, init; feeds x (and z) [None, 6, 6, 2], y [None, 1]."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 6, 6, 2], name="x")
+        if kind == "discriminator":
+            from graph_rewriter.testing.models import _batch_normalization
+            z = tf1.placeholder(tf.float32, [None, 6, 6, 2], name="z")
+
+            def discriminator(images, reuse):
+                with tf1.variable_scope("d", reuse=reuse):
+                    k = tf1.get_variable("conv", [3, 3, 2, 4], initializer=tf1.glorot_uniform_initializer(seed=2))
+                    w = tf1.get_variable("dense", [4, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+                    h = _batch_normalization()(tf.nn.conv2d(images, k, 1, "SAME"), training=True, momentum=0.9,
+                                               name="bn")
+                    return tf.matmul(tf.reduce_mean(tf.nn.relu(h), [1, 2]), w)
+
+            loss = tf.reduce_mean(tf.square(discriminator(x, False) - 1.0)) + tf.reduce_mean(
+                tf.square(discriminator(z, True)))
+            updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+            optimizer = tf1.train.GradientDescentOptimizer(0.1)
+        elif kind == "keras_call":
+            from graph_rewriter.testing.models import import_tf_keras
+            keras = import_tf_keras("batch_norm_twice('keras_call')")
+            y = tf1.placeholder(tf.float32, [None, 1], name="y")
+            inp = keras.Input(shape=(6, 6, 2))
+            h = keras.layers.BatchNormalization(name="bn")(keras.layers.Conv2D(4, 3, name="conv")(inp))
+            model = keras.Model(inp, keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(h)))
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+            updates = model.get_updates_for(x)
+            optimizer = tf1.train.MomentumOptimizer(0.1, 0.9)
+        else:
+            raise ValueError(f"batch_norm_twice: unknown kind {kind!r}")
+        loss = tf.identity(loss, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        tf.group(optimizer.minimize(loss, global_step=step), *updates, name="train_op")
+        tf1.global_variables_initializer()
+        reads = {v.op.name: f"{v.op.name}/Read/ReadVariableOp:0" if v.op.type == "VarHandleOp" else v.name
+                 for v in tf1.global_variables()}
+    return g.as_graph_def(), reads
+
+
+def gan_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` real (x) and fake (z) images for batch_norm_twice."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, 6, 6, 2).astype(np.float32) + 0.5,
+             "z:0": rng.randn(batch, 6, 6, 2).astype(np.float32)} for _ in range(steps)]

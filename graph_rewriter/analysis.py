@@ -286,7 +286,7 @@ class _Analyzer:
         batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
         selected_means = self._find_selected_means(variant0, training)
         obstacles = {name: reason for name in batch_statistics
-                     for reason in [self._sync_obstacle(name)] if reason is not None}
+                     for reason in [self._sync_obstacle(name, selected_means)] if reason is not None}
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -948,7 +948,7 @@ class _Analyzer:
         entries = gradient_entries(self.order, found) if found else {}
         return [name for name in found if name in entries]
 
-    def _sync_obstacle(self, name):
+    def _sync_obstacle(self, name, selected_means):
         """Why the batch statistic ``name`` cannot be synchronised across the replicas
         (passes/batch_statistics.py), or None: a Mean over the rows whose backward pass
         reads its gradient from one tensor (or that has none), or a FusedBatchNorm in
@@ -964,6 +964,8 @@ class _Analyzer:
         if n.op != "Mean":
             return (f"it is a {n.op} over the rows; only means (tf.nn.moments, a BatchNorm's statistics) "
                     "and fused BatchNorms are synchronised")
+        if name in selected_means:
+            return "it is also a mean over rows a condition selects, which the normalizers pass scales"
         if gradient_scopes(self.order, {name: n}) and not gradient_entries(self.order, {name: n}):
             return "its backward pass reads the gradient from more than one tensor"
         return None

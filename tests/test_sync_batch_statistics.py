@@ -247,12 +247,17 @@ def test_one_replica_needs_nothing():
     assert [n.op for n in result.graph_def.node if n.name == "bn1/FusedBatchNormV3"] == ["FusedBatchNormV3"]
 
 
-def test_micro_batches_are_noted():
+def test_micro_batches_are_noted_and_train():
+    """With accumulation_steps 2 the note says the statistics are each micro-batch's, and
+    two runs (one update) train."""
     from graph_rewriter.planner import SYNCED_MICRO_BATCHES
-    result = _rewrite(batch_norm_cnn("layers")[0], sync_batch_statistics=True, accumulation_steps=2)
+    (graph_def, reads), feeds = batch_norm_cnn("layers"), cnn_batches(2, BATCH)
+    result = _rewrite(graph_def, sync_batch_statistics=True, accumulation_steps=2)
     start = SYNCED_MICRO_BATCHES.split("{")[0]
     [note] = [n for n in result.plan.notes if n.startswith(start)]
     assert "'bn1/FusedBatchNormV3'" in note and "each micro-batch's" in note
+    losses, values = _train(gr.Session(result), feeds, reads)
+    assert np.all(np.isfinite(losses)) and int(values["global_step"]) == 1
 
 
 # ----- refusals -----------------------------------------------------------------------------

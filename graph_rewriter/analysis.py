@@ -1117,11 +1117,12 @@ def _set_train_ops(cuts, variables, saver_nodes):
     train ops apart, since running one of them would otherwise compute the others'
     gradients for the pack it all-reduces."""
     found = {}
+    twice = {c.variable for c in cuts if c.name}   # variables updated by several cuts
     for c in cuts:
         var = variables[c.variable]
         updates = [w for w in var.writers if w is not var.initializer and w not in saver_nodes]
-        if c.key != c.variable or any(other.name for other in cuts if other.variable == c.variable):
-            below = descendants([c.values.node])   # a variable updated twice: this cut's updates only
+        if c.variable in twice:
+            below = descendants([c.values.node])   # this cut's updates only
             updates = [w for w in updates if w in below]
         found[c.key] = sorted({n.name for n in descendants(updates) | set(updates)
                                if not n.readers() and n.op not in READERS and n.op not in PASS_THROUGH})

@@ -8,6 +8,8 @@ Each builder returns a fresh GraphItem of a one-layer model, small enough to dra
              (rows + ids) --> ResourceScatterAdd-style sparse update of table
     masked:  x --> MatMul(w) --> squared error e, masked twice: loss = sum(e * m1) / sum(m1)
              + sum(e * m2) / sum(m2) (two means over the rows each mask keeps)
+    normalized: x --> MatMul(w) --> BatchNorm in training mode (fused, or tf.nn.moments)
+             --> squared error vs y
 
 Queries find nodes by their role (op type, what they read, what reaches what), never by
 the names a pass generates or by input positions, so a test states structure that
@@ -77,6 +79,35 @@ def masked():
         e = tf.square(tf.matmul(x, w) - y)
         loss = tf.add(tf.reduce_sum(e * m1) / tf.reduce_sum(m1), tf.reduce_sum(e * m2) / tf.reduce_sum(m2),
                       name="loss")
+        _optimizer("sgd").minimize(loss, name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph_io.load_graph(g.as_graph_def())
+
+
+def normalized(kind="fused"):
+    """x [None, 3], y [None, 4]; variables w [3, 4], gamma, beta [4]; a BatchNorm in
+    training mode of x w: a FusedBatchNormV3 "bn" of it as [N, 1, 1, 4] images
+    (``fused``), or tf.nn.moments' "bn/mean" and "bn/variance" (``moments``); "loss",
+    "train_op"."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 4], name="y")
+        w = tf.compat.v1.get_variable("w", [3, 4], use_resource=True)
+        gamma = tf.compat.v1.get_variable("gamma", [4], initializer=tf.compat.v1.ones_initializer(), use_resource=True)
+        beta = tf.compat.v1.get_variable("beta", [4], initializer=tf.compat.v1.zeros_initializer(), use_resource=True)
+        h = tf.matmul(x, w)
+        if kind == "fused":
+            out, _, _ = tf.compat.v1.nn.fused_batch_norm(tf.reshape(h, [-1, 1, 1, 4]), gamma, beta, name="bn")
+            out = tf.reshape(out, [-1, 4])
+        else:
+            with tf.name_scope("bn"):
+                mean = tf.reduce_mean(h, [0], keepdims=True, name="mean")
+                variance = tf.reduce_mean(tf.math.squared_difference(h, tf.stop_gradient(mean)), [0],
+                                          keepdims=True, name="variance")
+            out = tf.nn.batch_normalization(h, mean, variance, beta, gamma, 1e-3)
+        loss = tf.reduce_mean(tf.square(out - y), name="loss")
         _optimizer("sgd").minimize(loss, name="train_op")
         tf.compat.v1.global_variables_initializer()
     return graph_io.load_graph(g.as_graph_def())

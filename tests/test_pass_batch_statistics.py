@@ -67,8 +67,11 @@ def test_the_forward_collectives_wait_for_each_other_in_one_order():
     g = normalized("moments")
     ctx = context(devices_per_worker=2, sync_batch_statistics=True)
     sync(g, ctx)
-    for reduces in _by_replica(ctx, g, ops(g, "CollectiveReduceV2")).values():
+    by_replica = _by_replica(ctx, g, ops(g, "CollectiveReduceV2"))
+    assert sorted(by_replica) == [0, 1]
+    for reduces in by_replica.values():
         forward = [r for r in reduces if "_grad/" not in r.name]
+        assert len(forward) == 4          # per statistic: its count and its value
         for a in forward:
             for b in forward:
                 assert a is b or reaches(a, b) or reaches(b, a)

@@ -882,8 +882,8 @@ def batch_norm_twice(kind="discriminator"):
     GAN discriminator's step (conv 3x3 -> tf.compat.v1.layers.batch_normalization -> relu
     -> mean -> dense 1, reused on real images x and fake ones z; least-squares loss, SGD
     0.1; the moving averages updated by both applications through UPDATE_OPS);
-    ``keras_call``, a tf_keras functional model (Conv2D, BatchNormalization, Flatten,
-    Dense) built on its own Input and called on x with training=True, whose updates for x
+    ``keras_call``, a tf_keras functional model (Conv2D without a bias,
+    BatchNormalization, Flatten, Dense; seeded) built on its own Input and called on x with training=True, whose updates for x
     the train op runs (Momentum 0.1 / 0.9). The batch norm's moving averages then have
     two updates in the graph. Returns (GraphDef, {variable: tensor to read}): fetch
     loss:0, run train_op, init; feeds x (and z) [None, 6, 6, 2], y [None, 1]."""
@@ -913,8 +913,13 @@ def batch_norm_twice(kind="discriminator"):
             keras = import_tf_keras("batch_norm_twice('keras_call')")
             y = tf1.placeholder(tf.float32, [None, 1], name="y")
             inp = keras.Input(shape=(6, 6, 2))
-            h = keras.layers.BatchNormalization(name="bn")(keras.layers.Conv2D(4, 3, name="conv")(inp))
-            model = keras.Model(inp, keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(h)))
+            # seeded (tf_keras seeds unseeded initialisers at random per process); no bias
+            # before the BatchNorm (its gradient would be zero, rounding noise alone)
+            conv = keras.layers.Conv2D(4, 3, use_bias=False, name="conv",
+                                       kernel_initializer=keras.initializers.GlorotUniform(seed=2))
+            dense = keras.layers.Dense(1, name="dense", kernel_initializer=keras.initializers.GlorotUniform(seed=3))
+            h = keras.layers.BatchNormalization(name="bn")(conv(inp))
+            model = keras.Model(inp, dense(keras.layers.Flatten()(h)))
             loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
             updates = model.get_updates_for(x)
             optimizer = tf1.train.MomentumOptimizer(0.1, 0.9)

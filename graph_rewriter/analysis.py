@@ -638,18 +638,29 @@ class _Analyzer:
         return cut.variables[0]
 
     def _check_one_optimizer(self, cuts):
-        seen = {}
+        """A variable may receive several gradients (a multi-task script's train ops, each
+        minimizing its own loss over a shared encoder; two optimizers over one variable):
+        each becomes a cut of its own (``_name_later_updates``) and is averaged apart. Each
+        must reach a write of its variable: one that does not was given the wrong variable
+        (the analysis cannot tell whose gradient it is), and averaging it under that name
+        would be silently wrong."""
+        by_var = {}
         for cut in cuts:
-            if cut.role != "gradient" or cut.source == "assign-walk":
+            if cut.role == "gradient" and cut.source != "assign-walk":
+                by_var.setdefault(cut.variable, []).append(cut)
+        for name, several in by_var.items():
+            if len(several) < 2:
                 continue
-            other = seen.get(cut.variable)
-            if other is not None and other is not cut:
-                raise GraphRewriteError(
-                    f"variable '{cut.variable}' receives two different gradients (through "
-                    f"'{other.values.node.name}' and '{cut.values.node.name}'): it looks "
-                    f"updated by two optimizers", hint="give each variable one optimizer, or "
-                    "name its gradient with gradients={variable: tensor}")
-            seen[cut.variable] = cut
+            writers = set(self.variables[name].writers)
+            for cut in several:
+                if not writers & descendants([cut.values.node]):
+                    other = next(c for c in several if c is not cut)
+                    raise GraphRewriteError(
+                        f"variable '{name}' receives two different gradients (through "
+                        f"'{other.values.node.name}' and '{cut.values.node.name}'), and the "
+                        f"second reaches no update of it: graph_rewriter cannot tell which "
+                        f"variable it is the gradient of",
+                        hint="name its gradient with gradients={variable: tensor}")
 
     def _check_cuts_independent(self, cuts, variant):
         """No cut may depend on another cut's average: the collective that averages it

@@ -44,6 +44,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _check_collective_dtypes(result, r)
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
+    _keep_rows_unsummed(result, analysis, info)
     _choose_communication(result, options)
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
@@ -745,10 +746,9 @@ def _keep_coupled_together(plan, analysis, log):
     before averaging, so post-processing that reads the rows themselves (the norm of
     IndexedSlices counts each row) would see other rows than on one device. Such
     groups are mirrored (all-reduced and gathered), and the log says why."""
-    from graph_rewriter.analysis import rows_reduced
     if not any(c.sync == "accumulate" for c in plan.cuts):
         return
-    cuts = {c.variable: c for c in analysis.cuts}
+    read_rows = {c.variable: c for c in _rows_read_unsummed(analysis)}
     groups = [list(g) for g in analysis.coupled]
     grouped = {v for g in groups for v in g}
     groups += [[c.variable] for c in analysis.cuts if c.variable not in grouped]
@@ -758,11 +758,10 @@ def _keep_coupled_together(plan, analysis, log):
         on_ps = [c for c in planned if c.sync == "accumulate"]
         if not on_ps:
             continue
-        rows = [v for v in group if cuts[v].kind == "sparse" and cuts[v].received
-                and not cuts[v].deduplicated and rows_reduced(cuts[v])]
+        rows = [v for v in group if v in read_rows]
         if rows:
             why = (f"the rows of the sparse gradient of '{rows[0]}' are post-processed "
-                   f"({', '.join(cuts[rows[0]].post_processing)}) before they are summed")
+                   f"({', '.join(read_rows[rows[0]].post_processing)}) before they are summed")
         elif len(on_ps) < len(planned):
             mirrored = next(c.variable for c in planned if c.sync != "accumulate")
             why = (f"their gradients meet in post-processing with the all-reduced gradient "
@@ -778,6 +777,37 @@ def _keep_coupled_together(plan, analysis, log):
     if changed:
         assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK,
                      plan.alone_bytes)
+
+
+def _rows_read_unsummed(analysis):
+    """The sparse gradient cuts whose rows post-processing reads before their duplicates
+    are summed (the norm of IndexedSlices in clip_by_global_norm counts every row)."""
+    from graph_rewriter.analysis import rows_reduced
+    return [c for c in analysis.cuts if c.kind == "sparse" and c.received
+            and not c.deduplicated and rows_reduced(c)]
+
+
+def _keep_rows_unsummed(plan, analysis, log):
+    """A sparse gradient whose rows are post-processed before they are summed per id is
+    all-gathered, never densified: summing a replica's duplicate rows (sparse_as_dense, or
+    the dense all-reduce strategy auto may pick for a sparse gradient) changes what the
+    post-processing computes (a global norm over the rows), so the clipped gradient would
+    differ from one device's. All-gathered, the replicas' rows together are one device's
+    rows. The log says which and why."""
+    changed = []
+    for c in _rows_read_unsummed(analysis):
+        cut = plan.cut(c.key)
+        if cut.sync == "allreduce":
+            cut.sync = "allgather"
+            changed.append(c)
+    if not changed:
+        return
+    names = ", ".join(f"'{c.key}'" for c in changed[:3]) + (" ..." if len(changed) > 3 else "")
+    log(f"plan: {len(changed)} sparse gradient{'s' if len(changed) > 1 else ''} ({names}) "
+        f"all-gathered, not densified and all-reduced: their rows are post-processed ({', '.join(changed[0].post_processing)}) "
+        f"before they are summed, which a dense all-reduce of the summed rows cannot reproduce")
+    assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK,
+                 plan.alone_bytes)
 
 
 def _keep_unshardable_whole(plan, graph, log):

@@ -5,7 +5,9 @@
 
 ``--feeds`` is an .npz whose keys are "<step>/<tensor name>" (the original feed names);
 the client runs the init op, then ``--steps`` steps of [loss, train op], and writes the
-losses and the values of the ``--read`` tensors to ``--out``. Every session call is
+losses and the values of the ``--read`` tensors to ``--out``. Several ``--train-op``
+(with as many ``--loss``) take turns, step k running the (k mod n)-th: a GAN's or a
+multi-task script's train ops run in alternation. Every session call is
 bounded by ``--timeout`` seconds: a dead peer becomes an error, not a hang. Used by the
 demo and the multi-process tests; also a template for a user's own worker script.
 """
@@ -21,7 +23,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="train_op",
                init="init", timeout=120.0, delay=0.0, log=None):
-    """Trains ``steps`` steps; returns (losses, {read name: value}, step times)."""
+    """Trains ``steps`` steps; returns (losses, {read name: value}, step times). ``loss``
+    and ``train_op`` may be lists of one length: step k runs their (k mod n)-th."""
     import tensorflow as tf
 
     import graph_rewriter as gr
@@ -33,7 +36,9 @@ def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="trai
             feed = {name.split("/", 1)[1]: value for name, value in feeds.items()
                     if name.split("/", 1)[0] == str(step)}
             started = time.perf_counter()
-            value, _ = sess.run([loss, train_op], feed_dict=feed, options=options)
+            pair = [loss, train_op] if isinstance(train_op, str) else [
+                loss[step % len(loss)], train_op[step % len(train_op)]]
+            value, _ = sess.run(pair, feed_dict=feed, options=options)
             times.append(time.perf_counter() - started)
             losses.append(float(value))
             if log is not None:
@@ -71,12 +76,20 @@ def main(argv=None):
                    help="bound on every session call (s); 0: the graph's own timeout_seconds")
     p.add_argument("--delay", type=float, default=0.0, help="sleep after each step (s): a slow worker")
     p.add_argument("--progress", action="store_true", help="print 'step N loss L' after every step")
+    p.add_argument("--train-op", action="append", default=None,
+                   help="the op a step runs (default train_op); repeated: they take turns, step k runs the (k mod n)-th")
+    p.add_argument("--loss", action="append", default=None,
+                   help="the loss a step fetches (default loss:0); one per --train-op")
     args = p.parse_args(argv)
+    train_ops, step_losses = args.train_op or ["train_op"], args.loss or ["loss:0"]
+    if len(train_ops) != len(step_losses):
+        p.error(f"{len(train_ops)} --train-op but {len(step_losses)} --loss: give one --loss per --train-op")
     import numpy as np
     feeds = dict(np.load(args.feeds)) if args.feeds else {}
     try:
         log = (lambda step, loss: print(f"step {step} loss {loss:.6f}", flush=True)) if args.progress else None
         losses, values, times = run_worker(args.graph, args.target, feeds, args.steps, args.read,
+                                           loss=step_losses, train_op=train_ops,
                                            timeout=args.timeout, delay=args.delay, log=log)
     except Exception as e:  # reported to the parent through the exit status and stderr
         sys.stderr.write(f"worker_client: {type(e).__name__}: {' '.join(str(e).split())[:2000]}\n")

@@ -805,12 +805,14 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipe
     _assert_matches("iterator between-graph", losses, values, ref_losses, ref_values)
 
 
-def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb", options=None):
+def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb", options=None,
+                     step_ops=None):
     """Trains ``graph`` between-graph on 2 workers x 1 replica of a pooled cluster (with a
     ps task unless ``strategy`` is allreduce), each its own worker_client process, worker
     k fed the k-th half of every global batch of ``feeds`` (none: an in-graph pipeline),
     ``steps`` steps; returns worker 0's values of the ``reads`` tensors. ``suffix``
-    "meta" saves MetaGraphDefs (their QueueRunners); ``options``: more rewrite keywords."""
+    "meta" saves MetaGraphDefs (their QueueRunners); ``options``: more rewrite keywords;
+    ``step_ops``: (loss, train op) pairs the steps run in turns (default loss:0, train_op)."""
     with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
         outs = []
         for k in range(2):
@@ -820,6 +822,8 @@ def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds
             cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
                    "--target", cluster.target("worker", k), "--steps", str(steps), "--out", out,
                    "--timeout", str(CALL_TIMEOUT)] + sum((["--read", t] for t in reads), [])
+            for loss, train_op in step_ops or ():
+                cmd += ["--loss", loss, "--train-op", train_op]
             if feeds is not None:
                 half = {f"{s}/{name}": value[k * len(value) // 2:(k + 1) * len(value) // 2]
                         for s, feed in enumerate(feeds) for name, value in feed.items()}

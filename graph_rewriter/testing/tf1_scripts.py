@@ -2,9 +2,10 @@
 their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
 word2vec tutorial, a script's counts of its batches, a sequence model's masked loss, a
-Transformer block, dropout, losses summed over the batch.
+Transformer block, dropout, losses summed over the batch, BatchNorm written five ways and
+applied twice, a multi-task model whose two train ops share an encoder.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
-tests/test_two_train_ops.py, tests/test_word2vec.py, tests/test_batch_counts.py,
+tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py and
 tools/compare_outputs.py.
 """
@@ -881,7 +882,8 @@ def batch_norm_twice(kind="discriminator"):
     """One BatchNorm's variables updated by two of its applications: ``discriminator``, a
     GAN discriminator's step (conv 3x3 -> tf.compat.v1.layers.batch_normalization -> relu
     -> mean -> dense 1, reused on real images x and fake ones z; least-squares loss, SGD
-    0.1; the moving averages updated by both applications through UPDATE_OPS);
+    0.1; the moving averages updated by both applications through UPDATE_OPS, the fake
+    images' update after the real ones');
     ``keras_call``, a tf_keras functional model (Conv2D without a bias,
     BatchNormalization, Flatten, Dense; seeded) built on its own Input and called on x with training=True, whose updates for x
     the train op runs (Momentum 0.1 / 0.9). The batch norm's moving averages then have
@@ -931,7 +933,16 @@ def batch_norm_twice(kind="discriminator"):
         tf1.global_variables_initializer()
         reads = {v.op.name: f"{v.op.name}/Read/ReadVariableOp:0" if v.op.type == "VarHandleOp" else v.name
                  for v in tf1.global_variables()}
-    return g.as_graph_def(), reads
+    graph_def = g.as_graph_def()
+    if kind == "discriminator":
+        # Each update of a moving average reads it before its AssignSub: the fake images'
+        # reads wait for the real ones' updates. Unordered (as the script leaves them), one
+        # device too ends, now and then, with the other order's averages.
+        for node in graph_def.node:
+            for avg in ("AssignMovingAvg", "AssignMovingAvg_1"):
+                if node.name == f"d_1/bn/{avg}/ReadVariableOp":
+                    node.input.append(f"^d/bn/{avg}/AssignSubVariableOp")
+    return graph_def, reads
 
 
 def gan_batches(steps, batch, seed=0):
@@ -939,3 +950,71 @@ def gan_batches(steps, batch, seed=0):
     rng = np.random.RandomState(seed)
     return [{"x:0": rng.randn(batch, 6, 6, 2).astype(np.float32) + 0.5,
              "z:0": rng.randn(batch, 6, 6, 2).astype(np.float32)} for _ in range(steps)]
+
+
+MULTI_TASK_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "rmsprop")
+
+
+def multi_task(optimizer="adam", shared_optimizer=False, embedding=False, clip=False):
+    """Two tasks over one encoder, trained in turns: ids [., 3] -> a mean of their
+    embeddings (``embedding``: a variable [20, 4] gathered, so its gradients are sparse)
+    or features x [., 4] -> dense 8 relu (the shared encoder) -> a head of one output per
+    task; task A's mean squared error minimized by "train_a", task B's by "train_b" (which
+    bumps global_step), each over the encoder and its own head. With ``shared_optimizer``
+    one optimizer object builds both (its slots shared: one Adam moment per variable), else
+    one each; with ``clip`` each task's gradients are clipped to a global norm of 0.5 before
+    they are applied. Every shared variable receives two gradients, one per train op."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        if embedding:
+            ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
+            table = tf1.get_variable("embedding", [20, 4])
+            features = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+        else:
+            features = tf1.placeholder(tf.float32, [None, 4], name="x")
+        targets = {task: tf1.placeholder(tf.float32, [None, 1], name=f"y_{task}") for task in "ab"}
+
+        def dense(x, units, name, activation=None):
+            with tf1.variable_scope(name):
+                w = tf1.get_variable("kernel", [int(x.shape[1]), units])
+                b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+                y = tf.matmul(x, w) + b
+                return activation(y) if activation else y
+
+        shared = dense(features, 8, "encoder", tf.nn.relu)
+        losses = {task: tf.reduce_mean(tf.square(dense(shared, 1, f"head_{task}") - targets[task]),
+                                       name=f"loss_{task}") for task in "ab"}
+        make = {"sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
+                "momentum": lambda: tf1.train.MomentumOptimizer(0.05, 0.9),
+                "adam": lambda: tf1.train.AdamOptimizer(0.01),
+                "adagrad": lambda: tf1.train.AdagradOptimizer(0.1),
+                "rmsprop": lambda: tf1.train.RMSPropOptimizer(0.01)}[optimizer]
+        first = make()
+        second = first if shared_optimizer else make()
+        step = tf1.train.get_or_create_global_step()
+        for task, optimizer_, bump in (("a", first, None), ("b", second, step)):
+            pairs = optimizer_.compute_gradients(losses[task])
+            if clip:
+                grads, _ = tf.clip_by_global_norm([g for g, _ in pairs], 0.5)
+                pairs = [(g, v) for g, (_, v) in zip(grads, pairs)]
+            optimizer_.apply_gradients(pairs, global_step=bump, name=f"train_{task}")
+        tf.group(tf1.global_variables_initializer(), name="init")
+        reads = {v.op.name: f"{v.op.name}/Read/ReadVariableOp:0" for v in tf1.global_variables()}
+    return g.as_graph_def(), reads
+
+
+def multi_task_batches(steps, batch, embedding=False, seed=0):
+    """``steps`` feeds of ``batch`` rows for multi_task: inputs and both tasks' targets."""
+    rng = np.random.RandomState(seed)
+    feeds = []
+    for _ in range(steps):
+        feed = {"y_a:0": rng.randn(batch, 1).astype(np.float32),
+                "y_b:0": rng.randn(batch, 1).astype(np.float32)}
+        if embedding:
+            feed["ids:0"] = rng.randint(0, 20, size=(batch, 3)).astype(np.int32)
+        else:
+            feed["x:0"] = rng.randn(batch, 4).astype(np.float32)
+        feeds.append(feed)
+    return feeds

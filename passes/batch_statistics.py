@@ -77,11 +77,32 @@ class BatchStatisticsPass(Pass):
                     else:
                         sync.fused_batch_norm(node)
         _chain(graph, syncs)
-        graph.remove_nodes([n for sync in syncs for n in sync.replaced])
+        replaced = [n for sync in syncs for n in sync.replaced]
+        unread = _unread_reads(replaced)
+        graph.remove_nodes(replaced + unread)
         for phase in (0, 1):   # the statistics leave their names, then their replacements take them
             graph.rename_nodes({n: new for sync in syncs for n, new in sync.renames[phase]})
         graph.touch()
         return True
+
+
+def _unread_reads(replaced):
+    """The reads (ReadVariableOp, Identity) that only the ``replaced`` ops read, now read by
+    nobody: a FusedBatchNorm in training mode takes the moving averages as inputs and
+    ignores them. Left, such a read is a root of the graph, and a control input on it (a
+    script ordering its second application of a BatchNorm after the first's updates)
+    would make it run one replica's synced update alone."""
+    gone = set(replaced)
+    found, stack = [], [t.node for n in replaced for t in n.inputs]
+    while stack:
+        n = stack.pop()
+        if (n in gone or n.op not in ("ReadVariableOp", "Identity")
+                or any(c not in gone for c, _ in n.consumers()) or n.control_consumers):
+            continue
+        gone.add(n)
+        found.append(n)
+        stack.extend(t.node for t in n.inputs)
+    return found
 
 
 def _chain(graph, syncs):

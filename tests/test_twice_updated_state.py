@@ -10,6 +10,13 @@ every strategy. Each later update now has a name of its own in the plan
 ("<variable>/update_<k>", what packs and accumulators list) and its own train ops, so
 the Keras model's first-call update (which reads the model's Input placeholder) is not
 packed with the train op's.
+
+The discriminator's second application waits for the first's updates (a control
+dependency, as a script orders the two updates of one moving average). With synchronised
+statistics its fused BatchNorm, replaced by ops, left its read of the moving mean (which a
+FusedBatchNorm in training mode ignores) unread but with that control input: a root that
+ran replica 0's synced update alone, and the rewrite failed its verification. The pass now
+removes reads nobody reads.
 """
 
 import numpy as np

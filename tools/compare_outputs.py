@@ -112,6 +112,7 @@ def build_inputs(out_dir, keras=False):
         graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
+    graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

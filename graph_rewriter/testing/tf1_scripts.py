@@ -883,7 +883,7 @@ def batch_norm_twice(kind="discriminator"):
     GAN discriminator's step (conv 3x3 -> tf.compat.v1.layers.batch_normalization -> relu
     -> mean -> dense 1, reused on real images x and fake ones z; least-squares loss, SGD
     0.1; the moving averages updated by both applications through UPDATE_OPS, the fake
-    images' update after the real ones');
+    images' application built under a control dependency on the real ones' updates);
     ``keras_call``, a tf_keras functional model (Conv2D without a bias,
     BatchNormalization, Flatten, Dense; seeded) built on its own Input and called on x with training=True, whose updates for x
     the train op runs (Momentum 0.1 / 0.9). The batch norm's moving averages then have
@@ -906,8 +906,13 @@ def batch_norm_twice(kind="discriminator"):
                                                name="bn")
                     return tf.matmul(tf.reduce_mean(tf.nn.relu(h), [1, 2]), w)
 
-            loss = tf.reduce_mean(tf.square(discriminator(x, False) - 1.0)) + tf.reduce_mean(
-                tf.square(discriminator(z, True)))
+            on_real = discriminator(x, False)
+            # The fake images' application after the real ones' updates, as a careful script
+            # orders them: each update of a moving average reads it before its AssignSub,
+            # so unordered, one device too ends now and then with the other order's averages.
+            with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+                on_fake = discriminator(z, True)
+            loss = tf.reduce_mean(tf.square(on_real - 1.0)) + tf.reduce_mean(tf.square(on_fake))
             updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
             optimizer = tf1.train.GradientDescentOptimizer(0.1)
         elif kind == "keras_call":
@@ -933,16 +938,7 @@ def batch_norm_twice(kind="discriminator"):
         tf1.global_variables_initializer()
         reads = {v.op.name: f"{v.op.name}/Read/ReadVariableOp:0" if v.op.type == "VarHandleOp" else v.name
                  for v in tf1.global_variables()}
-    graph_def = g.as_graph_def()
-    if kind == "discriminator":
-        # Each update of a moving average reads it before its AssignSub: the fake images'
-        # reads wait for the real ones' updates. Unordered (as the script leaves them), one
-        # device too ends, now and then, with the other order's averages.
-        for node in graph_def.node:
-            for avg in ("AssignMovingAvg", "AssignMovingAvg_1"):
-                if node.name == f"d_1/bn/{avg}/ReadVariableOp":
-                    node.input.append(f"^d/bn/{avg}/AssignSubVariableOp")
-    return graph_def, reads
+    return g.as_graph_def(), reads
 
 
 def gan_batches(steps, batch, seed=0):

@@ -45,6 +45,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
     _keep_rows_unsummed(result, analysis, info)
+    _check_train_ops_between_graph(result, cluster)
     _choose_communication(result, options)
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
@@ -736,6 +737,29 @@ def _check_shared_step_ids(plan, cluster):
             "running ahead would abort the chief's step on the ps",
             hint="use strategy ps (every variable on the ps) with staleness, or synchronous "
                  "hybrid, or one in-graph client (no task)")
+
+
+def _check_train_ops_between_graph(plan, cluster):
+    """Between-graph workers with parameter-server variables keep in step through one
+    sequence (sync_queues): the chief takes every accumulator, bumps the step and applies
+    every update, then releases the workers. A graph whose train ops take turns (a GAN's,
+    a multi-task script's) would have the chief apply every train op's update at each
+    step, whichever train op the workers ran (a GAN's variables 0.02 off one device after
+    four steps, its global step bumped at every step), so that is refused."""
+    if cluster.task is None or len(cluster.compute_tasks) < 2:
+        return
+    on_ps = [c for c in plan.cuts if c.sync == "accumulate"]
+    gradients = [c for c in plan.cuts if c.role == "gradient"]
+    train_ops = sorted({op for c in gradients for op in c.train_ops or ()})
+    if not on_ps or len({tuple(c.train_ops or ()) for c in gradients}) < 2:
+        return
+    raise GraphRewriteError(
+        f"the graph's train ops take turns ({', '.join(repr(t) for t in train_ops[:4])}), and "
+        f"between-graph workers with parameter-server variables (e.g. '{on_ps[0].variable}') "
+        "keep in step through one step sequence, whose every step would apply every train "
+        "op's updates, whichever one the workers ran",
+        hint="use strategy allreduce between-graph, or one in-graph client (no task) with "
+             "strategy ps or hybrid")
 
 
 def _keep_coupled_together(plan, analysis, log):

@@ -179,10 +179,20 @@ def test_sparse_rows_a_global_norm_reads_are_all_gathered(how):
     _assert_as_one_device(_train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads), reads)
 
 
+@pytest.mark.parametrize("strategy", ["ps", "hybrid"])
+def test_between_graph_with_variables_on_the_ps_is_refused(strategy):
+    """The chief's one step sequence would apply both tasks' updates at every step (on
+    loopback servers under hybrid: the embedding 0.05 off one device after four steps)."""
+    graph_def, _ = multi_task("adam", embedding=True)
+    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    with pytest.raises(GraphRewriteError, match="train ops take turns \\('train_a', 'train_b'\\)"):
+        gr.rewrite(graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy=strategy, task="worker:1")
+
+
 @pytest.mark.slow
 def test_two_workers_train_as_one_device_on_loopback_servers(pool, procs, tmp_path):
-    """Between-graph allreduce, 2 workers x 1 replica, each its own worker_client
-    process running train_a and train_b in turns on its half of every batch."""
+    """Between-graph allreduce, 2 workers x 1 replica, each its own worker_client process
+    running train_a and train_b in turns on its half of every batch."""
     graph_def, reads = multi_task("adam", embedding=True, clip=True)
     feeds = multi_task_batches(STEPS, BATCH, embedding=True)
     _, want = _one_device(graph_def, feeds, reads)

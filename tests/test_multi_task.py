@@ -26,6 +26,7 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.testing.tf1_scripts import multi_task, multi_task_batches
 
 import test_cluster as tc
+from test_two_train_ops import _ancestors
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 
 tf1 = tf.compat.v1
@@ -54,17 +55,6 @@ def _assert_as_one_device(got, want, reads):
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
     for name in reads:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=name)
-
-
-def _ancestors(graph_def, name):
-    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
-    seen, stack = set(), [name]
-    while stack:
-        for p in inputs[stack.pop()]:
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return seen
 
 
 def test_each_shared_variable_has_a_gradient_cut_per_train_op():

@@ -21,6 +21,17 @@ def _tf():
     return tf, tf.compat.v1
 
 
+def _dense(x, units, name, activation=None):
+    """A TF1 script's dense layer: variables "<name>/kernel" (the default initializer) and
+    "<name>/bias" (zeros), x @ kernel + bias, then ``activation``."""
+    tf, tf1 = _tf()
+    with tf1.variable_scope(name):
+        w = tf1.get_variable("kernel", [int(x.shape[1]), units])
+        b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
+        y = tf.matmul(x, w) + b
+        return activation(y) if activation else y
+
+
 def queue_regression(batch, batcher="batch", shuffle_producer=False, smaller_final=False, num_epochs=None):
     """A linear regression trained by SGD (global step, Saver) on ROWS in-graph rows
     read through queues: slice_input_producer (in order unless ``shuffle_producer``;
@@ -200,20 +211,13 @@ def gan():
         real = tf1.placeholder(tf.float32, [None, 4], name="real")
         z = tf1.placeholder(tf.float32, [None, 2], name="z")
 
-        def dense(x, units, name, activation=None):
-            with tf1.variable_scope(name):
-                w = tf1.get_variable("kernel", [int(x.shape[1]), units])
-                b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
-                y = tf.matmul(x, w) + b
-                return activation(y) if activation else y
-
         def generator(v):
             with tf1.variable_scope("G", reuse=tf1.AUTO_REUSE):
-                return dense(dense(v, 8, "h", tf.nn.relu), 4, "out")
+                return _dense(_dense(v, 8, "h", tf.nn.relu), 4, "out")
 
         def discriminator(v):
             with tf1.variable_scope("D", reuse=tf1.AUTO_REUSE):
-                return dense(dense(v, 8, "h", tf.nn.relu), 1, "out")
+                return _dense(_dense(v, 8, "h", tf.nn.relu), 1, "out")
 
         on_real, on_fake = discriminator(real), discriminator(generator(z))
         xent = tf.nn.sigmoid_cross_entropy_with_logits
@@ -972,15 +976,8 @@ def multi_task(optimizer="adam", shared_optimizer=False, embedding=False, clip=F
             features = tf1.placeholder(tf.float32, [None, 4], name="x")
         targets = {task: tf1.placeholder(tf.float32, [None, 1], name=f"y_{task}") for task in "ab"}
 
-        def dense(x, units, name, activation=None):
-            with tf1.variable_scope(name):
-                w = tf1.get_variable("kernel", [int(x.shape[1]), units])
-                b = tf1.get_variable("bias", [units], initializer=tf1.zeros_initializer())
-                y = tf.matmul(x, w) + b
-                return activation(y) if activation else y
-
-        shared = dense(features, 8, "encoder", tf.nn.relu)
-        losses = {task: tf.reduce_mean(tf.square(dense(shared, 1, f"head_{task}") - targets[task]),
+        shared = _dense(features, 8, "encoder", tf.nn.relu)
+        losses = {task: tf.reduce_mean(tf.square(_dense(shared, 1, f"head_{task}") - targets[task]),
                                        name=f"loss_{task}") for task in "ab"}
         make = {"sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
                 "momentum": lambda: tf1.train.MomentumOptimizer(0.05, 0.9),

@@ -749,10 +749,22 @@ def _check_train_ops_between_graph(plan, cluster):
     if cluster.task is None or len(cluster.compute_tasks) < 2:
         return
     on_ps = [c for c in plan.cuts if c.sync == "accumulate"]
-    gradients = [c for c in plan.cuts if c.role == "gradient"]
-    train_ops = sorted({op for c in gradients for op in c.train_ops or ()})
-    if not on_ps or len({tuple(c.train_ops or ()) for c in gradients}) < 2:
+    if not on_ps:
         return
+    # gradients whose train ops overlap run together whenever one of those runs (a
+    # warm-started variable's orphaned initializer is listed beside the train op)
+    groups = []
+    for c in plan.cuts:
+        ops = set(c.train_ops or ()) if c.role == "gradient" else set()
+        if not ops:
+            continue
+        for g in [g for g in groups if g & ops]:
+            groups.remove(g)
+            ops |= g
+        groups.append(ops)
+    if len(groups) < 2:
+        return
+    train_ops = [min(g) for g in sorted(groups, key=min)]
     raise GraphRewriteError(
         f"the graph's train ops take turns ({', '.join(repr(t) for t in train_ops[:4])}), and "
         f"between-graph workers with parameter-server variables (e.g. '{on_ps[0].variable}') "

@@ -90,3 +90,14 @@ def test_two_workers_start_from_the_checkpoint_on_loopback_servers(strategy, poo
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, reads.values(), feeds)
     for name, tensor in reads.items():
         np.testing.assert_allclose(got[tensor], want[2][name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+
+
+def test_between_graph_ps_takes_the_orphaned_initializer_for_no_train_op_of_its_own(tmp_path):
+    """init_from_checkpoint leaves the variable's first initializer ('bert/w1/Assign')
+    unread, so it is listed beside train_op as a train op of that variable's gradient: the
+    train ops overlap and run together, not in turns, and between-graph ps rewrites the
+    graph (the refusal for train ops taking turns once caught it)."""
+    graph_def, _ = warm_started_mlp(str(tmp_path))
+    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    result = gr.rewrite(graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy="ps", task="worker:1")
+    assert sorted(result.plan.cut("bert/w1").train_ops) == ["bert/w1/Assign", "train_op"]

@@ -56,16 +56,19 @@ def report(result, batch_size=None):
     plan = md["plan"]
     nodes = {n.name: n for n in result.graph_def.node}
     prefixes = md["replica_prefixes"]
-    cuts = {c["variable"]: c for c in plan["cuts"]}
+    cuts = {}   # variable -> its cuts (two train ops, or two applications of a layer: several)
+    for c in plan["cuts"]:
+        cuts.setdefault(c["variable"], []).append(c)
     variables = []
     for v in plan["variables"]:
-        cut = cuts.get(v["name"])
+        cut = cuts.get(v["name"], [None])[0]
         on_ps = v.get("placement") == "ps"
         if cut is None:
             sync = ("on the ps (updated once per step, by the chief)" if on_ps
                     else "local (same update on every replica)" if v["role"] != "trainable" else "none")
         elif cut["sync"] == "allreduce":
-            sync = f"allreduce pack {cut['pack']}"
+            packs = sorted({c["pack"] for c in cuts[v["name"]] if c["sync"] == "allreduce"})
+            sync = f"allreduce pack{'s' if len(packs) > 1 else ''} {', '.join(map(str, packs))}"
         elif cut["sync"] == "accumulate":
             sync = f"ps accumulator ({cut['kind']})"
         else:
@@ -85,7 +88,7 @@ def report(result, batch_size=None):
             "device": device, "devices": devices, "copies": len(copies),
             "shards": [{"ps_task": s["ps_task"], "rows": s["rows"]} for s in shards],
             "costs": (cut or {}).get("costs")})
-    gradients = [{"variable": c["variable"], "averaged_at": c["values"], "indices": c.get("indices"),
+    gradients = [{"variable": c["variable"], "cut": c.get("name") or c["variable"], "averaged_at": c["values"], "indices": c.get("indices"),
                   "sync": c["sync"], "role": c["role"], "received": c.get("received") or [],
                   "post_processing": c.get("post_processing") or []} for c in plan["cuts"]]
     collectives = []
@@ -106,7 +109,8 @@ def report(result, batch_size=None):
     r = md["num_replicas"]
     dense_bytes = sum(int(p["bytes"] * (wire if p["dtype"] in ("float32", "float64") else 1.0))
                       for p in plan["packs"])
-    sparse = {c["variable"]: _sparse_entry(c, r, batch_size) for c in plan["cuts"] if c["sync"] == "allgather"}
+    sparse = {c.get("name") or c["variable"]: _sparse_entry(c, r, batch_size)
+              for c in plan["cuts"] if c["sync"] == "allgather"}
     ps_cuts = [c for c in plan["cuts"] if c["sync"] == "accumulate"]
     ps_dense = sum(c["bytes"] or 0 for c in ps_cuts if c["kind"] == "dense")
     return {
@@ -136,7 +140,8 @@ def report(result, batch_size=None):
             # reads the variables it uses (sparse ones: the rows of its examples)
             "ps_dense_gradients": ps_dense,   # a dense gradient has its variable's bytes
             "ps_dense_reads": ps_dense,
-            "ps_sparse": {c["variable"]: _sparse_entry(c, r, batch_size) for c in ps_cuts if c["kind"] == "sparse"},
+            "ps_sparse": {c.get("name") or c["variable"]: _sparse_entry(c, r, batch_size)
+                          for c in ps_cuts if c["kind"] == "sparse"},
         },
         "compression": compression,
         "accumulation_steps": plan.get("accumulation_steps", 1),
@@ -284,12 +289,12 @@ def format_report(rep):
     grads = rep.get("gradients") or []
     if grads:
         lines.append("gradients: where each is averaged, and what runs on the average before the update:")
-        width_g = max(len(g["variable"]) for g in grads)
+        width_g = max(len(g["cut"]) for g in grads)
         for g in grads:
             where = g["averaged_at"] + (f" (rows, ids {g['indices']})" if g["indices"] else "")
             after = (f"then {', '.join(g['post_processing'])} -> {', '.join(g['received'])}"
                      if g["post_processing"] else "read by the update as it is")
-            lines.append(f"  {g['variable']:<{width_g}}  {g['sync']:<10} at {where}; {after}")
+            lines.append(f"  {g['cut']:<{width_g}}  {g['sync']:<10} at {where}; {after}")
     priced = [v for v in rep["variables"] if v.get("costs")]
     if priced:
         lines.append("auto: predicted communication per step of each choice (chosen first):")

@@ -190,3 +190,18 @@ def test_two_workers_train_as_one_device_on_loopback_servers(pool, procs, tmp_pa
                               step_ops=STEP_OPS)
     for name, tensor in reads.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_inspect_names_each_gradient_of_a_shared_variable():
+    """`graph-rewrite inspect` lists both gradients of a shared variable by their names in
+    the plan, the variable's packs, and both embedding gradients' gathered rows (keyed by
+    variable, the report kept only the later of each)."""
+    from graph_rewriter.inspect_report import format_report, report
+    graph_def, _ = multi_task("adam", embedding=True)
+    rep = report(gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU"), batch_size=16)
+    text = format_report(rep)
+    assert [g["cut"] for g in rep["gradients"] if g["variable"] == "encoder/kernel"] == \
+        ["encoder/kernel", "encoder/kernel/update_1"]
+    assert "encoder/kernel/update_1  allreduce" in text
+    assert next(v["sync"] for v in rep["variables"] if v["name"] == "encoder/kernel") == "allreduce packs 0, 1"
+    assert sorted(rep["bytes_per_step_per_replica"]["sparse"]) == ["embedding", "embedding/update_1"]

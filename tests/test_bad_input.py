@@ -77,21 +77,6 @@ def forward_only_graph():
     return graph.as_graph_def()
 
 
-def two_optimizers_graph():
-    """One variable updated by GradientDescent and by Adam, grouped into one train op."""
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
-        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
-        w = tf.compat.v1.get_variable("w", [4, 1], use_resource=True)
-        loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w) - y)), name="loss")
-        sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="sgd")
-        adam = tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss, name="adam")
-        tf.group(sgd, adam, name="train_op")
-        tf.compat.v1.global_variables_initializer()
-    return graph.as_graph_def()
-
-
 def constant_data_graph():
     """A complete training graph whose data are constants: no input to give the replicas
     (a static batch is no longer refused: tests/test_static_batch.py)."""
@@ -297,11 +282,6 @@ def _(base, tmp, mp):
 @case("variables-but-no-optimizer", "optimizer")
 def _(base, tmp, mp):
     return forward_only_graph(), {}
-
-
-@case("variable-updated-by-two-optimizers", "'w'", "two")
-def _(base, tmp, mp):
-    return two_optimizers_graph(), {}
 
 
 @case("constant-data-no-input", "batch input")

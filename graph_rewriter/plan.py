@@ -106,6 +106,27 @@ class InputPlan:
     global_batch: int = None
 
 
+def joined_train_ops(keys):
+    """{key: the first of the keys it shares a train op with, directly or through
+    others} for tuples of train-op names (the plan's cuts' train_ops): gradients whose
+    train ops overlap run together whenever one of those runs."""
+    owner = {}
+    for key in keys:
+        owner[key] = key
+    changed = True
+    while changed:
+        changed = False
+        for a in keys:
+            for b in keys:
+                if owner[a] != owner[b] and set(a) & set(b):
+                    first = min(owner[a], owner[b], key=keys.index)
+                    for k in keys:
+                        if owner[k] in (owner[a], owner[b]):
+                            owner[k] = first
+                    changed = True
+    return owner
+
+
 def _plain(value):
     """``dataclasses.asdict`` without its deep copy of every leaf (a plan's leaves are
     JSON scalars; asdict's copying was 4% of a profiled 16-replica rewrite). Scalars

@@ -21,7 +21,8 @@ from graph_rewriter.cost_model import Topology
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_vocabulary import input_kind, shardable_user
 from graph_rewriter.options import COMMUNICATIONS, DEFAULT_BYTES_PER_PACK
-from graph_rewriter.plan import DENSE_SYNCS, DRAWN, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan
+from graph_rewriter.plan import (DENSE_SYNCS, DRAWN, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan,
+                                 joined_train_ops)
 
 
 def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
@@ -751,20 +752,13 @@ def _check_train_ops_between_graph(plan, cluster):
     on_ps = [c for c in plan.cuts if c.sync == "accumulate"]
     if not on_ps:
         return
-    # gradients whose train ops overlap run together whenever one of those runs (a
-    # warm-started variable's orphaned initializer is listed beside the train op)
-    groups = []
-    for c in plan.cuts:
-        ops = set(c.train_ops or ()) if c.role == "gradient" else set()
-        if not ops:
-            continue
-        for g in [g for g in groups if g & ops]:
-            groups.remove(g)
-            ops |= g
-        groups.append(ops)
-    if len(groups) < 2:
+    # (overlapping train ops run together: a warm-started variable's orphaned initializer
+    # is listed beside the train op)
+    keys = list(dict.fromkeys(tuple(c.train_ops) for c in plan.cuts if c.role == "gradient" and c.train_ops))
+    owners = sorted(set(joined_train_ops(keys).values()), key=keys.index)
+    if len(owners) < 2:
         return
-    train_ops = [min(g) for g in sorted(groups, key=min)]
+    train_ops = [min(key) for key in owners]
     raise GraphRewriteError(
         f"the graph's train ops take turns ({', '.join(repr(t) for t in train_ops[:4])}), and "
         f"between-graph workers with parameter-server variables (e.g. '{on_ps[0].variable}') "
@@ -811,8 +805,7 @@ def _keep_coupled_together(plan, analysis, log):
         log(f"plan: {len(on_ps)} variables ({names}) stay mirrored, not on a parameter "
             f"server: {why}, which a parameter server's average cannot reproduce")
     if changed:
-        assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK,
-                     plan.alone_bytes)
+        _repack(plan)
 
 
 def _rows_read_unsummed(analysis):
@@ -842,6 +835,12 @@ def _keep_rows_unsummed(plan, analysis, log):
     log(f"plan: {len(changed)} sparse gradient{'s' if len(changed) > 1 else ''} ({names}) "
         f"all-gathered, not densified and all-reduced: their rows are post-processed ({', '.join(changed[0].post_processing)}) "
         f"before they are summed, which a dense all-reduce of the summed rows cannot reproduce")
+    _repack(plan)
+
+
+def _repack(plan):
+    """The packs made again after a planning step changed some gradients' sync, with the
+    plan's pack size (the default when none was chosen)."""
     assign_packs(plan, plan.bytes_per_pack if plan.bytes_per_pack is not None else DEFAULT_BYTES_PER_PACK,
                  plan.alone_bytes)
 

@@ -50,6 +50,7 @@ from graph_rewriter import dtypes
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dedup_rows, dtype_of, make_op, run_after, shape_attr
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.plan import joined_train_ops
 from graph_rewriter.ps_state import (ACCUMULATORS, APPLIED, COUNTER, DRAIN, INCREMENT, WORKER_STEP,
                                      init_ops, int_variable, shared_name)
 from graph_rewriter.traversal import descendants, is_back_edge, reaches
@@ -135,7 +136,7 @@ class AccumulatePass(Pass):
         # Groups whose train ops overlap run together whenever one runs (BatchNorm's
         # statistics, whose gradients wait for them, list some of the backward's ops
         # besides the train op): one group, and one bump, for them.
-        joined = _joined(list(groups))
+        joined = joined_train_ops(list(groups))
         merged = {}
         for key, group_takes in groups.items():
             merged.setdefault(joined[key], []).extend(group_takes)
@@ -285,26 +286,6 @@ class AccumulatePass(Pass):
         st.add_readers(_rewire(graph, ctx.replicas, master_values, mean))
         st.add_readers(_rewire(graph, ctx.replicas, master_indices, indices, keep))
         return take
-
-
-def _joined(keys):
-    """{key: the first of the keys it shares a train op with, directly or through
-    others} for tuples of train-op names."""
-    owner = {}
-    for key in keys:
-        owner[key] = key
-    changed = True
-    while changed:
-        changed = False
-        for a in keys:
-            for b in keys:
-                if owner[a] != owner[b] and set(a) & set(b):
-                    first = min(owner[a], owner[b], key=keys.index)
-                    for k in keys:
-                        if owner[k] in (owner[a], owner[b]):
-                            owner[k] = first
-                    changed = True
-    return owner
 
 
 def _integer(cut):

@@ -23,7 +23,7 @@ import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.analysis import GradientCut, _Analyzer, analyze
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.testing.tf1_scripts import multi_task, multi_task_batches
+from graph_rewriter.testing.tf1_scripts import MULTI_TASK_OPTIMIZERS, multi_task, multi_task_batches
 
 import test_cluster as tc
 from test_two_train_ops import _ancestors
@@ -69,7 +69,7 @@ def test_each_shared_variable_has_a_gradient_cut_per_train_op():
 
 CASES = (
     # every optimizer, dense, one optimizer object per task
-    [(opt, False, False, False, s) for opt in ("sgd", "momentum", "adam", "adagrad", "rmsprop")
+    [(opt, False, False, False, s) for opt in MULTI_TASK_OPTIMIZERS
      for s in ("allreduce", "ps")]
     + [("adam", False, False, False, "hybrid")]
     # one optimizer object for both tasks: the slots (and Adam's beta powers) shared

@@ -3,8 +3,9 @@
 What is held (docs/reliability.md, "Soak"): a between-graph run of 1000 steps per
 strategy (ps, then allreduce; 1 ps + 2 workers, one client process per worker) ends
 with the soak tool's exit status 0, and the figures it writes say why: every client's
-step time at the end within 10% of the start (with --load-tolerant: judged by the
-soak's CPU per step when other processes on the machine disturbed the wall time), no
+step time at the end within 25% of the start, divided by the machine speed probe's
+ratio over the same windows (with --load-tolerant: the soak's CPU per step, so divided,
+when other processes on the machine disturbed the wall time), no
 process's RSS grown by more than the bound after warm-up, nothing left on the servers
 (ps: empty token and init queues, empty accumulators, the step counter at the steps run;
 both: the workers agree, and one more step from fresh sessions equals one device), and
@@ -29,7 +30,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOAK = os.path.join(REPO, "tools", "soak.py")
 TOOL_TIMEOUT = 400.0
-MAX_STEP_RATIO, MAX_GROWTH_MIB = 1.10, 16.0
+# The step-time bound of this short run, on the step time divided by the machine speed
+# probe's ratio (docs/reliability.md, "Soak"): 1000 steps give windows of about a second,
+# and on these 2-core virtual machines the windows' judged ratio moved between 0.92 and
+# 1.13 over a dozen runs (the raw ratio between 0.80 and 1.33). The tool's own default,
+# 1.10, is for its long runs.
+MAX_STEP_RATIO, MAX_GROWTH_MIB = 1.25, 16.0
 PS_LEFT_BEHIND = {"queue graph_rewriter/tokens/worker_0", "queue graph_rewriter/tokens/worker_1",
                   "queue graph_rewriter/init_done", "step counter graph_rewriter/sync_step"}
 
@@ -56,7 +62,8 @@ def _soak(tmp_path, *args):
 
 def test_soak_short_run_keeps_memory_and_step_time_and_leaves_nothing_behind(tmp_path):
     status, figures, output = _soak(tmp_path, "--steps", "1000", "--warmup", "200", "--window", "200",
-                                    "--sample-every", "100", "--load-tolerant")
+                                    "--sample-every", "100", "--load-tolerant",
+                                    "--max-step-ratio", str(MAX_STEP_RATIO))
     assert status == 0 and figures["ok"], output
     assert "\nPASS\n" in output, output
     runs = {f["strategy"]: f for f in figures["strategies"]}
@@ -64,9 +71,12 @@ def test_soak_short_run_keeps_memory_and_step_time_and_leaves_nothing_behind(tmp
     for strategy, run in runs.items():
         assert "error" not in run, f"{strategy}: {run.get('error')}"
         assert run["steps"] == 1000
+        assert all(c["probe_ms"] for c in run["cpu"]), f"{strategy}: no speed probe sample: {run['cpu']}"
         for who, t in run["step_time"].items():
             ratio = t["ratio"] if t["judged_by"] == "wall time" else run["cpu_ratio"]
-            assert ratio <= MAX_STEP_RATIO, f"{strategy} {who}: step time ratio {ratio:.3f}\n{output}"
+            assert t["judged_ratio"] == pytest.approx(ratio / run["speed_ratio"])
+            assert t["judged_ratio"] <= MAX_STEP_RATIO, \
+                f"{strategy} {who}: step time ratio {ratio:.3f}, judged {t['judged_ratio']:.3f}\n{output}"
             assert t["first"]["steps"] == [200, 400] and t["last"]["steps"] == [800, 1000]
         # every process: both clients, each server's serve parent and TensorFlow child
         assert len(run["memory"]) == 2 + 3 * 2, sorted(run["memory"])

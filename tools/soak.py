@@ -29,11 +29,14 @@ cluster) this tool:
 Criteria (printed with the figures; exit status 0 if all pass, 1 otherwise):
 
 - step time: per client, the median step time of the last ``--window`` steps over the
-  median of the first window after ``--warmup`` steps, at most ``--max-step-ratio``
-  (1.10). The median, not the mean: a step here takes 3-6 ms, so one scheduling hiccup
-  of 100 ms moves a window's mean by a sixth, while anything that grows with the steps
-  (a longer queue, more state to look up) moves every step and so the median. The means
-  are reported too.
+  median of the first window after ``--warmup`` steps, divided by the machine speed
+  probe's ratio over the same two windows (``SpeedProbe``: a fixed loop timed on every
+  core beside the run), at most ``--max-step-ratio`` (1.10). The median, not the mean: a
+  step here takes 3-6 ms, so one scheduling hiccup of 100 ms moves a window's mean by a
+  sixth, while anything that grows with the steps (a longer queue, more state to look up)
+  moves every step and so the median. The probe, because on a virtual machine the whole
+  machine slows by up to 45% for seconds at a time, which a step-time ratio alone would
+  blame on the run. The raw ratio and the means are reported too.
 - memory: per process (each server's parent and child, each client), the RSS at the
   end minus the RSS after warm-up (the sample at step ``--warmup``), at most
   ``--max-growth-mib`` MiB (16). TensorFlow's allocators and gRPC's buffers grow during
@@ -134,6 +137,59 @@ def host_busy_ticks():
     with open("/proc/stat") as f:
         ticks = [int(v) for v in f.readline().split()[1:]]
     return sum(ticks) - ticks[3] - ticks[4]   # all but idle and iowait
+
+
+class SpeedProbe:
+    """The machine's own speed beside the run: one thread per core, pinned to it, times a
+    fixed pure-Python loop by that thread's CPU time every ``every`` seconds.
+
+    Why: on a virtual machine the host takes a core away for seconds at a time without the
+    guest counting it as steal; the same work then takes up to 50% longer in CPU time as
+    well as in wall time (measured: two such loops on an idle 2-core VM, each core slowed
+    by 30-45% for 2-6 s at different moments). A soak window lasts a second or two, so a
+    step-time ratio alone cannot tell such a phase from a slowdown of the run itself; the
+    probe's ratio over the same windows can, and the step time is judged divided by it.
+    Cost: about 0.15 ms of CPU per core every 100 ms (0.15% of each core)."""
+
+    LOOP = 2_000
+
+    def __init__(self, enabled=True, every=0.1):
+        self.every = every
+        self.samples = []   # (monotonic time, core, ms of CPU for the loop)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(core,), daemon=True,
+                                          name=f"speed-probe-{core}")
+                         for core in (sorted(os.sched_getaffinity(0)) if enabled else ())]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5.0)
+
+    def _run(self, core):
+        os.sched_setaffinity(0, {core})   # 0: this thread
+        while not self._stop.wait(self.every):
+            started = time.thread_time_ns()
+            total = 0
+            for i in range(self.LOOP):
+                total += i * i
+            self.samples.append((time.monotonic(), core, (time.thread_time_ns() - started) / 1e6))
+
+    def ms(self, start, end):
+        """The loop's CPU ms between two moments: the median per core, averaged over the
+        cores (None when a core has no sample in between)."""
+        per_core = {}
+        for when, core, ms in list(self.samples):
+            if start <= when < end:
+                per_core.setdefault(core, []).append(ms)
+        if not self._threads or len(per_core) < len(self._threads):
+            return None
+        return statistics.fmean(statistics.median(v) for v in per_core.values())
 
 
 # ----- the client ----------------------------------------------------------------------
@@ -290,10 +346,16 @@ class Sampler:
         return {"cpu_ms_per_step": 1000 * ours / (b - a),
                 "other_load_cores": max(0.0, others) / (e["time"] - s["time"])}
 
-    def trace(self):
-        """Between consecutive samples: [{"steps": [a, b], soak CPU per step, other load}]."""
+    def probe_ms(self, probe, a, b):
+        """The speed probe's loop time (CPU ms) between the samples at steps a and b."""
+        return probe.ms(self.samples[a]["time"], self.samples[b]["time"])
+
+    def trace(self, probe):
+        """Between consecutive samples: [{"steps": [a, b], soak CPU per step, other load,
+        the speed probe's loop time}]."""
         steps = sorted(self.samples)
-        return [dict(self.cpu(a, b), steps=[a, b]) for a, b in zip(steps, steps[1:])]
+        return [dict(self.cpu(a, b), steps=[a, b], probe_ms=self.probe_ms(probe, a, b))
+                for a, b in zip(steps, steps[1:])]
 
     def replaced(self, cluster):
         """Tasks whose TensorFlow child is no longer the one the run started with."""
@@ -483,6 +545,7 @@ def soak(strategy, args, work_dir, say):
         sampler = Sampler(cluster)
         workers = _prepare(cluster, ex, strategy, batches[:args.steps], work_dir)
         clients = []
+        probe = SpeedProbe(enabled=args.speed_probe).__enter__()
         try:
             for k, w in enumerate(workers):
                 cmd = [sys.executable, os.path.abspath(__file__), "client", "--graph", w["graph"],
@@ -506,6 +569,7 @@ def soak(strategy, args, work_dir, say):
                 if status != 0 or not c.done:
                     raise RuntimeError(f"client {c.name} exited with status {status}\n{c.tail()}")
         finally:
+            probe.__exit__(None, None, None)
             for c in clients:
                 c.end()
         run_seconds = time.monotonic() - started
@@ -524,12 +588,15 @@ def soak(strategy, args, work_dir, say):
     spans = _windows(args.steps, args.warmup, args.window)
     # not a criterion of its own: what explains a step-time change (more work per step, or
     # other load), and with --load-tolerant the judge of a disturbed run
-    cpu = [dict(sampler.cpu(a, b), steps=[a, b]) for a, b in spans]
+    cpu = [dict(sampler.cpu(a, b), steps=[a, b], probe_ms=sampler.probe_ms(probe, a, b)) for a, b in spans]
     cpu_ratio = cpu[1]["cpu_ms_per_step"] / cpu[0]["cpu_ms_per_step"]
+    # the machine's own slowdown from the first window to the last (1.0 if unmeasured)
+    speed_ratio = (cpu[1]["probe_ms"] / cpu[0]["probe_ms"]
+                   if cpu[0]["probe_ms"] and cpu[1]["probe_ms"] else 1.0)
     busy = max(c["other_load_cores"] for c in cpu)
     disturbed = busy > QUIET_LOAD
     step_time = {}
-    trace = sampler.trace()
+    trace = sampler.trace(probe)
     for k in range(WORKERS):
         with np.load(os.path.join(work_dir, f"{strategy}_worker{k}_out.npz")) as out:
             seconds = out["step_seconds"]
@@ -538,17 +605,18 @@ def soak(strategy, args, work_dir, say):
         for entry, times in zip(trace, _step_times(seconds, [tuple(e["steps"]) for e in trace])):
             entry[f"worker{k}_median_ms"] = times["median_ms"]
         ratio = last["median_ms"] / first["median_ms"]
-        judged_by_cpu = args.load_tolerant and disturbed and ratio > args.max_step_ratio
+        judged_by_cpu = args.load_tolerant and disturbed and ratio / speed_ratio > args.max_step_ratio
         step_time[f"client worker{k}"] = {
             "first": first, "last": last, "ratio": ratio, "mean_ratio": last["mean_ms"] / first["mean_ms"],
+            "speed_ratio": speed_ratio, "judged_ratio": (cpu_ratio if judged_by_cpu else ratio) / speed_ratio,
             "overall_median_ms": 1000 * float(np.median(seconds)),
             "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
             "judged_by": "cpu per step (other load)" if judged_by_cpu else "wall time",
-            "ok": (cpu_ratio if judged_by_cpu else ratio) <= args.max_step_ratio}
+            "ok": (cpu_ratio if judged_by_cpu else ratio) / speed_ratio <= args.max_step_ratio}
     memory = _memory(series, args.warmup, args.steps, args.max_growth_mib)
     figures.update({
         "run_seconds": run_seconds, "step_time": step_time, "disturbed": disturbed,
-        "cpu": cpu, "cpu_ratio": cpu_ratio, "trace": trace, "memory": memory,
+        "cpu": cpu, "cpu_ratio": cpu_ratio, "speed_ratio": speed_ratio, "trace": trace, "memory": memory,
         "left_behind": checks,
         "server_pids": {task: {"parent": p, "server": c} for task, (p, c) in sampler.servers.items()},
         "ok": all(v["ok"] for part in (step_time, memory, checks) for v in part.values())})
@@ -568,15 +636,22 @@ def report(figures, bounds):
         lines.append(f"{s}: {f['steps']} steps in {f['run_seconds']:.0f} s "
                      f"(cluster start, clients, steps)")
         lines.append(f"  {'step time':<22} {'first window':>20} {'last window':>20} {'ratio':>6}  "
-                     f"(median; mean)")
+                     f"{'judged':>6}  (median; mean)")
         for who, t in f["step_time"].items():
             a, b = t["first"], t["last"]
             lines.append(f"  {who:<22} {a['median_ms']:6.2f} ms {str(a['steps']):>9}  "
                          f"{b['median_ms']:6.2f} ms {str(b['steps']):>9}  {t['ratio']:5.3f}  "
+                         f"{t['judged_ratio']:6.3f}  "
                          f"({a['mean_ms']:.2f} -> {b['mean_ms']:.2f} ms, {t['mean_ratio']:.3f})"
                          f"{'' if t['ok'] else '  FAIL'}"
                          f"{'  (judged by CPU per step: other load)' if t['judged_by'] != 'wall time' else ''}")
         a, b = f["cpu"]
+        if a["probe_ms"] and b["probe_ms"]:
+            lines.append(f"  {'machine speed probe':<22} {a['probe_ms']:6.3f} ms {' ':9}  "
+                         f"{b['probe_ms']:6.3f} ms {' ':9}  {f['speed_ratio']:5.3f}  "
+                         f"(a fixed loop's CPU time per core; 'judged' is the ratio divided by this)")
+        else:
+            lines.append(f"  {'machine speed probe':<22} no sample in a window: ratios judged as measured")
         lines.append(f"  {'soak CPU per step':<22} {a['cpu_ms_per_step']:6.2f} ms {' ':9}  "
                      f"{b['cpu_ms_per_step']:6.2f} ms {' ':9}  "
                      f"{f['cpu_ratio']:5.3f}  (servers, clients, this tool)")
@@ -596,7 +671,8 @@ def report(figures, bounds):
         for what, c in f["left_behind"].items():
             detail = {k: v for k, v in c.items() if k != "ok"}
             lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {what}: {json.dumps(detail)}")
-    lines.append(f"bounds: step time ratio (median, last/first window) <= {bounds['max_step_ratio']}"
+    lines.append(f"bounds: step time ratio (median, last/first window, over the machine speed probe's "
+                 f"ratio) <= {bounds['max_step_ratio']}"
                  f"{' (soak CPU per step instead when other load disturbed it)' if bounds['load_tolerant'] else ''}; "
                  f"RSS growth after warm-up <= {bounds['max_growth_mib']} MiB per process")
     ok = all(f.get("ok") for f in figures)
@@ -607,7 +683,7 @@ def report(figures, bounds):
 def markdown(figures, command, machine):
     """The figures as the markdown table of docs/reliability.md ("Soak")."""
     lines = [f"`{command}` ({machine})", "",
-             "| strategy | process | step time, first window -> last (median) | ratio | "
+             "| strategy | process | step time, first window -> last (median) | ratio (judged) | "
              "RSS after warm-up -> end | growth | slope |",
              "|---|---|---|---|---|---|---|"]
     for f in figures:
@@ -619,12 +695,15 @@ def markdown(figures, command, machine):
             times = (f"{t['first']['median_ms']:.2f} ms (steps {t['first']['steps'][0]}-"
                      f"{t['first']['steps'][1]}) -> {t['last']['median_ms']:.2f} ms (steps "
                      f"{t['last']['steps'][0]}-{t['last']['steps'][1]})") if t else ""
-            ratio = f"{t['ratio']:.3f}" if t else ""
+            ratio = f"{t['ratio']:.3f} ({t['judged_ratio']:.3f})" if t else ""
             lines.append(f"| {f['strategy']} | {who} | {times} | {ratio} | "
                          f"{m['after_warmup_mib']:.1f} -> {m['end_mib']:.1f} MiB | "
                          f"{m['growth_mib']:+.2f} MiB ({m['growth_pct']:+.2f}%) | "
                          f"{m['slope_kib_per_1000_steps']:+.0f} KiB/1000 steps |")
         a, b = f["cpu"]
+        if a["probe_ms"] and b["probe_ms"]:
+            lines.append(f"| {f['strategy']} | machine speed probe (a fixed loop's CPU time) | "
+                         f"{a['probe_ms']:.3f} -> {b['probe_ms']:.3f} ms | {f['speed_ratio']:.3f} | | | |")
         lines.append(f"| {f['strategy']} | all soak processes: CPU per step | {a['cpu_ms_per_step']:.2f} -> "
                      f"{b['cpu_ms_per_step']:.2f} ms | {f['cpu_ratio']:.3f} | other processes: "
                      f"{a['other_load_cores']:.2f} -> {b['other_load_cores']:.2f} cores | | |")
@@ -686,6 +765,11 @@ def _parser():
                         f"{QUIET_LOAD} cores during a step-time window and a client's wall-time ratio "
                         f"exceeds --max-step-ratio, judge that client by the soak's CPU time per step "
                         f"instead (both are printed)")
+    p.add_argument("--speed-probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="time a fixed loop on every core beside the run and judge each step-time "
+                        "ratio divided by the loop's ratio over the same windows (the machine's own "
+                        "slowdown, e.g. a virtual machine's host taking cores away); "
+                        "--no-speed-probe judges the ratios as measured")
     p.add_argument("--inject-fault", action="store_true",
                    help="check the checks: after the run leave something behind on purpose (ps: an "
                         "extra token in worker 1's queue; allreduce: worker 1's copy of a variable "

@@ -57,6 +57,14 @@ class CutPlan:
         """The cut's name in packs and accumulators: its variable's, or ``name``."""
         return self.name or self.variable
 
+    @property
+    def run_by_nothing(self):
+        """True when the analysis found no op that runs this update (``train_ops`` is an
+        empty list): a tf_keras layer first called on its own Input leaves that call's
+        moving-average updates in the graph, reading the Input's placeholder, and no
+        train op runs them."""
+        return self.train_ops == []
+
 
 @dataclasses.dataclass
 class PackPlan:

@@ -66,7 +66,12 @@ class AccumulatePass(Pass):
 
     def run(self, graph, ctx):
         plan = ctx.plan
-        cuts = [c for c in plan.cuts if c.sync == "accumulate"]
+        # Between-graph, a worker's step waits for every apply of its replicas and the
+        # chief's for every take: an update nothing runs (CutPlan.run_by_nothing) would
+        # make each step compute it (reading a placeholder nobody feeds) or wait for
+        # gradients nobody sends. It keeps its original update, which nothing runs.
+        between = ctx.cluster.task is not None
+        cuts = [c for c in plan.cuts if c.sync == "accumulate" and not (between and c.run_by_nothing)]
         if not cuts or not plan.sync:
             return False
         rm = ctx.replicas

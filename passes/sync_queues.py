@@ -132,6 +132,16 @@ def _ps_writes(graph, rm, plan):
     return out
 
 
+def _unrun_updates(graph, rm, plan):
+    """The global ops downstream of the updates no op runs (CutPlan.run_by_nothing; the
+    accumulate pass leaves them as they were, reading replica 0's values): the chief's
+    step must not run them."""
+    sources = [rm.tensor(graph, 0, c.values).node for c in plan.cuts if c.run_by_nothing]
+    if not sources:
+        return set()
+    return {n for n in descendants(sources) if rm.replica_of(graph, n.name) is None}
+
+
 def _producers(node):
     return [t.node for t in node.inputs if not is_back_edge(t.node, node)] + list(node.control_inputs)
 
@@ -226,7 +236,8 @@ class SyncQueuesPass(Pass):
             increment = graph.node(INCREMENT)
             updates = [n for n in graph if n in after_updates and n not in roots and n is not increment
                        and rm.replica_of(graph, n.name) is None]
-            updates += [n for n in _ps_writes(graph, ctx.replicas, plan) if n not in updates]
+            unrun = _unrun_updates(graph, ctx.replicas, plan)
+            updates += [n for n in _ps_writes(graph, ctx.replicas, plan) if n not in updates and n not in unrun]
             updates = _live_after(graph, ctx.replicas, updates, step_takes(graph), set(roots))
             token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
                             attrs={"dtype": dtypes.int64}, control_inputs=[increment] + updates,

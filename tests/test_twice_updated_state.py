@@ -17,6 +17,13 @@ statistics its fused BatchNorm, replaced by ops, left its read of the moving mea
 FusedBatchNorm in training mode ignores) unread but with that control input: a root that
 ran replica 0's synced update alone, and the rewrite failed its verification. The pass now
 removes reads nobody reads.
+
+The Keras model's first-call update is run by nothing (its cut's train_ops is empty:
+CutPlan.run_by_nothing). Between-graph ps waited for it all the same: each worker's step
+computed its gradient for the accumulator (reading the Input's placeholder: "You must
+feed a value for placeholder tensor 'input_1'") and the chief's token waited for its
+take. It now keeps its original update there, which nothing runs, and two workers train
+on loopback servers what two in-graph replicas train.
 """
 
 import numpy as np
@@ -27,7 +34,9 @@ from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
 from graph_rewriter.testing.tf1_scripts import batch_norm_twice, cnn_batches, gan_batches
 
+import test_cluster as tc
 import test_rows_meeting
+from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 
 STEPS, BATCH = 3, 16
 RTOL, ATOL = 1e-5, 1e-6
@@ -88,3 +97,44 @@ def test_with_synchronised_statistics_it_trains_as_one_device(kind, strategy):
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
     for name in reads:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def _reaches(graph_def, op, placeholder):
+    """Whether running ``op`` of ``graph_def`` runs ``placeholder`` (data or control)."""
+    nodes = {n.name: n for n in graph_def.node}
+    seen, todo = set(), [op]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [i.lstrip("^").split(":")[0] for i in nodes[name].input]
+    return placeholder in seen
+
+
+KERAS_SPEC = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+
+
+@pytest.mark.parametrize("task", ["worker:0", "worker:1"])
+def test_between_graph_ps_does_not_run_the_update_nothing_runs(task):
+    graph_def, _ = batch_norm_twice("keras_call")
+    result = gr.rewrite(graph_def, KERAS_SPEC, strategy="ps", device_type="CPU", devices_per_worker=1, task=task)
+    unrun = [c.key for c in result.plan.cuts if c.run_by_nothing]
+    assert unrun == ["bn/moving_mean", "bn/moving_variance"]
+    assert _reaches(graph_def, "bn/AssignMovingAvg/AssignSubVariableOp", "input_1")   # the first call's update reads it
+    for op in ("train_op", "init"):
+        assert not _reaches(result.graph_def, op, "input_1"), op
+    names = {n.name for n in result.graph_def.node}
+    assert "graph_rewriter/accumulators/bn/moving_mean/update_1" in names
+    assert "graph_rewriter/accumulators/bn/moving_mean" not in names
+
+
+@pytest.mark.slow
+def test_between_graph_ps_trains_the_keras_model_as_two_in_graph_replicas(pool, procs, tmp_path):
+    """2 workers x 1 replica on loopback servers against 2 replicas in one graph: the same
+    rows per replica, the same accumulators, so the same variables."""
+    (graph_def, reads), feeds = batch_norm_twice("keras_call"), _feeds("keras_call")
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "ps", STEPS, reads.values(), feeds)
+    in_graph = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy="ps")
+    _, want = _run(gr.Session(in_graph), feeds, reads)
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)

@@ -442,7 +442,7 @@ class _Analyzer:
             explained.add((writer, var.name))   # a call (a v2 cond) writes several
             return existing
 
-        self._apply_hints(add)
+        self._apply_hints(add, variant0)
         # 1 and 2: fused optimizer ops and scatter updates.
         for n, var, pos in self.writes:
             if n not in variant0 or n in explained:
@@ -598,7 +598,7 @@ class _Analyzer:
             first = min(more, key=lambda k: self.position.get(k[0].node, 0))
             averaged.add(first)
 
-    def _apply_hints(self, add):
+    def _apply_hints(self, add, variant0):
         for var_name, grad in self.hints.items():
             var = self.variables.get(var_name)
             if var is None:
@@ -614,7 +614,19 @@ class _Analyzer:
                     cut = GradientCut(values=self.g.tensor(grad), kind="dense", variable=var_name, source="hint")
             except GraphRewriteError as e:
                 raise GraphRewriteError(f"gradient hint for variable '{var_name}': {e}") from None
-            for n in var.writers:
+            # The hint is the gradient of the updates it reaches. A variable two train ops
+            # train has a second update, which receives the other train op's gradient:
+            # the analysis finds that one as usual.
+            reached = descendants([cut.values.node] + ([cut.indices.node] if cut.indices is not None else []))
+            writers = [n for n in var.writers if n in reached]
+            if not writers:
+                updates = [n.name for n in var.writers if n in variant0]   # those a gradient reaches
+                raise GraphRewriteError(
+                    f"gradient hint for variable '{var_name}' names '{cut.values.name}', which reaches "
+                    f"no update of it (its updates: {', '.join(repr(u) for u in updates[:3]) or 'none'})",
+                    hint="name a tensor the variable's update is computed from: the gradient the "
+                         "backward pass produces for it")
+            for n in writers:
                 add(cut, n, var)
 
     def _sparse_cut(self, values, indices, var_name, linear):
@@ -729,6 +741,13 @@ class _Analyzer:
                 continue
             bad = [t for t in n.inputs if t.node in variant]
             why = f"its input '{bad[0].name}'" if bad else "an input"
+            if var.name in self.hints:
+                raise GraphRewriteError(
+                    f"the gradients= hint for variable '{var.name}' ({self.hints[var.name]!r}) does not "
+                    f"make its update '{n.name}' ({n.op}) the same on every replica: {why} still "
+                    f"depends on the batch beside the hinted tensor",
+                    hint="name the tensor the update receives as its gradient (or the backward "
+                         "pass's output it is computed from), not the loss or an input")
             raise GraphRewriteError(
                 f"cannot find the gradient of variable '{var.name}': it is updated by "
                 f"'{n.name}' ({n.op}), and {why} depends on the batch in a way graph_rewriter "

@@ -151,6 +151,44 @@ def test_a_gradient_that_reaches_no_update_of_its_variable_is_refused():
     analyzer._check_one_optimizer(found.cuts)   # the real ones pass
 
 
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_hint_for_a_shared_variable_names_the_gradient_of_the_updates_it_reaches(strategy):
+    """A gradients= hint is the gradient of the updates it reaches: task A's, here; task
+    B's update of the same variable keeps the gradient the analysis finds. (The hint was
+    taken for both updates, and task B's was refused: "cannot find the gradient of
+    variable 'encoder/kernel'", the very variable the hint named.)"""
+    graph_def, reads = multi_task("adam")
+    feeds = multi_task_batches(STEPS, BATCH)
+    found = {c.key: c for c in analyze(graph_io.load_graph(graph_def)).cuts}
+    hints = {"encoder/kernel": found["encoder/kernel"].values.name}
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=strategy, gradients=hints)
+    cuts = {c.key: c for c in result.plan.cuts if c.variable == "encoder/kernel"}
+    assert {k: (c.source, c.values) for k, c in cuts.items()} == {
+        "encoder/kernel": ("hint", hints["encoder/kernel"]),
+        "encoder/kernel/update_1": ("fused-op", found["encoder/kernel/update_1"].values.name)}
+    _assert_as_one_device(_train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads), reads)
+
+
+def test_a_hint_that_reaches_no_update_of_its_variable_is_refused():
+    graph_def, _ = multi_task("adam")
+    with pytest.raises(GraphRewriteError) as e:
+        gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", gradients={"encoder/kernel": "loss_b:0"})
+    message = e.value.message
+    assert "hint for variable 'encoder/kernel' names 'loss_b:0', which reaches no update of it" in message
+    assert "'train_a/update_encoder/kernel/ResourceApplyAdam'" in message, message
+
+
+def test_a_hint_that_leaves_its_update_depending_on_the_batch_says_so():
+    """A hint naming a batch input the gradient is computed from (not the gradient): the
+    update still depends on the batch, and the error says the hint did not explain it
+    rather than asking for the hint the user gave."""
+    graph_def, _ = multi_task("sgd")
+    with pytest.raises(GraphRewriteError, match="the gradients= hint for variable 'head_a/bias' .'y_a:0'. does "
+                                                "not make its update") as e:
+        gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", gradients={"head_a/bias": "y_a:0"})
+    assert "not the loss or an input" in e.value.hint
+
+
 @pytest.mark.parametrize("how", ["auto", "sparse_as_dense"])
 def test_sparse_rows_a_global_norm_reads_are_all_gathered(how):
     """Strategy auto on CPU replicas of one worker chose the dense all-reduce for the

@@ -432,6 +432,17 @@ def _(base, tmp, mp):
     return base.copy(), dict(gradients={"nosuchvar": "loss:0"})
 
 
+@case("gradient-hint-reaching-no-update", "'w'", "'global_step:0'", "reaches no update",
+      "'train_op/update_w/ResourceApplyAdam'")
+def _(base, tmp, mp):
+    return base.copy(), dict(gradients={"w": "global_step:0"})
+
+
+@case("gradient-hint-not-the-gradient", "hint for variable 'w'", "'y:0'", "does not make its update")
+def _(base, tmp, mp):
+    return base.copy(), dict(gradients={"w": "y:0"})
+
+
 # clusters and tasks
 @case("cluster-malformed-json", "cluster spec", "JSON")
 def _(base, tmp, mp):
@@ -753,6 +764,9 @@ CLI_CASES = [
                  False, ["'ps'", "'ps' tasks"], id="ps-without-ps-tasks"),
     pytest.param(lambda b, t: b.pb, ["--cluster", '{"worker": ['], False, ["cluster spec", "JSON"],
                  id="cluster-malformed-json"),
+    pytest.param(lambda b, t: b.pb, ["--gradient", "w=global_step:0"], True,
+                 ["'w'", "'global_step:0'", "reaches no update"],
+                 id="gradient-hint-reaching-no-update-existing-out"),
     pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "0"], True,
                  ["accumulation_steps", "integer >= 1", "got 0"], id="accumulation-steps-0-existing-out"),
     pytest.param(lambda b, t: b.pb, ["--accumulation-steps", "-3"], False,

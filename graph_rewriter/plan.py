@@ -118,21 +118,15 @@ def joined_train_ops(keys):
     """{key: the first of the keys it shares a train op with, directly or through
     others} for tuples of train-op names (the plan's cuts' train_ops): gradients whose
     train ops overlap run together whenever one of those runs."""
-    owner = {}
+    groups = []   # [(train ops, keys)]: disjoint
     for key in keys:
-        owner[key] = key
-    changed = True
-    while changed:
-        changed = False
-        for a in keys:
-            for b in keys:
-                if owner[a] != owner[b] and set(a) & set(b):
-                    first = min(owner[a], owner[b], key=keys.index)
-                    for k in keys:
-                        if owner[k] in (owner[a], owner[b]):
-                            owner[k] = first
-                    changed = True
-    return owner
+        ops, members = set(key), [key]
+        for group in [g for g in groups if g[0] & ops]:
+            groups.remove(group)
+            ops |= group[0]
+            members += group[1]
+        groups.append((ops, members))
+    return {k: min(members, key=keys.index) for _, members in groups for k in members}
 
 
 def _plain(value):

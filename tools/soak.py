@@ -161,12 +161,12 @@ class SpeedProbe:
                                           name=f"speed-probe-{core}")
                          for core in (sorted(os.sched_getaffinity(0)) if enabled else ())]
 
-    def __enter__(self):
+    def start(self):
         for t in self._threads:
             t.start()
         return self
 
-    def __exit__(self, *exc):
+    def stop(self):
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5.0)
@@ -548,7 +548,7 @@ def soak(strategy, args, work_dir, say):
         sampler = Sampler(cluster)
         workers = _prepare(cluster, ex, strategy, batches[:args.steps], work_dir)
         clients = []
-        probe = SpeedProbe(enabled=args.speed_probe).__enter__()
+        probe = SpeedProbe(enabled=args.speed_probe).start()
         try:
             for k, w in enumerate(workers):
                 cmd = [sys.executable, os.path.abspath(__file__), "client", "--graph", w["graph"],
@@ -572,7 +572,7 @@ def soak(strategy, args, work_dir, say):
                 if status != 0 or not c.done:
                     raise RuntimeError(f"client {c.name} exited with status {status}\n{c.tail()}")
         finally:
-            probe.__exit__(None, None, None)
+            probe.stop()
             for c in clients:
                 c.end()
         run_seconds = time.monotonic() - started
@@ -609,13 +609,14 @@ def soak(strategy, args, work_dir, say):
             entry[f"worker{k}_median_ms"] = times["median_ms"]
         ratio = last["median_ms"] / first["median_ms"]
         judged_by_cpu = args.load_tolerant and disturbed and ratio / speed_ratio > args.max_step_ratio
+        judged = (cpu_ratio if judged_by_cpu else ratio) / speed_ratio
         step_time[f"client worker{k}"] = {
             "first": first, "last": last, "ratio": ratio, "mean_ratio": last["mean_ms"] / first["mean_ms"],
-            "speed_ratio": speed_ratio, "judged_ratio": (cpu_ratio if judged_by_cpu else ratio) / speed_ratio,
+            "speed_ratio": speed_ratio, "judged_ratio": judged,
             "overall_median_ms": 1000 * float(np.median(seconds)),
             "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
             "judged_by": "cpu per step (other load)" if judged_by_cpu else "wall time",
-            "ok": (cpu_ratio if judged_by_cpu else ratio) / speed_ratio <= args.max_step_ratio}
+            "ok": judged <= args.max_step_ratio}
     memory = _memory(series, args.warmup, args.steps, args.max_growth_mib)
     figures.update({
         "run_seconds": run_seconds, "step_time": step_time, "disturbed": disturbed,

@@ -35,7 +35,7 @@ Criteria (printed with the figures; exit status 0 if all pass, 1 otherwise):
   step here takes 3-6 ms, so one scheduling hiccup of 100 ms moves a window's mean by a
   sixth, while anything that grows with the steps (a longer queue, more state to look up)
   moves every step and so the median. The probe, because on a virtual machine the whole
-  machine slows by up to 45% for seconds at a time, which a step-time ratio alone would
+  machine slows by up to 50% for seconds at a time, which a step-time ratio alone would
   blame on the run. The raw ratio and the means are reported too.
 - memory: per process (each server's parent and child, each client), the RSS at the
   end minus the RSS after warm-up (the sample at step ``--warmup``), at most
@@ -146,7 +146,7 @@ class SpeedProbe:
     Why: on a virtual machine the host takes a core away for seconds at a time without the
     guest counting it as steal; the same work then takes up to 50% longer in CPU time as
     well as in wall time (measured: two such loops on an idle 2-core VM, each core slowed
-    by 30-45% for 2-6 s at different moments). A soak window lasts a second or two, so a
+    by 30-50% for 2-8 s at different moments). A soak window lasts a second or two, so a
     step-time ratio alone cannot tell such a phase from a slowdown of the run itself; the
     probe's ratio over the same windows can, and the step time is judged divided by it.
     Cost: about 0.15 ms of CPU per core every 100 ms (0.15% of each core)."""

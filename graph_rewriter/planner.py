@@ -46,6 +46,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
     _keep_rows_unsummed(result, analysis, info)
+    _mirror_state_left_on_ps(result, cluster, info)
     _check_train_ops_between_graph(result, cluster)
     _choose_communication(result, options)
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
@@ -741,13 +742,13 @@ def _check_shared_step_ids(plan, cluster):
 
 
 def _check_train_ops_between_graph(plan, cluster):
-    """Between-graph workers with parameter-server variables keep in step through one
-    sequence (sync_queues): the chief takes every accumulator, bumps the step and applies
-    every update, then releases the workers. A graph whose train ops take turns (a GAN's,
-    a multi-task script's) would have the chief apply every train op's update at each
-    step, whichever train op the workers ran (a GAN's variables 0.02 off one device after
-    four steps, its global step bumped at every step), so that is refused."""
-    if cluster.task is None or len(cluster.compute_tasks) < 2:
+    """Between-graph workers with parameter-server variables keep in step through token
+    queues (sync_queues): each group of train ops run at steps of its own (a GAN's
+    d_train and g_train) has the chief release the workers after its own takes and
+    updates. With staleness, a take picks its accumulator by the count of all steps
+    taken, which a group's own steps do not follow, so train ops taking turns are
+    refused there."""
+    if cluster.task is None or not plan.sync or not plan.staleness:
         return
     on_ps = [c for c in plan.cuts if c.sync == "accumulate"]
     if not on_ps:
@@ -761,11 +762,10 @@ def _check_train_ops_between_graph(plan, cluster):
     train_ops = [min(key) for key in owners]
     raise GraphRewriteError(
         f"the graph's train ops take turns ({', '.join(repr(t) for t in train_ops[:4])}), and "
-        f"between-graph workers with parameter-server variables (e.g. '{on_ps[0].variable}') "
-        "keep in step through one step sequence, whose every step would apply every train "
-        "op's updates, whichever one the workers ran",
-        hint="use strategy allreduce between-graph, or one in-graph client (no task) with "
-             "strategy ps or hybrid")
+        f"staleness={plan.staleness} lets workers run ahead by a count of steps that each "
+        f"train op's accumulators (e.g. of '{on_ps[0].variable}') do not keep",
+        hint="drop staleness (synchronous training keeps each train op's steps apart), or "
+             "use strategy allreduce")
 
 
 def _keep_coupled_together(plan, analysis, log):
@@ -806,6 +806,26 @@ def _keep_coupled_together(plan, analysis, log):
             f"server: {why}, which a parameter server's average cannot reproduce")
     if changed:
         _repack(plan)
+
+
+def _mirror_state_left_on_ps(plan, cluster, log):
+    """Between-graph, a plan whose every gradient ended up mirrored (_keep_coupled_together
+    under strategy ps) has no accumulator, so nothing makes the chief alone write the
+    parameter servers' other variables: each worker's step would write them (Adam's beta
+    powers multiplied once per worker, the global step bumped once per worker), and
+    collectives spanning the workers beside ps writes abort each other's steps
+    ("Cleanup <step id>"). They are mirrored too, as under strategy allreduce, and the
+    log says so."""
+    if cluster.task is None or any(c.sync == "accumulate" for c in plan.cuts):
+        return
+    on_ps = [v.name for v in plan.variables if v.placement == "ps"]
+    if not on_ps:
+        return
+    for name in on_ps:
+        plan.set_placement(name, "mirrored")
+    log(f"plan: no gradient is averaged on a parameter server, so its other variables "
+        f"({_listed(on_ps)}) are mirrored too: between-graph, each worker "
+        "would otherwise write them at every step")
 
 
 def _rows_read_unsummed(analysis):

@@ -92,35 +92,53 @@ class AccumulatePass(Pass):
             st.take_slot = _slot(graph, f"{COUNTER}/slot", applied, st.slots, ps0)
         else:
             st.tag = applied
-        per_replica = [[] for _ in rm.built]
         takes = []
         groups = {}   # the train ops of a cut (plan.cuts' train_ops) -> the takes of their cuts
+        applies = []  # (a cut's key in groups, [replica i's apply of it, for i in rm.built])
         for cut in cuts:
             accs = self._accumulators(graph, ctx, st, cut, inits)
+            # Train ops run at steps of their own are grouped apart (below). Staleness
+            # slots pick a take's accumulator by the count of every step, so with slots
+            # (between-graph only) there is one group (the planner refuses train ops
+            # taking turns there).
+            st.group = tuple(cut.train_ops or ()) if st.slots == 1 else ()
+            mine = []
             for i in rm.built:
                 # Everything the apply builds is replica i's, its constants on the ps
                 # included: a template replica's copies are then written per replica.
                 with graph.adding_to_replica(i):
-                    per_replica[i].append(self._apply(graph, ctx, st, cut, accs, i))
-            # Train ops run at steps of their own are grouped apart (below), in-graph.
-            # Between-graph, sync_queues releases a worker's step after every update of
-            # the step, and staleness slots pick a take's accumulator by the count of
-            # steps: one group there.
-            st.group = tuple(cut.train_ops or ()) if ctx.cluster.task is None else ()
-            takes.append(self._take(graph, ctx, st, cut, accs, [a for rep in per_replica for a in rep[-1:]]))
+                    mine.append(self._apply(graph, ctx, st, cut, accs, i))
+            applies.append((st.group, mine))
+            takes.append(self._take(graph, ctx, st, cut, accs, mine))
             groups.setdefault(st.group, []).append(takes[-1])
-        # (Between-graph only: in-graph nothing waits for a marker, and a sink nobody runs
-        # that runs one replica's copy of a collective, a BatchNorm statistic's all-reduce
-        # its gradients wait for, would fail check_collectives_run.)
-        markers = [graph.add_node(graph.unique_name(rm.prefixes[i] + APPLIED), "NoOp", control_inputs=done)
-                   for i, done in enumerate(per_replica)] if ctx.cluster.task is not None else []
-        for i, m in enumerate(markers):
-            m.replica = i
-        own_steps = set(markers)
+        # Groups whose train ops overlap run together whenever one runs (BatchNorm's
+        # statistics, whose gradients wait for them, list some of the backward's ops
+        # besides the train op): one group, and one bump, for them.
+        joined = joined_train_ops(list(groups))
+        merged, merged_applies = {}, {}
+        for key, group_takes in groups.items():
+            merged.setdefault(joined[key], []).extend(group_takes)
+        for key, mine in applies:
+            into = merged_applies.setdefault(joined[key], [[] for _ in rm.built])
+            for i, done in enumerate(mine):
+                into[i].append(done)
+        # Between-graph, a replica's applies of a group are joined in one marker per
+        # group, which sync_queues makes that group's train ops wait for. (Between-graph
+        # only: in-graph nothing waits for a marker, and a sink nobody runs that runs one
+        # replica's copy of a collective, a BatchNorm statistic's all-reduce its
+        # gradients wait for, would fail check_collectives_run.)
+        markers = {}
+        if ctx.cluster.task is not None:
+            for group, per_replica in merged_applies.items():
+                markers[group] = [graph.add_node(graph.unique_name(rm.prefixes[i] + APPLIED), "NoOp",
+                                                 control_inputs=done) for i, done in enumerate(per_replica)]
+                for i, m in enumerate(markers[group]):
+                    m.replica = i
+        own_steps = {m for group in markers.values() for m in group}
         if st.slots > 1:
             own_steps.add(make_op(graph, "AssignAddVariableOp", f"{WORKER_STEP}/increment",
                                   [wstep.output(0), const(graph, f"{WORKER_STEP}/one", 1, "int64", ps0)],
-                                  control_inputs=markers, device=ps0))
+                                  control_inputs=markers[()], device=ps0))
         # The counter counts the takes, because each take advances its accumulator's own
         # step: it bumps after the takes, and every reader of an averaged gradient waits
         # for the bump. So whatever the user runs that reads an averaged gradient (the
@@ -137,14 +155,7 @@ class AccumulatePass(Pass):
         # (Not a reader the takes themselves wait for: a BatchNorm moving average's update
         # that the backward pass runs after. With slots a take waits for the applies only
         # through its accumulator, not by an edge: such a reader reaches the markers.)
-        feeding = _reaching(st.readers, set(takes) | set(markers))
-        # Groups whose train ops overlap run together whenever one runs (BatchNorm's
-        # statistics, whose gradients wait for them, list some of the backward's ops
-        # besides the train op): one group, and one bump, for them.
-        joined = joined_train_ops(list(groups))
-        merged = {}
-        for key, group_takes in groups.items():
-            merged.setdefault(joined[key], []).extend(group_takes)
+        feeding = _reaching(st.readers, set(takes) | own_steps)
         for group, group_takes in merged.items():
             after = descendants(group_takes)
             # (A replica's marker and the worker's step count are no train ops: they follow

@@ -132,6 +132,50 @@ def _ps_writes(graph, rm, plan):
     return out
 
 
+class _Step:
+    """The step of one group of train ops (the accumulate pass's groups: all of them
+    unless train ops run at steps of their own): its takes, the counter's bump after
+    them, each built replica's "gradients applied" marker, and the scope of its token
+    ops; ``after``, ``roots`` and ``enqueues`` are filled in by the pass."""
+
+    def __init__(self, takes, increment, markers, scope):
+        self.takes, self.increment, self.markers, self.scope = takes, increment, markers, scope
+        self.after, self.roots, self.enqueues = set(), [], []
+
+
+def _increments(graph):
+    """The counter's bumps (ps_state.INCREMENT), one per group of train ops, in the
+    order the accumulate pass made them."""
+    out = []
+    name = INCREMENT
+    while name in graph:
+        out.append(graph.node(name))
+        name = f"{INCREMENT}_{len(out)}"
+    return out
+
+
+def _steps(graph, rm):
+    """One _Step per group of train ops run at steps of its own. A group's markers are
+    those joining the applies its takes wait for."""
+    increments = _increments(graph)
+    if len(increments) < 2:
+        return [_Step(step_takes(graph), i, [rm.node(graph, r, APPLIED) for r in rm.built], TOKENS)
+                for i in increments]
+    markers = []
+    for r in rm.built:
+        k = 0
+        while (m := rm.node(graph, r, APPLIED if k == 0 else f"{APPLIED}_{k}")) is not None:
+            markers.append(m)
+            k += 1
+    steps = []
+    for j, increment in enumerate(increments):
+        takes = [t for t in increment.control_inputs if t.op in TAKES]
+        waited = {a for t in takes for a in t.control_inputs}
+        mine = [m for m in markers if any(a in waited for a in m.control_inputs)]
+        steps.append(_Step(takes, increment, mine, TOKENS if j == 0 else f"{TOKENS}/group_{j}"))
+    return steps
+
+
 def _unrun_updates(graph, rm, plan):
     """The global ops downstream of the updates no op runs (CutPlan.run_by_nothing; the
     accumulate pass leaves them as they were, reading replica 0's values): the chief's
@@ -190,11 +234,15 @@ class SyncQueuesPass(Pass):
         # the worker's step count, which follow the takes only when the gradients wait
         # for a statistic's update.)
         after_updates = descendants(step_takes(graph))
-        applies = [rm.node(graph, i, APPLIED) for i in rm.built]
-        if f"{WORKER_STEP}/increment" in graph:
-            applies.append(graph.node(f"{WORKER_STEP}/increment"))
+        steps = _steps(graph, rm)
+        # (with staleness, the worker's own step count: one group of train ops then)
+        counted = [graph.node(f"{WORKER_STEP}/increment")] if f"{WORKER_STEP}/increment" in graph else []
+        applies = [m for step in steps for m in step.markers] + counted
         roots = [n for n in graph if n.is_sink
                  and n in after_updates and n not in applies]
+        for step in steps:
+            step.after = after_updates if len(steps) == 1 else descendants(step.takes)
+            step.roots = [n for n in roots if n in step.after]
         if rm.chief:
             # (what an earlier run's init left for workers that never took it, e.g. the
             # restore of a MonitoredTrainingSession chief, whose workers run no init op)
@@ -233,17 +281,24 @@ class SyncQueuesPass(Pass):
             # The tokens go out once the step is applied: after the counter's bump (which
             # follows the takes) and every update (global op downstream of the takes)
             # that runs: an update a v1 cond skips is waited for through the cond's Merge.
-            increment = graph.node(INCREMENT)
-            updates = [n for n in graph if n in after_updates and n not in roots and n is not increment
-                       and rm.replica_of(graph, n.name) is None]
+            # Train ops run at steps of their own (a GAN's) each release the tokens after
+            # their own bump and updates.
+            increments = {step.increment for step in steps}
             unrun = _unrun_updates(graph, ctx.replicas, plan)
-            updates += [n for n in _ps_writes(graph, ctx.replicas, plan) if n not in updates and n not in unrun]
-            updates = _live_after(graph, ctx.replicas, updates, step_takes(graph), set(roots))
-            token = make_op(graph, "ReadVariableOp", f"{TOKENS}/step", [graph.node(COUNTER).output(0)],
-                            attrs={"dtype": dtypes.int64}, control_inputs=[increment] + updates,
-                            device=ps0).output(0)
-            enqueues = [make_op(graph, "QueueEnqueueV2", f"{TOKENS}/release_{k}", [q.output(0), [token]], device=ps0)
-                        for k, q in enumerate(queues)]
+            ps_writes = [n for n in _ps_writes(graph, ctx.replicas, plan) if n not in unrun]
+            for step in steps:
+                updates = [n for n in graph if n in step.after and n not in roots and n not in increments
+                           and rm.replica_of(graph, n.name) is None]
+                # (a ps write no update follows, a global step bumped beside the train op
+                # by tf.group, is the step's whose train op runs it)
+                mine = ps_writes if len(steps) == 1 else ancestors(step.roots)
+                updates += [n for n in ps_writes if n not in updates and n in mine]
+                updates = _live_after(graph, ctx.replicas, updates, step.takes, set(roots))
+                token = make_op(graph, "ReadVariableOp", f"{step.scope}/step", [graph.node(COUNTER).output(0)],
+                                attrs={"dtype": dtypes.int64}, control_inputs=[step.increment] + updates,
+                                device=ps0).output(0)
+                step.enqueues = [make_op(graph, "QueueEnqueueV2", f"{step.scope}/release_{k}",
+                                         [q.output(0), [token]], device=ps0) for k, q in enumerate(queues)]
             for k, q in enumerate(queues):
                 # A new run starts with exactly `staleness` tokens per worker: drain what an
                 # earlier run on the same servers left, then give the head start.
@@ -258,18 +313,23 @@ class SyncQueuesPass(Pass):
                                     control_inputs=[drain] + ps_initializers, device=ps0)
                 for op in init_ops:
                     op.add_control_input(ready)
-            before_wait = applies + enqueues
         else:
-            dropped = self._drop_chief_work(graph, ctx.replicas, _ps_writes(graph, ctx.replicas, plan))
-            before_wait = applies
-        wait = make_op(graph, "QueueDequeueV2", f"{TOKENS}/wait", [queues[me].output(0)],
-                       attrs={"component_types": [dtypes.int64]}, control_inputs=before_wait, device=ps0,
-                       replica=GLOBAL)
+            dropped = self._drop_chief_work(graph, ctx.replicas, _ps_writes(graph, ctx.replicas, plan),
+                                            per_root=len(steps) > 1)
+        waits = {}   # root -> the token waits it runs
+        for step in steps:
+            wait = make_op(graph, "QueueDequeueV2", f"{step.scope}/wait", [queues[me].output(0)],
+                           attrs={"component_types": [dtypes.int64]},
+                           control_inputs=step.markers + counted + step.enqueues,
+                           device=ps0, replica=GLOBAL)
+            for root in step.roots:
+                waits.setdefault(root, []).append(wait)
         for root in roots:
             if root.name in graph:
-                root.add_control_input(wait)
+                for wait in waits.get(root, []):
+                    root.add_control_input(wait)
             else:  # a non-chief's train op: it now applies gradients and waits
-                graph.add_node(root.name, "NoOp", control_inputs=[wait] + [
+                graph.add_node(root.name, "NoOp", control_inputs=waits.get(root, []) + [
                     c for c in dropped.get(root.name, []) if c.name in graph])
         _reset_handshake(graph, cluster, rm, ended, ps0)
         for k, op in enumerate(ended):
@@ -301,14 +361,14 @@ class SyncQueuesPass(Pass):
             op.add_control_input(done)
         return end_with_barrier
 
-    def _drop_chief_work(self, graph, rm, ps_writes=()):
+    def _drop_chief_work(self, graph, rm, ps_writes=(), per_root=False):
         """A non-chief worker never takes gradients or applies updates, nor writes a
         parameter-server variable in a step (``ps_writes``): the chief does.
-        Returns {removed root's name: the control inputs its replacement needs}."""
+        Returns {removed root's name: the control inputs its replacement needs}: what the
+        removed nodes ran on the replicas, those it depended on with ``per_root`` (train
+        ops run at steps of their own), else all of them."""
         takes = [n for n in graph if n.op in TAKES]   # the init op's drains too
-        chief_only = set(takes) | set(ps_writes)
-        if INCREMENT in graph:
-            chief_only.add(graph.node(INCREMENT))
+        chief_only = set(takes) | set(ps_writes) | set(_increments(graph))
         # A global op a replica needs (a gradient's constant) that only waits for a
         # chief-only update (control_dependencies(update_ops) around minimize) stays: it
         # loses the wait, as the replicas' own gradient ops do below.
@@ -326,8 +386,21 @@ class SyncQueuesPass(Pass):
         # sums' stores under a train op the accumulate pass wrapped) stays with the train
         # ops, whichever removed node it hung from. Global work (an optimizer's own
         # updates on the ps) is the chief's.
-        own = list(dict.fromkeys(c for n in removable for c in n.control_inputs
-                                 if c not in chief_only and rm.replica_of(graph, c.name) is not None))
+        def own_of(nodes):
+            return list(dict.fromkeys(c for n in nodes for c in n.control_inputs
+                                      if c not in chief_only and rm.replica_of(graph, c.name) is not None))
+        own = own_of(removable)
+        # (the sinks the removal touches: removed ones, and kept ones losing a chief-only
+        # control input; with per_root, each keeps what the removed nodes it ran ran)
+        sinks = [n for n in graph if n.is_sink and (n in chief_only and n in removable or n not in chief_only
+                                                    and any(c in chief_only for c in n.control_inputs))]
+        if per_root:
+            mine = {}
+            for n in sinks:
+                ran = ancestors([n]) | {n}
+                mine[n] = own_of(m for m in removable if m in ran)   # (in graph order)
+        else:
+            mine = {n: own for n in sinks}
         for n in graph:
             if n in chief_only:
                 continue
@@ -335,10 +408,10 @@ class SyncQueuesPass(Pass):
             for c in lost:
                 n.remove_control_input(c)
             if lost and n.is_sink:
-                for c in own:
+                for c in mine[n]:
                     if c is not n and c not in n.control_inputs:
                         n.add_control_input(c)
-        dropped = {n.name: own for n in removable if n.is_sink}
+        dropped = {n.name: mine[n] for n in sinks if n in chief_only}
         graph.remove_nodes(removable)
         return dropped
 

@@ -207,25 +207,85 @@ def test_sparse_rows_a_global_norm_reads_are_all_gathered(how):
     _assert_as_one_device(_train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads), reads)
 
 
-@pytest.mark.parametrize("strategy", ["ps", "hybrid"])
-def test_between_graph_with_variables_on_the_ps_is_refused(strategy):
-    """The chief's one step sequence would apply both tasks' updates at every step (on
-    loopback servers under hybrid: the embedding 0.05 off one device after four steps)."""
+def test_between_graph_with_staleness_is_refused():
+    """With staleness a take picks its accumulator by the count of all steps, which one
+    train op's steps do not follow: refused, naming both train ops."""
     graph_def, _ = multi_task("adam", embedding=True)
     cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
-    with pytest.raises(GraphRewriteError, match="train ops take turns \\('train_a', 'train_b'\\)"):
-        gr.rewrite(graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy=strategy, task="worker:1")
+    with pytest.raises(GraphRewriteError, match="train ops take turns \\('train_a', 'train_b'\\)") as e:
+        gr.rewrite(graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy="ps", task="worker:1",
+                   staleness=1)
+    assert "drop staleness" in e.value.hint
+
+
+@pytest.mark.parametrize("task", ["worker:0", "worker:1"])
+def test_between_graph_ps_gives_each_train_op_its_own_step(task):
+    """Between-graph ps: each train op waits for its own token; the chief's token for
+    train_a follows train_a's takes and bump only, and a worker's train_a reaches none of
+    task B's gradients (before, the chief's one step applied both tasks' updates at
+    every step, whichever the workers ran: refused)."""
+    graph_def, _ = multi_task("adam", embedding=True)
+    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    out = gr.rewrite(graph_def, cluster, devices_per_worker=2, device_type="CPU", strategy="ps",
+                     task=task).graph_def
+    a, b = _ancestors(out, "train_a"), _ancestors(out, "train_b")
+    assert "graph_rewriter/tokens/wait" in a and "graph_rewriter/tokens/group_1/wait" not in a
+    assert "graph_rewriter/tokens/group_1/wait" in b and "graph_rewriter/tokens/wait" not in b
+    assert not [n for n in a if "gradients_1/" in n or "update_1/" in n]
+    assert not [n for n in b if n.startswith(("gradients/", "replica_1/gradients/"))]
+    if task == "worker:0":
+        token = _ancestors(out, "graph_rewriter/tokens/step")
+        assert "graph_rewriter/sync_step/increment" in token
+        assert not [n for n in token if "update_1" in n or "head_b" in n or "increment_1" in n]
+    else:
+        assert not [n for n in a | b if n.endswith("/take")], "a non-chief worker takes no gradient"
 
 
 @pytest.mark.slow
-def test_two_workers_train_as_one_device_on_loopback_servers(pool, procs, tmp_path):
-    """Between-graph allreduce, 2 workers x 1 replica, each its own worker_client process
-    running train_a and train_b in turns on its half of every batch."""
-    graph_def, reads = multi_task("adam", embedding=True, clip=True)
+@pytest.mark.parametrize("strategy", ["ps", "hybrid"])
+def test_two_workers_with_variables_on_the_ps_train_as_one_device(strategy, pool, procs, tmp_path):
+    """Between-graph ps and hybrid (the embedding on the ps, the rest all-reduced), 2
+    workers x 1 replica on loopback servers running train_a and train_b in turns: as one
+    device, every variable and the global step. Before, such graphs were refused: the
+    chief's one step sequence applied both tasks' updates at every step (on loopback
+    servers under hybrid, the embedding ended 0.05 off one device). Unclipped: a global
+    norm over the embedding's rows keeps every gradient mirrored."""
+    graph_def, reads = multi_task("adam", embedding=True)
     feeds = multi_task_batches(STEPS, BATCH, embedding=True)
     _, want = _one_device(graph_def, feeds, reads)
-    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(), feeds,
+    plan = gr.rewrite(graph_def, {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]},
+                      device_type="CPU", strategy=strategy, task="worker:0").plan
+    assert {c.key for c in plan.cuts if c.sync == "accumulate"} >= {"embedding", "embedding/update_1"}
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, reads.values(), feeds,
                               step_ops=STEP_OPS)
+    assert want["global_step"] == STEPS // 2
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.slow
+def test_one_train_op_whose_every_gradient_stays_mirrored_under_ps(pool, procs, tmp_path):
+    """Strategy ps, but a global norm over the embedding's rows keeps every gradient
+    mirrored: Adam's beta powers were left on the ps, written by each worker's step beside
+    collectives spanning the workers, and the run aborted ("Cleanup <step id>" from the
+    ps). With no gradient on a ps, the plan mirrors them too (as strategy allreduce)."""
+    graph_def, reads = multi_task("adam", embedding=True, clip=True)
+    feeds = multi_task_batches(STEPS, BATCH, embedding=True)
+    lines = []
+    plan = gr.rewrite(graph_def, {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]},
+                      device_type="CPU", strategy="ps", task="worker:1", log=lines.append).plan
+    assert {v.placement for v in plan.variables} == {"mirrored"}
+    assert any("'beta1_power'" in line and "mirrored too" in line for line in lines), lines
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        for feed in feeds:
+            sess.run(list(STEP_OPS[0]), feed)
+        want = sess.run(reads)
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "ps", STEPS, reads.values(), feeds,
+                              step_ops=STEP_OPS[:1])
     for name, tensor in reads.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
 

@@ -14,6 +14,9 @@ import tensorflow as tf
 
 import graph_rewriter as gr
 from graph_rewriter.testing.tf1_scripts import gan
+
+import test_cluster as tc
+from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 tf1 = tf.compat.v1
 STEPS = 6
 RTOL, ATOL = 1e-5, 1e-6
@@ -70,30 +73,47 @@ def test_the_gradients_of_each_train_op_get_packs_of_their_own():
     assert sorted(map(sorted, owners)) == [["d_train"], ["g_train"]]
 
 
-@pytest.mark.parametrize("strategy, task", [("allreduce", None), ("ps", None), ("allreduce", "worker:0")],
-                         ids=["allreduce", "ps", "allreduce-between"])
-def test_each_train_op_computes_only_its_own_gradients(strategy, task):
+@pytest.mark.parametrize("strategy, task, devices", [
+    ("allreduce", None, 2), ("ps", None, 2), ("allreduce", "worker:0", 2),
+    ("ps", "worker:0", 2), ("ps", "worker:1", 2), ("ps", "worker:1", 1)],
+    ids=["allreduce", "ps", "allreduce-between", "ps-chief", "ps-worker", "ps-worker-1-replica"])
+def test_each_train_op_computes_only_its_own_gradients(strategy, task, devices):
     """Running d_train reaches none of G's backward pass (tf.gradients' second scope,
     "gradients_1/") and the other way round: the packs of the two train ops are chained
     apart (each pack's collective otherwise waits for the previous pack's), and under
     ps each train op's updates wait for a bump of the step counter after its own takes
-    only (before, one bump after every take: ps computed both backward passes)."""
+    only (before, one bump after every take: ps computed both backward passes).
+    Between-graph, a worker's train op waits for its own token only, and keeps only
+    its own gradients' applies (a worker with one replica kept the other train op's
+    too: it pushed a gradient the next step's take averaged in)."""
     graph_def, _ = gan()
     cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]} if task else None
-    out = gr.rewrite(graph_def, cluster, devices_per_worker=2, device_type="CPU", strategy=strategy,
+    out = gr.rewrite(graph_def, cluster, devices_per_worker=devices, device_type="CPU", strategy=strategy,
                      task=task).graph_def
-    assert not [n for n in _ancestors(out, "d_train") if n.startswith("gradients_1/")]
-    assert not [n for n in _ancestors(out, "g_train") if n.startswith("gradients/")]
+    d, g = _ancestors(out, "d_train"), _ancestors(out, "g_train")
+    assert not [n for n in d if "gradients_1" in n.split("/") or "accumulators/G" in n]
+    assert not [n for n in g if "gradients" in n.split("/") or "accumulators/D" in n]
+    if strategy == "ps" and task:
+        assert "graph_rewriter/tokens/wait" in d and "graph_rewriter/tokens/group_1/wait" not in d
+        assert "graph_rewriter/tokens/group_1/wait" in g and "graph_rewriter/tokens/wait" not in g
 
 
-@pytest.mark.parametrize("task", ["worker:0", "worker:1"])
-def test_between_graph_ps_is_refused(task):
-    """Between-graph under ps the chief's one step sequence took every accumulator and
-    applied every update at each step, whichever train op the workers ran: on loopback
-    servers, after four alternating steps, the variables were 0.02 off one device and the
-    global step 4 where one device counts 2 (docs/semantics.md). Refused, naming both."""
-    graph_def, _ = gan()
-    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
-    with pytest.raises(gr.GraphRewriteError, match="train ops take turns \\('d_train', 'g_train'\\)") as e:
-        gr.rewrite(graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy="ps", task=task)
-    assert "strategy allreduce between-graph" in e.value.hint
+@pytest.mark.slow
+def test_two_workers_with_variables_on_the_ps_train_as_one_device(pool, procs, tmp_path):
+    """Between-graph, 2 workers x 1 replica on loopback servers, d_train and g_train in
+    turns. Each train op has a step of its own: the chief releases the workers after that
+    train op's takes and updates only. Before, the chief's one step sequence applied both
+    train ops' updates at every step (the variables 0.02 off one device after four
+    steps, the global step 4 where one device counts 2), and such graphs were refused."""
+    graph_def, names = gan()
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        want_losses, want = train(sess, names)
+    reads = {n: f"{n}/Read/ReadVariableOp:0" for n in names}
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "ps", STEPS, reads.values(), feeds(),
+                              step_ops=(("d_loss:0", "d_train"), ("g_loss:0", "g_train")))
+    assert want["global_step"] == STEPS // 2
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)

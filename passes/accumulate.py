@@ -18,10 +18,10 @@ takes, and every reader of an averaged gradient (the optimizer's update) waits f
 the counter keeps pace with the accumulators whatever the user runs (the train op, or an
 op of the update fetched by name) and whether or not the updates run (under a v1
 tf.cond whose branch is not taken they are dead, and an op waiting for a dead one would
-be dead too). In one graph, train ops run at steps of their own (a GAN's, the plan's
-train_ops) bump it after their own takes only, so running one computes none of the
-other's gradients. The init op resets it and every accumulator's step, so a second run on the
-same servers starts clean. Accumulators and
+be dead too). Train ops run at steps of their own (a GAN's, the plan's train_ops) bump
+it after their own takes only, so running one computes none of the other's gradients.
+The init op resets it and every accumulator's step, so a second run on the same servers
+starts clean. Accumulators and
 the counter have shared_names derived from the graph's fingerprint, so every worker's
 graph of a between-graph run uses the same ones.
 
@@ -34,8 +34,9 @@ tagged with the worker's own step count (``graph_rewriter/worker_step/<k>``); th
 take for applied step t reads accumulator t mod (s + 1). Each take then averages exactly
 the R gradients of one step.
 
-Between-graph, each replica's applies are joined in one marker node (``<prefix>graph_rewriter/
-gradients_applied``), which the sync_queues pass makes the worker wait for. Asynchronous
+Between-graph, each replica's applies are joined in one marker node per group of train
+ops (``<prefix>graph_rewriter/gradients_applied``, then ``..._1``), which the sync_queues
+pass makes that group's train ops wait for. Asynchronous
 training (sync=False) uses no accumulator: each replica applies its own gradient.
 
 With template replicas (ReplicaMap.template) the pass builds the applies of replicas 0
@@ -147,10 +148,11 @@ class AccumulatePass(Pass):
         # when the updates do not run (a v1 tf.cond whose branch holding them is not
         # taken: its ops are dead, and an op waiting for a dead one would be dead too).
         # Between-graph, sync_queues orders the chief's tokens after the updates.
-        # In-graph, train ops run at steps of their own (a GAN's d_train and g_train: the
-        # plan's train_ops) bump it after their own takes only, so running one takes
-        # (and computes) none of the other's gradients; an accumulator takes any
-        # gradient tagged with a step at least its own, so one counter serves both.
+        # Train ops run at steps of their own (a GAN's d_train and g_train: the plan's
+        # train_ops) bump it after their own takes only, so running one takes (and
+        # computes) none of the other's gradients; an accumulator takes any gradient
+        # tagged with a step at least its own, so one counter serves both. Between-graph,
+        # each group has its own markers, and sync_queues its own tokens.
         graph.mark_new_global(before)
         # (Not a reader the takes themselves wait for: a BatchNorm moving average's update
         # that the backward pass runs after. With slots a take waits for the applies only

@@ -8,7 +8,11 @@ Each worker runs its own graph. Per worker k there is a token queue on the first
     the chief:     take the averaged gradients ─> bump the step counter ─> apply the
                    updates ─> enqueue one token into every worker's queue
 
-so the chief applies each step once and every worker waits for it. With staleness s,
+so the chief applies each step once and every worker waits for it. Train ops run at
+steps of their own (a GAN's d_train and g_train: the accumulate pass's groups, one
+counter bump each) have token ops of their own (``<TOKENS>/group_<j>/...``): the chief's
+d_train releases the workers after the discriminator's takes, bump and updates, and a
+worker's d_train applies and waits for its own gradients only. With staleness s,
 each queue starts with s tokens: a worker may run up to s steps ahead of the applied
 updates, never more (the accumulate pass keeps one accumulator per step in flight, so
 every step still averages exactly its own gradients). The chief's init op drains what an
@@ -26,7 +30,9 @@ TensorFlow numbers the steps of graphs with collectives from one sequence shared
 workers, so the chief's step and another worker's step carry the same id, and a master
 that finishes its step cleans that id up on every task it used: on the ps it would
 abort whatever of the other worker's step is still waiting there ("Aborted: Cleanup
-<step id>"). After the barrier nobody has anything left on the ps. (A replica's copy
+<step id>"). After the barrier nobody has anything left on the ps: an op's data inputs
+(a train op that is the global step's assign_add on the ps) are read through copies on
+the worker's host that the barrier waits for. (A replica's copy
 of the init op runs inside replica 0's, before that barrier, and has none of its own.)
 
 With template replicas (ReplicaMap.template) the pass sees replicas 0 and 1 only: the
@@ -354,8 +360,17 @@ class SyncQueuesPass(Pass):
         def end_with_barrier(op, kind, index):
             scope = graph.unique_name(f"graph_rewriter/end_of_{kind}")
             zero = const(graph, f"{scope}/zero", 0.0, "float32", me)
+            # An op with data inputs (a train op that is the global step's assign_add on
+            # the ps, wrapped in an Identity) reads them through copies on this worker
+            # that the barrier waits for: a read from the ps after the barrier would be
+            # cut off by another worker's cleanup of the same step id on the ps.
+            fetched = []
+            for pos, t in enumerate(op.inputs):
+                copy = make_op(graph, "Identity", f"{scope}/input_{pos}", [t], device=me)
+                op.set_input(pos, copy.output(0))
+                fetched.append(copy)
             done = all_reduce_mean(graph, scope, zero, len(hosts), gkey, barrier_instance_key(plan, kind, index),
-                                   me, control_inputs=list(op.control_inputs))
+                                   me, control_inputs=list(op.control_inputs) + fetched)
             for c in list(op.control_inputs):
                 op.remove_control_input(c)
             op.add_control_input(done)
@@ -384,10 +399,18 @@ class SyncQueuesPass(Pass):
         removable = [n for n in graph if n in chief_only and all(c in chief_only for c, _ in n.consumers())]
         # What the removed nodes also ran on this worker's replicas (e.g. the micro-batch
         # sums' stores under a train op the accumulate pass wrapped) stays with the train
-        # ops, whichever removed node it hung from. Global work (an optimizer's own
-        # updates on the ps) is the chief's.
+        # ops, whichever removed node it hung from: by a control edge, or by a data edge
+        # from a node that waits for work or writes a variable (a global step's
+        # assign_add reads replica 0's copy of the optimizer's update group, its `value`,
+        # which waits for a mirrored variable's update and so for that update's
+        # collective). A plain value (a learning rate) is of no use there. Global work
+        # (an optimizer's own updates on the ps) is the chief's.
+        def runs(n):
+            return list(n.control_inputs) + [t.node for t in n.inputs if t.node.control_inputs
+                                             or written_variables(t.node, graph.library)]
+
         def own_of(nodes):
-            return list(dict.fromkeys(c for n in nodes for c in n.control_inputs
+            return list(dict.fromkeys(c for n in nodes for c in runs(n)
                                       if c not in chief_only and rm.replica_of(graph, c.name) is not None))
         own = own_of(removable)
         # (the sinks the removal touches: removed ones, and kept ones losing a chief-only

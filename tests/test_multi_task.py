@@ -242,6 +242,19 @@ def test_between_graph_ps_gives_each_train_op_its_own_step(task):
 
 
 @pytest.mark.slow
+def test_two_workers_train_as_one_device_on_loopback_servers(pool, procs, tmp_path):
+    """Between-graph allreduce, 2 workers x 1 replica, each its own worker_client process
+    running train_a and train_b in turns on its half of every batch."""
+    graph_def, reads = multi_task("adam", embedding=True, clip=True)
+    feeds = multi_task_batches(STEPS, BATCH, embedding=True)
+    _, want = _one_device(graph_def, feeds, reads)
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(), feeds,
+                              step_ops=STEP_OPS)
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ps", "hybrid"])
 def test_two_workers_with_variables_on_the_ps_train_as_one_device(strategy, pool, procs, tmp_path):
     """Between-graph ps and hybrid (the embedding on the ps, the rest all-reduced), 2

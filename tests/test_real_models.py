@@ -480,3 +480,60 @@ def test_wide_deep_between_graph_on_servers(strategy, num_ps, pool, procs, tmp_p
     _assert_equal(f"{what} (chief)", ref_losses, ref_values, losses, reads[0])
     _assert_equal(f"{what} (worker 1)", ref_losses, ref_values, losses, reads[1])
     assert int(reads[0]["global_step"]) == BETWEEN_STEPS
+
+
+# ----- clipped models between-graph under ps on real TensorFlow servers (slow) --------
+# A norm over the embedding's rows keeps its gradient all-gathered (BERT: every gradient,
+# under one global norm; the LSTM LM: the embedding's own), so strategy ps runs
+# collectives across the workers beside the ps. Before: BERT aborted ("Cleanup <step
+# id>" from the ps: each worker bumped the global step left on the ps), and the LSTM LM
+# hung (another worker's train op ran none of its embedding's update, nor so its
+# all-gather; with that fixed, the chief read its global step's bump from the ps after
+# the end-of-step barrier, which the other worker's cleanup of the step cut off).
+PS_CLIPPED_CASES = [("bert", 1), ("lstm_lm", 1), ("lstm_lm", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,dpw", PS_CLIPPED_CASES, ids=[f"{m}-{d}" for m, d in PS_CLIPPED_CASES])
+def test_clipped_models_between_graph_ps_on_servers(model, dpw, pool, procs, tmp_path):
+    ex, feed = getattr(rm, f"build_{model}")(seed=310 + PS_CLIPPED_CASES.index((model, dpw)))
+    batches = [feed(step) for step in range(BETWEEN_STEPS)]
+    ref_losses, ref_values = harness.run_single(ex, steps=BETWEEN_STEPS, feeds=batches)
+    with pool.use(2, 1, tc.SERVER_DEVICES) as cluster:
+        _, outputs = tc._run_between(cluster, procs, tmp_path, ex, "ps", dpw, batches,
+                                     timeout_seconds=TIMEOUT_SECONDS)
+    reads = [{name: o["reads"][t] for name, t in ex.variables.items()} for o in outputs]
+    losses = np.mean([o["losses"] for o in outputs], axis=0)
+    what = f"{model} between-graph 2x{dpw} ps"
+    _assert_equal(f"{what} (chief)", ref_losses, ref_values, losses, reads[0])
+    _assert_equal(f"{what} (worker 1)", ref_losses, ref_values, losses, reads[1])
+    assert int(reads[0]["global_step"]) == BETWEEN_STEPS
+
+
+def test_between_graph_ps_with_an_all_gathered_embedding_structure():
+    """The LSTM LM under ps between-graph (its embedding all-gathered, the rest on the ps):
+    another worker's train op runs its replicas' embedding update and all-gather (it ran
+    neither: the global step's assign_add, the chief's, reads replica 0's copy of the
+    update group by a data edge), and the chief's train op (the global step's bump on the
+    ps) reads it through a copy on its own host that the end-of-step barrier waits for."""
+    ex, _ = rm.build_lstm_lm(seed=0)
+    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    for task in ("worker:0", "worker:1"):
+        out = gr.rewrite(ex.graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy="ps",
+                         task=task, timeout_seconds=TIMEOUT_SECONDS).graph_def
+        nodes = {n.name: n for n in out.node}
+        inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in out.node}
+        ran, stack = set(), ["train_op"]
+        while stack:
+            for p in inputs[stack.pop()]:
+                if p not in ran:
+                    ran.add(p)
+                    stack.append(p)
+        assert "allgather/lm/embedding/values/all_gather" in ran, task
+        assert "train_op/update_lm/embedding/SparseApplyAdagrad" in ran, task
+        if task == "worker:0":
+            read = inputs["train_op"][0]
+            assert nodes[read].device.startswith("/job:worker/replica:0/task:0"), nodes[read].device
+            barrier = [i for i in inputs["train_op"][1:] if "end_of_step" in i]
+            assert barrier and read in inputs[barrier[0]]

@@ -415,13 +415,14 @@ class SyncQueuesPass(Pass):
         own = own_of(removable)
         # (the sinks the removal touches: removed ones, and kept ones losing a chief-only
         # control input; with per_root, each keeps what the removed nodes it ran ran)
-        sinks = [n for n in graph if n.is_sink and (n in chief_only and n in removable or n not in chief_only
+        removed = set(removable)
+        sinks = [n for n in graph if n.is_sink and (n in removed or n not in chief_only
                                                     and any(c in chief_only for c in n.control_inputs))]
         if per_root:
             mine = {}
             for n in sinks:
-                ran = ancestors([n]) | {n}
-                mine[n] = own_of(m for m in removable if m in ran)   # (in graph order)
+                reached = ancestors([n]) | {n}
+                mine[n] = own_of(m for m in removable if m in reached)   # (in graph order)
         else:
             mine = {n: own for n in sinks}
         for n in graph:
@@ -434,7 +435,7 @@ class SyncQueuesPass(Pass):
                 for c in mine[n]:
                     if c is not n and c not in n.control_inputs:
                         n.add_control_input(c)
-        dropped = {n.name: mine[n] for n in sinks if n in chief_only}
+        dropped = {n.name: mine[n] for n in sinks if n in removed}
         graph.remove_nodes(removable)
         return dropped
 

@@ -36,6 +36,14 @@ def train(session, names):
     return losses, {n: session.run(f"{n}/Read/ReadVariableOp:0") for n in names}
 
 
+def _one_device(graph_def, names):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        return train(sess, names)
+
+
 def _ancestors(graph_def, name):
     inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
     seen, stack = set(), [name]
@@ -52,11 +60,7 @@ def test_alternating_train_ops_train_as_one_device(strategy, replicas):
     """Under ps each train op's takes bump the step counter apart; with 4 replicas (a
     template replica standing for 3) as with 2."""
     graph_def, names = gan()
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
-        want_losses, want = train(sess, names)
+    want_losses, want = _one_device(graph_def, names)
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     with gr.Session(result) as sess:
         losses, got = train(sess, names)
@@ -106,11 +110,7 @@ def test_two_workers_with_variables_on_the_ps_train_as_one_device(pool, procs, t
     train ops' updates at every step (the variables 0.02 off one device after four
     steps, the global step 4 where one device counts 2), and such graphs were refused."""
     graph_def, names = gan()
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
-        want_losses, want = train(sess, names)
+    _, want = _one_device(graph_def, names)
     reads = {n: f"{n}/Read/ReadVariableOp:0" for n in names}
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "ps", STEPS, reads.values(), feeds(),
                               step_ops=(("d_loss:0", "d_train"), ("g_loss:0", "g_train")))

@@ -41,12 +41,14 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
         result = check_plan(given, analysis, options, r)
     result.fingerprint = graph_fingerprint(graph)
     result.inputs = plan_inputs(analysis, options.batch_split, r)
-    _check_shared_step_ids(result, cluster)
     _check_collective_dtypes(result, r)
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
     _keep_rows_unsummed(result, analysis, info)
     _mirror_state_left_on_ps(result, cluster, info)
+    # (on the placement the steps above settle: strategy ps can end with a gradient
+    # mirrored, an embedding whose rows a norm reads)
+    _check_shared_step_ids(result, cluster)
     _check_train_ops_between_graph(result, cluster)
     _choose_communication(result, options)
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
@@ -737,8 +739,9 @@ def _check_shared_step_ids(plan, cluster):
             f"and ps variables (e.g. '{on_ps[0]}') in between-graph workers: TensorFlow gives "
             "every worker's step the same id once collectives span workers, and a worker "
             "running ahead would abort the chief's step on the ps",
-            hint="use strategy ps (every variable on the ps) with staleness, or synchronous "
-                 "hybrid, or one in-graph client (no task)")
+            hint="use staleness where every variable stays on the ps (strategy ps; a norm over "
+                 "a sparse gradient's rows keeps it all-reduced, and the rewrite log with -v "
+                 "says which), or synchronous training, or one in-graph client (no task)")
 
 
 def _check_train_ops_between_graph(plan, cluster):

@@ -537,3 +537,17 @@ def test_between_graph_ps_with_an_all_gathered_embedding_structure():
             assert nodes[read].device.startswith("/job:worker/replica:0/task:0"), nodes[read].device
             barrier = [i for i in inputs["train_op"][1:] if "end_of_step" in i]
             assert barrier and read in inputs[barrier[0]]
+
+
+def test_between_graph_ps_staleness_with_an_all_gathered_embedding_is_refused():
+    """Under ps the LSTM LM's embedding stays all-gathered (its norm reads the rows), so
+    workers running ahead would share step ids with collectives beside the ps. The check
+    ran before the plan settled that and let the graph through; it now checks the final
+    plan and names both kinds of variable."""
+    ex, _ = rm.build_lstm_lm(seed=0)
+    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    with pytest.raises(gr.GraphRewriteError, match="staleness=1 cannot be combined with all-reduced "
+                       "variables \\(e.g. 'lm/embedding'\\) and ps variables") as e:
+        gr.rewrite(ex.graph_def, cluster, devices_per_worker=1, device_type="CPU", strategy="ps",
+                   task="worker:0", staleness=1)
+    assert "norm over a sparse gradient's rows" in e.value.hint

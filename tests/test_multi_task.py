@@ -36,19 +36,20 @@ SHARED = ("encoder/kernel", "encoder/bias")
 STEP_OPS = (("loss_a:0", "train_a"), ("loss_b:0", "train_b"))
 
 
-def _train(session, feeds, reads):
-    """train_a at even steps, train_b at odd ones: (losses, {variable: value})."""
+def _train(session, feeds, reads, step_ops=STEP_OPS):
+    """Step k runs step_ops[k mod n] (by default train_a at even steps, train_b at odd
+    ones): (losses, {variable: value})."""
     with session as sess:
         sess.run("init")
-        losses = [sess.run(list(STEP_OPS[i % 2]), feed)[0] for i, feed in enumerate(feeds)]
+        losses = [sess.run(list(step_ops[i % len(step_ops)]), feed)[0] for i, feed in enumerate(feeds)]
         return np.array(losses), sess.run(reads)
 
 
-def _one_device(graph_def, feeds, reads):
+def _one_device(graph_def, feeds, reads, step_ops=STEP_OPS):
     graph = tf.Graph()
     with graph.as_default():
         tf1.import_graph_def(graph_def, name="")
-    return _train(tf1.Session(graph=graph), feeds, reads)
+    return _train(tf1.Session(graph=graph), feeds, reads, step_ops)
 
 
 def _assert_as_one_device(got, want, reads):
@@ -289,14 +290,7 @@ def test_one_train_op_whose_every_gradient_stays_mirrored_under_ps(pool, procs, 
                       device_type="CPU", strategy="ps", task="worker:1", log=lines.append).plan
     assert {v.placement for v in plan.variables} == {"mirrored"}
     assert any("'beta1_power'" in line and "mirrored too" in line for line in lines), lines
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
-        sess.run("init")
-        for feed in feeds:
-            sess.run(list(STEP_OPS[0]), feed)
-        want = sess.run(reads)
+    _, want = _one_device(graph_def, feeds, reads, STEP_OPS[:1])
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "ps", STEPS, reads.values(), feeds,
                               step_ops=STEP_OPS[:1])
     for name, tensor in reads.items():

@@ -53,6 +53,7 @@ from graph_rewriter.testing import real_models as rm
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 from test_equivalence import _device
+from test_two_train_ops import _ancestors
 
 STEPS = 12
 RTOL, ATOL = 1e-4, 1e-5
@@ -524,12 +525,7 @@ def test_between_graph_ps_with_an_all_gathered_embedding_structure():
                          task=task, timeout_seconds=TIMEOUT_SECONDS).graph_def
         nodes = {n.name: n for n in out.node}
         inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in out.node}
-        ran, stack = set(), ["train_op"]
-        while stack:
-            for p in inputs[stack.pop()]:
-                if p not in ran:
-                    ran.add(p)
-                    stack.append(p)
+        ran = _ancestors(out, "train_op")
         assert "allgather/lm/embedding/values/all_gather" in ran, task
         assert "train_op/update_lm/embedding/SparseApplyAdagrad" in ran, task
         if task == "worker:0":

@@ -162,6 +162,11 @@ class Analysis:
     # the batch statistics that synchronised batch statistics cannot all-reduce, each
     # with the reason (name -> sentence): a max of the rows, a BatchNorm in a function
     statistics_obstacles: dict = dataclasses.field(default_factory=dict)
+    # batch statistics that are sums over the rows (a Sum, a MatMul contracting them) ->
+    # [(op name, input position, [Shape or Size of a batch tensor])] where a value of the
+    # statistic alone meets a count of the batch's rows (``/ tf.cast(tf.shape(h)[0],
+    # ...)``): synced, the statistic is the whole batch's, and there the count must be too
+    statistics_row_counts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def trainable(self):
@@ -287,6 +292,14 @@ class _Analyzer:
         selected_means = self._find_selected_means(variant0, training)
         obstacles = {name: reason for name in batch_statistics
                      for reason in [self._sync_obstacle(name, selected_means)] if reason is not None}
+        row_counts = {}
+        for name in batch_statistics:
+            if name not in obstacles and self.g.node(name).op in _SUMMED_STATISTICS:
+                met, reason = self._row_counts_met(self.g.node(name), {t.node for t in seeds}, variant0)
+                if reason is not None:
+                    obstacles[name] = reason
+                elif met:
+                    row_counts[name] = met
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -295,7 +308,7 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
-            selected_means=selected_means, statistics_obstacles=obstacles,
+            selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
             variables=self.variables, cuts=cuts, batch_inputs=batch,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
@@ -980,9 +993,10 @@ class _Analyzer:
 
     def _sync_obstacle(self, name, selected_means):
         """Why the batch statistic ``name`` cannot be synchronised across the replicas
-        (passes/batch_statistics.py), or None: a Mean over the rows whose backward pass
-        reads its gradient from one tensor (or that has none), or a FusedBatchNorm in
-        the graph whose reserve spaces only its backward FusedBatchNormGrads read."""
+        (passes/batch_statistics.py), or None: a Mean over the rows, or a sum over them
+        (a Sum, a MatMul contracting them), whose backward pass reads its gradient from
+        one tensor (or that has none), or a FusedBatchNorm in the graph whose reserve
+        spaces only its backward FusedBatchNormGrads read."""
         if ":" in name:
             call, function, _ = name.split(":", 2)
             return (f"it is inside the function '{function}' that '{call}' calls (tf_keras' BatchNormalization "
@@ -991,14 +1005,78 @@ class _Analyzer:
         n = self.g.node(name)
         if n.op in _FUSED_BATCH_NORMS:
             return fused_batch_norm_obstacle(n)
-        if n.op != "Mean":
-            return (f"it is a {n.op} over the rows; only means (tf.nn.moments, a BatchNorm's statistics) "
-                    "and fused BatchNorms are synchronised")
+        if n.op != "Mean" and n.op not in _SUMMED_STATISTICS:
+            return (f"it is a {n.op} over the rows; only means (tf.nn.moments, a BatchNorm's statistics), "
+                    "sums over the rows (a Sum, a MatMul contracting them) and fused BatchNorms are synchronised")
         if name in selected_means:
             return "it is also a mean over rows a condition selects, which the normalizers pass scales"
         if gradient_scopes(self.order, {name: n}) and not gradient_entries(self.order, {name: n}):
             return "its backward pass reads the gradient from more than one tensor"
         return None
+
+    def _row_counts_met(self, stat, seed_nodes, variant0, limit=4096):
+        """([(op name, input position, [shape reads])], None) where a value computed
+        from the sum over the rows ``stat`` and values free of the batch meets a count of
+        the batch's rows (Barlow Twins' ``C = z_a^T z_b / tf.cast(tf.shape(z_a)[0],
+        tf.float32)``), or (None, obstacle). Synced, the statistic is the whole batch's, and one device
+        divides it by the whole batch's count of rows: there the rewrite counts every
+        replica's rows (passes/batch_statistics.py). Where a value of the replica's own
+        rows meets a count (a sum of the rows' distances to the statistic divided by
+        ``tf.shape(h)[0]``: a mean by hand) the replica's count is right and stays. A
+        count that meets both at once, a row-reduced value plus one of the statistic
+        alone, is refused."""
+        below, stack = {stat}, [stat]
+        while stack and len(below) < limit:
+            for c, _ in stack.pop().consumers():
+                if c not in below and not in_gradients_scope(c.name) and c.op not in _SHAPE_ONLY:
+                    below.add(c)
+                    stack.append(c)
+        counts = {}
+
+        def count_reads(t):
+            """The reads of a batch tensor's shape a count of rows ``t`` is computed from
+            (nothing else of the batch), or None if ``t`` is no such count."""
+            if t not in counts:
+                reads, seen, stack = [], {t.node}, [t.node]
+                while stack:
+                    n = stack.pop()
+                    if n in seed_nodes or n in below or len(seen) > limit:
+                        reads = None   # a value of the batch, not only its shape
+                        break
+                    if n.op in _SHAPE_ONLY:
+                        if n.op != "Rank" and n.inputs and _reaches_rows(n.inputs[0], seed_nodes):
+                            reads.append(n)
+                        continue
+                    for i in n.inputs:
+                        if i.node not in seen and not is_back_edge(i.node, n):
+                            seen.add(i.node)
+                            stack.append(i.node)
+                counts[t] = reads or None
+            return counts[t]
+
+        whole, met = {stat}, []   # whole: the statistic's values that hold no replica's own rows
+        for d in sorted(below - {stat}, key=self.position.get):
+            mine = [t for t in d.inputs if t.node in below]
+            others = [(pos, t) for pos, t in enumerate(d.inputs) if t.node not in below]
+            found = [(pos, count_reads(t)) for pos, t in others if t.node in variant0 and count_reads(t)]
+            if all(t.node in whole for t in mine) and all(
+                    t.node not in variant0 or count_reads(t) for _, t in others):
+                whole.add(d)
+                for pos, reads in found:
+                    odd = [n for n in reads if n.op not in ("Shape", "Size")
+                           or not _reaches_rows(n.inputs[0], seed_nodes, strict=True)]
+                    if odd:
+                        return None, (f"'{d.name}' meets it with a count of the batch's rows taken by {odd[0].op} "
+                                      f"'{odd[0].name}' of a tensor whose first axis may not be the rows; count "
+                                      "them by tf.shape(x)[0] or tf.size(x) of the batch's rows, or use a "
+                                      "constant batch size")
+                    met.append((d.name, pos, sorted(n.name for n in reads)))
+            elif found and any(t.node in whole or not _reaches_rows(t, seed_nodes) and _holds_whole(t.node, whole)
+                               for t in mine):
+                return None, (f"'{d.name}' meets a count of the batch's rows with a sum over the replica's rows "
+                              "plus a value of the statistic alone: one device's count is right for the one, "
+                              "the replica's for the other; divide each by its count apart")
+        return met, None
 
     # ---- roles ------------------------------------------------------------------------
     def _assign_roles(self, cuts, variant):
@@ -1396,6 +1474,8 @@ _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gathe
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
+# statistics the replicas sync by summing theirs: a sum over the rows, a product contracting them
+_SUMMED_STATISTICS = frozenset(("Sum", "MatMul"))
 
 
 class _Lazy:
@@ -1437,6 +1517,22 @@ def _const_axes_hold_rows(axes, value):
         rank = static_rank(value)
         return rank is not None and any(v + rank == 0 for v in values)
     return False
+
+
+def _holds_whole(node, whole, limit=4096):
+    """True if ``node``'s value adds one of the ``whole`` values (a synced statistic's,
+    the same on every replica) outside any sum over the rows: ``reduce_sum(err) + c``,
+    not ``reduce_sum(square(h - c))``."""
+    def follow(n):
+        return [] if _sums_rows(n) else [t.node for t in n.inputs]
+    return _search_back(node, lambda n: n in whole, follow, limit) is not None
+
+
+def _sums_rows(n):
+    """True for a reduction whose constant axes hold the rows, or a MatMul contracting them."""
+    if n.op in _STATISTICS:
+        return len(n.inputs) > 1 and _const_axes_hold_rows(n.inputs[1], n.inputs[0])
+    return n.op == "MatMul" and n.attr["transpose_a"].b
 
 
 def _used_non_linearly(stat, seed_nodes, divisors, training, limit=256):

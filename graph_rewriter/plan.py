@@ -205,6 +205,12 @@ class Plan:
     # rows, forward and at their backward pass (passes/batch_statistics.py; the option
     # sync_batch_statistics asks for them); None: none, and absent from the JSON
     sync_batch_statistics: list = None
+    # [op name, input position, [Shape or Size of a batch tensor]] where a value of a
+    # synced sum over the rows (a Sum, a MatMul contracting them) meets a count of the
+    # batch's rows (tf.shape(h)[0]): there the count is every replica's rows, those
+    # shapes' rows summed over the replicas (passes/batch_statistics.py); None: none,
+    # and absent from the JSON
+    synced_row_counts: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -261,6 +267,8 @@ class Plan:
             del d["loss_sums"]
         if d["sync_batch_statistics"] is None:
             del d["sync_batch_statistics"]
+        if d["synced_row_counts"] is None:
+            del d["synced_row_counts"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
@@ -306,7 +314,8 @@ class Plan:
                 notes=list(d["notes"]) if d.get("notes") else None,
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
                 random_draws=d.get("random_draws"),
-                loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"))
+                loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
+                synced_row_counts=d.get("synced_row_counts"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 

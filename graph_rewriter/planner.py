@@ -255,6 +255,7 @@ def _plan_batch_statistics(plan, analysis, options, cluster, log):
                 else "drop sync_batch_statistics")
     if plan.num_replicas < 2 or not wanted:
         plan.sync_batch_statistics = [] if plan.sync_batch_statistics == [] else None
+        plan.synced_row_counts = None
         return
     if not (len(cluster.compute_tasks) == 1 or plan.uses_collectives()):
         raise GraphRewriteError(
@@ -262,6 +263,8 @@ def _plan_batch_statistics(plan, analysis, options, cluster, log):
             "group, so their batch statistics cannot be all-reduced",
             hint="use strategy allreduce or hybrid, or leave sync_batch_statistics off")
     plan.sync_batch_statistics = list(wanted)
+    counts = [[op, pos, list(reads)] for name in wanted for op, pos, reads in analysis.statistics_row_counts.get(name, ())]
+    plan.synced_row_counts = counts or None
     log(f"plan: batch statistics all-reduced over the {plan.num_replicas} replicas' rows: {_listed(wanted)}")
     if plan.accumulation_steps > 1:
         note = SYNCED_MICRO_BATCHES.format(k=plan.accumulation_steps, names=_listed(wanted), r=plan.num_replicas)

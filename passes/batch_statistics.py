@@ -20,6 +20,17 @@ replicas' mean of theirs, so its entry is all-reduced too. The all-reduce takes 
 statistic's name; the Mean is renamed ``<name>/replica_rows``. With tf.nn.moments the
 variance, a Mean of the squared distances to the synced mean, is then one device's too.
 
+A sum over the rows (a Sum, a MatMul contracting them: Barlow Twins' C = z_a^T z_b / n):
+one device's is the replicas' sum, whatever their counts:
+
+    forward:   Sum ─> CollectiveReduceV2(Add, Id) ─> what read it
+    backward:  dL/dSum ─> CollectiveReduceV2(Add, Id) ─> Sum_grad
+
+One device divides it by the whole batch's count of rows, a replica's tf.shape(h)[0]
+counts its own: where a value of the sum alone meets such a count (plan.synced_row_counts,
+found by the analysis), that op and its backward pass read a copy of the count's ops
+whose Shape's first element (or Size) is summed over the replicas, as float64.
+
 A FusedBatchNorm in training mode computes its statistics inside one kernel, and its
 backward, FusedBatchNormGrad, reads them from the forward's reserve spaces: both are
 replaced by their ops, the statistics and the two means of the backward all-reduced
@@ -38,7 +49,8 @@ own backward pass only), each in the topological order of replica 0.
 import re
 
 from graph_rewriter import dtypes
-from graph_rewriter.analysis import BATCH_NORM_AXES, FUSED_BATCH_NORM_GRADS, dead_zeros_like, gradient_entries
+from graph_rewriter.analysis import (BATCH_NORM_AXES, FUSED_BATCH_NORM_GRADS, dead_zeros_like, gradient_entries,
+                                     gradient_scopes)
 from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_instance_key
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
@@ -46,6 +58,7 @@ from graph_rewriter.traversal import topological_order
 
 _SHAPE_READERS = frozenset(("Shape", "ShapeN", "Size", "Rank"))
 _GRADIENTS = re.compile(r"^(?:.*/)?gradients(?:_\d+)?/")
+SUMMED = ("Sum", "MatMul")   # statistics synced by summing the replicas'
 FORWARD = ""   # the forward chain's name; a backward chain is named by its gradients scope
 
 
@@ -62,20 +75,26 @@ class BatchStatisticsPass(Pass):
         names = plan.sync_batch_statistics or []
         if rm.group_size == 1 or not names:
             return False
-        means = {name: rm.node(graph, 0, name) for name in names if rm.node(graph, 0, name).op == "Mean"}
+        sums = {name: rm.node(graph, 0, name) for name in names
+                if rm.node(graph, 0, name).op in ("Mean",) + SUMMED}
         mine = [n for n in graph.nodes if "_grad/" in n.name and rm.replica_of(graph, n.name) == 0]
-        entries = gradient_entries(mine, means) if means else {}
+        entries = gradient_entries(mine, sums) if sums else {}
+        counts = [(op, pos, reads, _gradient_readers(mine, rm.node(graph, 0, op), pos))
+                  for op, pos, reads in plan.synced_row_counts or []]
         first_key = len(plan.normalizers or []) + len(plan.selected_means or [])
         syncs = [_Sync(graph, rm, i, plan, group_key(rm.group_devices), first_key) for i in rm.built]
         for sync in syncs:
             with graph.adding_to_replica(sync.i):
                 for name in names:
                     node = rm.node(graph, sync.i, name)
+                    at = [(rm.node(graph, sync.i, reader.name), pos) for _, (reader, pos) in entries.get(name, [])]
                     if node.op == "Mean":
-                        sync.mean(node, [(rm.node(graph, sync.i, reader.name), pos)
-                                         for _, (reader, pos) in entries.get(name, [])])
+                        sync.mean(node, at)
+                    elif node.op in SUMMED:
+                        sync.summed(node, at)
                     else:
                         sync.fused_batch_norm(node)
+                sync.whole_counts(counts)
         _chain(graph, syncs)
         replaced = [n for sync in syncs for n in sync.replaced]
         unread = _unread_reads(replaced)
@@ -103,6 +122,14 @@ def _unread_reads(replaced):
         found.append(n)
         stack.extend(t.node for t in n.inputs)
     return found
+
+
+def _gradient_readers(nodes, op, pos):
+    """[(name, position)]: the inputs of ``op``'s backward pass (among ``nodes``) that
+    read its input ``pos``, as RealDiv's gradient reads the divisor."""
+    tensor = op.inputs[pos]
+    return [(n.name, k) for members in gradient_scopes(nodes, {op.name: op}).values()
+            for n in members for k, t in enumerate(n.inputs) if t == tensor]
 
 
 def _chain(graph, syncs):
@@ -143,10 +170,12 @@ class _Sync:
     def const(self, name, value, dtype):
         return const(self.g, name, value, dtype, self.device)
 
-    def all_reduce(self, scope, tensor, chain):
-        """The replicas' mean of ``tensor`` (a collective of the chain ``chain``)."""
+    def all_reduce(self, scope, tensor, chain, final_op="Div"):
+        """The replicas' mean of ``tensor`` (``final_op="Id"``: their sum), a collective
+        of the chain ``chain``."""
         node = all_reduce_mean(self.g, scope, tensor, self.rm.group_size,
-                               self.gkey, normalizer_instance_key(self.plan, self.next_key), self.device)
+                               self.gkey, normalizer_instance_key(self.plan, self.next_key), self.device,
+                               final_op=final_op)
         self.next_key += 1
         self.collectives.append((chain, node))
         return node.output(0)
@@ -184,6 +213,83 @@ class _Sync:
                 reader.set_input(pos, scaled)
         self.renames[0].append((node, self.g.unique_name(f"{name}/replica_rows")))
         self.renames[1].append((synced.node, name))
+
+    # ---- a sum over the rows ---------------------------------------------------------------
+    def summed(self, node, entries):
+        """``node``'s readers read the replicas' sum of it, and its backward entries
+        ``entries`` ([(reader, position)]) the replicas' sum of the gradient."""
+        name = node.name
+        readers = [(c, pos) for c, pos in node.consumers(0) if c.op not in _SHAPE_READERS]
+        synced = self.all_reduce(f"{name}/sync", node.output(0), FORWARD, final_op="Id")
+        for c, pos in readers:
+            c.set_input(pos, synced)
+        by_tensor = {}
+        for reader, pos in entries:
+            by_tensor.setdefault(reader.inputs[pos], []).append((reader, pos))
+        for gradient, readers in by_tensor.items():
+            total = self.all_reduce(f"{readers[0][0].name}/sync", gradient, _chain_of(readers[0][0].name),
+                                    final_op="Id")
+            for reader, pos in readers:
+                reader.set_input(pos, total)
+        self.renames[0].append((node, self.g.unique_name(f"{name}/replica_rows")))
+        self.renames[1].append((synced.node, name))
+
+    def whole_counts(self, counts):
+        """Where a synced sum's value meets a count of the batch's rows (``counts``:
+        [(op, input position, [shape reads], [(gradient reader, position)])], original
+        names), the op and its backward pass read the count of every replica's rows: a
+        copy of the ops from the shape reads to the count, each read's rows summed."""
+        memo = {self.rm.node(self.g, self.i, read).name: None for _, _, reads, _ in counts for read in reads}
+        for op, pos, _, gradient_readers in counts:
+            node = self.rm.node(self.g, self.i, op)
+            whole = self._whole(node.inputs[pos], memo, f"{node.name}/sync/whole_count")
+            node.set_input(pos, whole)
+            for reader, k in gradient_readers:
+                self.rm.node(self.g, self.i, reader).set_input(k, whole)
+
+    def _whole(self, tensor, memo, scope):
+        """``tensor`` computed from every replica's rows: ``memo`` maps the names of the
+        shape reads of the batch to their whole versions (None until made) and of the
+        ops copied to their copies."""
+        from graph_rewriter.ir import Tensor
+        node = tensor.node
+        if node.name in memo:
+            if memo[node.name] is None:
+                memo[node.name] = self._summed_rows(node, scope)
+            return Tensor(memo[node.name], tensor.index)
+        if node.op in _SHAPE_READERS or node.op == "Const":   # (the shape of a tensor without rows)
+            return tensor
+        inputs = [self._whole(t, memo, scope) for t in node.inputs]
+        if all(a is b or a == b for a, b in zip(inputs, node.inputs)):
+            return tensor
+        copy = self.g.clone_node(node, self.g.unique_name(f"{scope}/{node.name.rsplit('/', 1)[-1]}"))
+        copy.set_inputs(inputs)
+        copy.set_control_inputs(node.control_inputs)
+        copy.replica = self.i
+        memo[node.name] = copy
+        return Tensor(copy, tensor.index)
+
+    def _summed_rows(self, read, scope):
+        """A Size, or a Shape with its first element, summed over the replicas (counts
+        travel as float64: exact to 2**53)."""
+        out_type = read.attr["out_type"].type
+        f64 = dtypes.as_dtype("float64").as_datatype_enum
+        name = f"{scope}/{read.name.rsplit('/', 1)[-1]}"
+        if read.op == "Size":
+            total = self.all_reduce(name, self.op("Cast", f"{name}/as_float", [read.output(0)],
+                                                  type_attrs={"DstT": f64}), FORWARD, final_op="Id")
+            return self.op("Cast", f"{name}/whole", [total], type_attrs={"DstT": out_type}).node
+        int_name = dtypes.as_dtype(out_type).name
+        zero, one, rest = (self.const(f"{name}/{what}", [v], int_name) for what, v in
+                           (("begin", 0), ("one", 1), ("rest", -1)))
+        rows = self.op("Slice", f"{name}/rows", [read.output(0), zero, one])
+        total = self.all_reduce(name, self.op("Cast", f"{name}/as_float", [rows], type_attrs={"DstT": f64}),
+                                FORWARD, final_op="Id")
+        others = self.op("Slice", f"{name}/other_axes", [read.output(0), one, rest])
+        axis = self.const(f"{name}/axis", 0, "int32")
+        return make_op(self.g, "ConcatV2", f"{name}/whole",
+                       [[self.op("Cast", f"{name}/whole_rows", [total], type_attrs={"DstT": out_type}), others],
+                        axis], device=self.device)
 
     # ---- a FusedBatchNorm in training mode -------------------------------------------------
     def fused_batch_norm(self, node):

@@ -121,15 +121,61 @@ def test_a_subset_syncs_only_those_and_names_the_rest():
     assert loss_gap > 1e-4
 
 
-@pytest.mark.parametrize("kind", ["center_loss", "mean_features", "fused_batch_norm"])
+@pytest.mark.parametrize("kind", ["center_loss", "mean_features", "fused_batch_norm", "cross_correlation",
+                                  "covariance", "center_by_hand"])
 def test_other_statistics_over_the_rows_train_as_one_device(kind):
     """A center loss's mean, a loss on the batch's mean features, a fused BatchNorm of
-    rank-2 features reshaped to images (tests/test_rows_meeting.py's MLP)."""
+    rank-2 features reshaped to images, Barlow Twins' cross-correlation and VICReg's
+    covariance of the features over the batch (products contracting the rows, divided
+    by ``tf.shape(h)[0]`` and by ``n - 1``), a center loss by hand (a Sum over the rows
+    divided by their count) (tests/test_rows_meeting.py's MLP)."""
     graph_def, feeds = rows_meeting_mlp(kind), dropout_batches(STEPS, BATCH)
     reads = test_rows_meeting.MLP_READS
     result = _rewrite(graph_def, sync_batch_statistics=True)
     assert result.plan.sync_batch_statistics and not _notes(result)
     _assert_one_device(_train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads))
+
+
+@pytest.mark.parametrize("kind", ["cross_correlation", "center_by_hand"])
+@pytest.mark.parametrize("strategy, replicas, options", [
+    ("ps", 2, {}), ("hybrid", 2, {}), ("allreduce", 2, {"allreduce_algorithm": "reduce_to_one"}),
+    ("allreduce", 4, {}), ("allreduce", 4, {"materialize_replicas": True})],
+    ids=["ps", "hybrid", "reduce_to_one", "allreduce-4", "allreduce-4-built"])
+def test_sums_over_the_rows_train_as_one_device_under_every_strategy(kind, strategy, replicas, options):
+    graph_def, feeds = rows_meeting_mlp(kind), dropout_batches(STEPS, BATCH)
+    reads = test_rows_meeting.MLP_READS
+    result = _rewrite(graph_def, replicas, strategy=strategy, sync_batch_statistics=True, **options)
+    _assert_one_device(_train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads))
+
+
+def test_a_sum_over_the_rows_is_summed_and_its_count_counts_every_replicas_rows():
+    """The center loss by hand, 2 replicas: the Sum keeps its name on a summing
+    all-reduce, as does its gradient's entry; where the Sum's value alone is divided by
+    ``n = tf.cast(tf.shape(h)[0])`` the quotient and its gradient read n from a copy
+    whose Shape's rows are summed over the replicas, and where the replica's own
+    distances are divided by n (a mean by hand) they still read the replica's n."""
+    result = _rewrite(rows_meeting_mlp("center_by_hand"), sync_batch_statistics=True)
+    assert result.plan.sync_batch_statistics == ["center"]
+    assert result.plan.synced_row_counts == [["truediv", 1, ["Shape"]]]
+    assert gr.Plan.from_json(result.plan.to_json()).synced_row_counts == result.plan.synced_row_counts
+    nodes = {n.name: n for n in result.graph_def.node}
+    for prefix in ("", "replica_1/"):
+        center = nodes[f"{prefix}center"]
+        assert center.op == "CollectiveReduceV2" and center.attr["final_op"].s == b"Id"
+        assert center.input[0] == f"{prefix}center/replica_rows"
+        [entry] = [n for name, n in nodes.items() if name.startswith(f"{prefix}gradients/center_grad/")
+                   and n.op == "Reshape"]
+        assert nodes[entry.input[0]].op == "CollectiveReduceV2"
+        whole = nodes[nodes[f"{prefix}truediv"].input[1]]
+        assert whole.name.startswith(f"{prefix}truediv/sync/whole_count/") and whole.op == "Cast"
+        shape = nodes[nodes[whole.input[0]].input[0]]
+        assert shape.op == "ConcatV2" and any(
+            nodes[i].op == "Cast" and nodes[nodes[i].input[0]].op == "CollectiveReduceV2" for i in shape.input)
+        divisors = {i for name, n in nodes.items() if name.startswith(f"{prefix}gradients/truediv_grad/")
+                    for i in n.input if i in (whole.name, f"{prefix}Cast")}
+        assert divisors == {whole.name}
+        mean_by_hand = nodes[f"{prefix}truediv_1"]
+        assert mean_by_hand.input[1] == f"{prefix}Cast"
 
 
 def _half_precision_batch_norm():
@@ -281,15 +327,19 @@ def _keras_conv_bn():
 @pytest.mark.parametrize("graph_def, sync, message", [
     (lambda: rows_meeting_mlp("batch_max"), True,
      "the batch statistic 'center' cannot be synchronised: it is a Max over the rows"),
-    (lambda: rows_meeting_mlp("cross_correlation"), True,
-     "the batch statistic 'center' cannot be synchronised: it is a MatMul over the rows"),
+    (lambda: rows_meeting_mlp("mixed_count"), True,
+     "the batch statistic 'center' cannot be synchronised: 'truediv' meets a count of the batch's rows with a "
+     "sum over the replica's rows plus a value of the statistic alone"),
+    (lambda: rows_meeting_mlp("reshaped_count"), True,
+     "the batch statistic 'center' cannot be synchronised: 'truediv' meets it with a count of the batch's rows "
+     "taken by Shape 'Shape' of a tensor whose first axis may not be the rows"),
     (_keras_conv_bn, True, r"the batch statistic 'batch_normalization/cond:batch_normalization_cond_true_\d+:"
                            r"FusedBatchNormV3' cannot be synchronised: it is inside the function "
                            r"'batch_normalization_cond_true_\d+' that 'batch_normalization/cond' calls"),
     (lambda: batch_norm_cnn("layers")[0], ["bn3/FusedBatchNormV3"],
      "sync_batch_statistics names 'bn3/FusedBatchNormV3', which is not a statistic over the batch's rows "
      "that this graph trains with \\(found: bn1/FusedBatchNormV3, bn2/FusedBatchNormV3\\)"),
-], ids=["max", "matmul", "keras_function", "unknown"])
+], ids=["max", "mixed_count", "reshaped_count", "keras_function", "unknown"])
 def test_what_cannot_be_synced_is_refused_by_name(graph_def, sync, message):
     with pytest.raises(gr.GraphRewriteError, match=message) as e:
         _rewrite(graph_def(), sync_batch_statistics=sync)
@@ -342,6 +392,21 @@ def test_two_workers_train_as_one_device_on_loopback_servers(pool, procs, tmp_pa
     """Between-graph allreduce, 2 workers x 1 replica, each its own client fed its half
     of every batch: the fused BatchNorms' statistics all-reduced between the processes."""
     (graph_def, reads), feeds = batch_norm_cnn("layers"), cnn_batches(STEPS, BATCH)
+    _, want = _one_device(graph_def, feeds, reads)
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(), feeds,
+                              options={"sync_batch_statistics": True})
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_two_workers_sum_the_rows_and_their_count_on_loopback_servers(pool, procs, tmp_path):
+    """Barlow Twins' cross-correlation divided by ``tf.shape(h)[0]``, between-graph
+    allreduce, 2 workers x 1 replica: the products' sum and the count of rows (a float64
+    all-reduce) summed between the processes."""
+    graph_def, feeds = rows_meeting_mlp("cross_correlation"), dropout_batches(STEPS, BATCH)
+    reads = test_rows_meeting.MLP_READS
     _, want = _one_device(graph_def, feeds, reads)
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(), feeds,
                               options={"sync_batch_statistics": True})

@@ -707,6 +707,10 @@ ROWS_MEETING = {
     "mean_features": ("batch_statistics", ["center"]),
     "batch_max": ("batch_statistics", ["center"]),
     "cross_correlation": ("batch_statistics", ["center"]),
+    "covariance": ("batch_statistics", ["center_mean", "center"]),
+    "center_by_hand": ("batch_statistics", ["center"]),
+    "mixed_count": ("batch_statistics", ["center"]),
+    "reshaped_count": ("batch_statistics", ["center"]),
     "fused_batch_norm": ("batch_statistics", ["bn"]),
     "labelled_rows": ("selected_means", ["loss_of_labelled"]),
     "partitioned_rows": ("selected_means", ["loss_of_labelled"]),
@@ -722,7 +726,11 @@ def rows_meeting_mlp(kind="plain"):
     meet other rows (ROWS_MEETING: mixup by ``tf.reverse(x, [0])``, by ``x[::-1]``, by a gather of
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
-    the batch, on the features' cross-correlation over the batch; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
+    the batch, on the features' cross-correlation over the batch divided by
+    ``tf.shape(h)[0]`` (or by the rows of a reshape of h), on their covariance (VICReg:
+    divided by ``n - 1``), a center loss by hand ``h - reduce_sum(h, 0) / n`` with
+    the distances' mean by hand too, a sum over the rows and the square of a sum over
+    them divided by one count; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
     a fused BatchNorm in training mode; the mean loss of the rows with
     ``x[:, 0] > 0`` by tf.boolean_mask or tf.dynamic_partition) or none does
     (ROWS_APART: features reversed, a mean by hand ``reduce_sum / tf.shape(x)[0]``, a
@@ -782,9 +790,23 @@ def rows_meeting_mlp(kind="plain"):
             loss += 0.5 * tf.reduce_sum(tf.square(tf.reduce_mean(h, 0, name="center") - 0.5))
         elif kind == "batch_max":
             loss += 0.1 * tf.reduce_max(tf.abs(h), name="center")
-        elif kind == "cross_correlation":   # Barlow Twins' redundancy reduction: C = h^T h / n, off-diagonal to 0
-            c = tf.matmul(h, h, transpose_a=True, name="center") / tf.cast(tf.shape(h)[0], tf.float32)
+        elif kind in ("cross_correlation", "reshaped_count"):
+            # Barlow Twins' redundancy reduction: C = h^T h / n, off-diagonal to 0
+            rows = tf.shape(h if kind == "cross_correlation" else tf.reshape(h, [-1, 4, 4]))[0]
+            c = tf.matmul(h, h, transpose_a=True, name="center") / tf.cast(rows, tf.float32)
             loss += 0.01 * tf.reduce_sum(tf.square(c - tf.linalg.diag(tf.linalg.diag_part(c))))
+        elif kind == "covariance":   # VICReg's covariance term: the centred features' C = h_c^T h_c / (n - 1)
+            centred = h - tf.reduce_mean(h, 0, name="center_mean")
+            c = tf.matmul(centred, centred, transpose_a=True, name="center") / (
+                tf.cast(tf.shape(h)[0], tf.float32) - 1.0)
+            loss += 0.01 * tf.reduce_sum(tf.square(c - tf.linalg.diag(tf.linalg.diag_part(c))))
+        elif kind in ("center_by_hand", "mixed_count"):   # a sum over the rows divided by their count
+            n = tf.cast(tf.shape(h)[0], tf.float32)
+            total = tf.reduce_sum(h, 0, name="center")
+            if kind == "center_by_hand":   # the center n's whole batch's, the distances' mean n's replica's
+                loss += 0.5 * tf.reduce_sum(tf.square(h - total / n)) / n
+            else:   # one count for a sum over the replica's rows and a value of the whole batch's sum
+                loss += 0.1 * (tf.reduce_sum(tf.square(h)) + tf.reduce_sum(tf.square(total))) / n
         elif kind == "perplexity":
             tf.exp(loss, name="perplexity")
         elif kind not in ROWS_MEETING and kind not in ROWS_APART:

@@ -97,7 +97,7 @@ class BatchStatisticsPass(Pass):
                 sync.whole_counts(counts)
         _chain(graph, syncs)
         replaced = [n for sync in syncs for n in sync.replaced]
-        unread = _unread_reads(replaced)
+        unread = _unread_reads(replaced) + _unread_counts([n for sync in syncs for n in sync.counted])
         graph.remove_nodes(replaced + unread)
         for phase in (0, 1):   # the statistics leave their names, then their replacements take them
             graph.rename_nodes({n: new for sync in syncs for n, new in sync.renames[phase]})
@@ -132,6 +132,23 @@ def _gradient_readers(nodes, op, pos):
             for n in members for k, t in enumerate(n.inputs) if t == tensor]
 
 
+def _unread_counts(counts):
+    """The replica's counts of rows (and the ops they alone read, up to the batch's
+    shape) that nobody reads once a synced sum and its backward read the whole count:
+    left, such a count is a root of the graph, and one computed after a synced statistic
+    (the rows of a normalised embedding) would run one replica's collectives alone."""
+    found, gone, stack = [], set(), list(counts)
+    while stack:
+        n = stack.pop()
+        if n in gone or n.op in _SHAPE_READERS or n.control_consumers or any(
+                c not in gone for c, _ in n.consumers()):
+            continue
+        gone.add(n)
+        found.append(n)
+        stack.extend(t.node for t in n.inputs)
+    return found
+
+
 def _chain(graph, syncs):
     """Every replica's collectives, chain by chain, in replica 0's topological order."""
     position = {n: k for k, n in enumerate(topological_order(graph))}
@@ -162,6 +179,7 @@ class _Sync:
         self.next_key = first_key
         self.collectives = []
         self.replaced = []
+        self.counted = []   # the replica's own counts of rows that synced sums read before
         self.renames = ([], [])
 
     def op(self, op_type, name, inputs, **kw):
@@ -242,6 +260,7 @@ class _Sync:
         memo = {self.rm.node(self.g, self.i, read).name: None for _, _, reads, _ in counts for read in reads}
         for op, pos, _, gradient_readers in counts:
             node = self.rm.node(self.g, self.i, op)
+            self.counted.append(node.inputs[pos].node)
             whole = self._whole(node.inputs[pos], memo, f"{node.name}/sync/whole_count")
             node.set_input(pos, whole)
             for reader, k in gradient_readers:

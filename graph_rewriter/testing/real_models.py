@@ -51,6 +51,12 @@ The models (everything seeded: the graph seed and every op seed; ref variables,
   per row (``tf.random_normal(tf.shape(mu))``) and whose loss, the negative ELBO, is
   summed over the batch (reconstruction cross entropy plus KL, each a ``tf.reduce_sum``
   over every axis), AdamOptimizer with global_step; resource variables.
+- ``build_barlow_twins``: Barlow Twins, two views through one encoder and a projector
+  with a BatchNorm by hand, each embedding normalised over the batch, the loss on their
+  cross-correlation ``z_a^T z_b / tf.shape(z_a)[0]``, trained by a hand-written LARS
+  (per-matrix trust ratios from the norms of each weight and its gradient, momentum,
+  weight decay; biases and BatchNorm apart); resource variables. Its statistics over
+  the rows are one device's only with ``sync_batch_statistics``.
 
 Every single-device run is bit-for-bit deterministic. With ref variables that takes
 care: a read of a ref variable aliases the buffer that an optimizer's apply op updates
@@ -727,6 +733,116 @@ def build_vae(seed=0, data_seed=0, batch_size=VAE_BATCH):
     return ex, feed
 
 
+# ----- 7. Barlow Twins: a cross-correlation over the batch, trained by a hand-written LARS -----
+
+BT_FEATURES = 8
+BT_HIDDEN = 16
+BT_EMBED = 8
+BT_BATCH = 16
+BT_LAMBDA = 0.05            # the off-diagonal terms' weight (the paper's 5e-3 is for 8192 features)
+BT_LR = 0.2                 # LARS: the weights' learning rate; biases and BatchNorm's take BT_LR_BIAS
+BT_LR_BIAS = 0.0048
+BT_MOMENTUM = 0.9
+BT_WEIGHT_DECAY = 1.5e-6
+BT_ETA = 0.001 * 50         # LARS' trust coefficient (scaled up: 12 steps must move the weights)
+BT_EPSILON = 1e-5
+
+
+def build_barlow_twins(seed=0, data_seed=0, batch_size=BT_BATCH):
+    """Barlow Twins (Zbontar et al., 2021, in the shape of its TF ports): two views of each
+    example (``x_a``, ``x_b``: the same rows with their own noise, as the input
+    pipeline's augmentations make them) through one encoder (dense 8 -> 16 relu -> 16)
+    and a projector (dense without bias, a BatchNorm by hand in training mode:
+    ``tf.nn.moments`` over the rows, scale and offset, relu, dense to 8); each view's
+    embedding normalised over the batch (``tf.nn.moments``, mean 0 and variance 1 per
+    feature); the cross-correlation C = z_a^T z_b / n with n = ``tf.shape(z_a)[0]``, the
+    loss Σ_i (1 - C_ii)^2 + λ Σ_{i≠j} C_ij^2. Trained by LARS written in plain ops, as
+    the paper does: per weight matrix the gradient plus weight decay, scaled by the
+    trust ratio η ||w|| / ||g|| (1 if either norm is 0), into a momentum slot; biases and
+    BatchNorm's scale and offset take neither decay nor trust ratio and a smaller
+    learning rate. Every update waits for every gradient, then global_step += 1.
+    Resource variables. Every statistic over the rows here (the BatchNorm's and the
+    normalisation's moments, C itself) is one device's only with
+    ``sync_batch_statistics``."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    seeds = _seeds(seed)
+    weights, plain = [], []
+
+    def variable(name, shape, initializer, trained_plainly=False):
+        v = tf1.get_variable(name, shape, tf.float32, initializer=initializer)
+        if all(v is not known for known in weights + plain):   # (the second view reuses it)
+            (plain if trained_plainly else weights).append(v)
+        return v
+
+    def dense(name, x, n_in, n_out, bias=True):
+        with tf1.variable_scope(name, reuse=tf1.AUTO_REUSE):
+            w = variable("kernel", [n_in, n_out], tf1.glorot_uniform_initializer(seed=next(seeds)))
+            y = tf.matmul(x, w)
+            if bias:
+                y += variable("bias", [n_out], tf1.zeros_initializer(), trained_plainly=True)
+        return y
+
+    def batch_norm(name, h, n):
+        with tf1.variable_scope(name, reuse=tf1.AUTO_REUSE):
+            gamma = variable("gamma", [n], tf1.ones_initializer(), trained_plainly=True)
+            beta = variable("beta", [n], tf1.zeros_initializer(), trained_plainly=True)
+        mean, var = tf.nn.moments(h, [0])
+        return gamma * (h - mean) * tf.math.rsqrt(var + BT_EPSILON) + beta
+
+    def embed(x, view):
+        with tf.name_scope(view):
+            h = tf.nn.relu(dense("encoder/hidden", x, BT_FEATURES, BT_HIDDEN))
+            h = dense("encoder/out", h, BT_HIDDEN, BT_HIDDEN)
+            h = tf.nn.relu(batch_norm("projector/bn", dense("projector/hidden", h, BT_HIDDEN, BT_HIDDEN,
+                                                            bias=False), BT_HIDDEN))
+            z = dense("projector/out", h, BT_HIDDEN, BT_EMBED)
+            mean, var = tf.nn.moments(z, [0], name="normalise")
+            return (z - mean) * tf.math.rsqrt(var + BT_EPSILON)
+
+    with _graph(seed, resource=True) as graph:
+        x_a = tf1.placeholder(tf.float32, [None, BT_FEATURES], name="x_a")
+        x_b = tf1.placeholder(tf.float32, [None, BT_FEATURES], name="x_b")
+        z_a, z_b = embed(x_a, "view_a"), embed(x_b, "view_b")
+        rows = tf.cast(tf.shape(z_a)[0], tf.float32)
+        c = tf.matmul(z_a, z_b, transpose_a=True, name="cross_correlation") / rows
+        diagonal = tf.linalg.diag_part(c)
+        on = tf.reduce_sum(tf.square(1.0 - diagonal))
+        off = tf.reduce_sum(tf.square(c)) - tf.reduce_sum(tf.square(diagonal))
+        loss = tf.add(on, BT_LAMBDA * off, name="loss")
+        global_step = tf1.train.get_or_create_global_step()
+        variables = weights + plain
+        grads = tf.gradients(loss, variables)
+        updates = []
+        with tf.control_dependencies(grads), tf.name_scope("lars"):
+            for v, g in zip(variables, grads):
+                name = v.op.name
+                momentum = tf1.get_variable(f"{name}/momentum", v.shape, tf.float32,
+                                            initializer=tf1.zeros_initializer(), trainable=False)
+                if v in plain:
+                    step = BT_LR_BIAS * g
+                else:
+                    g = g + BT_WEIGHT_DECAY * v
+                    w_norm, g_norm = tf.norm(v), tf.norm(g)
+                    trust = tf1.where(w_norm > 0.0, tf1.where(g_norm > 0.0, BT_ETA * w_norm / g_norm, 1.0), 1.0)
+                    step = BT_LR * trust * g
+                velocity = BT_MOMENTUM * momentum + step
+                updates += [tf1.assign(v, v - velocity), tf1.assign(momentum, velocity)]
+        with tf.control_dependencies(updates):
+            train_op = global_step.assign_add(1)
+        tf.group(train_op, name="train_op")
+        ex = _finish(graph, "barlow_twins", "lars", [x_a.name, x_b.name], seed, resource=True,
+                     tensors={"cross_correlation": c.name})
+
+    def feed(step):
+        rng = _rng(data_seed, step, 701)
+        base = rng.normal(size=(batch_size, BT_FEATURES))
+        view = lambda: (base + 0.3 * rng.normal(size=base.shape)).astype(np.float32)   # noqa: E731
+        return {"x_a:0": view(), "x_b:0": view()}
+
+    return ex, feed
+
+
 def build_loss_scale_v2(**kw):
     """build_loss_scale with v2 control flow (If) and resource variables."""
     return build_loss_scale(control_flow="v2", **kw)
@@ -746,11 +862,12 @@ BUILDERS = {
     "lstm_lm": build_lstm_lm,
     "wide_deep": build_wide_deep,
     "vae": build_vae,
+    "barlow_twins": build_barlow_twins,
 }
 
 BATCHES = {"bert": BERT_BATCH, "bert_dropout": BERT_BATCH, "loss_scale": LS_BATCH, "loss_scale_v2": LS_BATCH,
            "lstm_lm": LM_BATCH,
-           "wide_deep": WD_BATCH, "vae": VAE_BATCH}
+           "wide_deep": WD_BATCH, "vae": VAE_BATCH, "barlow_twins": BT_BATCH}
 
 
 def build(model, **kw):

@@ -122,12 +122,12 @@ def test_a_subset_syncs_only_those_and_names_the_rest():
 
 
 @pytest.mark.parametrize("kind", ["center_loss", "mean_features", "fused_batch_norm", "cross_correlation",
-                                  "covariance", "center_by_hand"])
+                                  "covariance", "center_by_hand", "size_count"])
 def test_other_statistics_over_the_rows_train_as_one_device(kind):
     """A center loss's mean, a loss on the batch's mean features, a fused BatchNorm of
     rank-2 features reshaped to images, Barlow Twins' cross-correlation and VICReg's
     covariance of the features over the batch (products contracting the rows, divided
-    by ``tf.shape(h)[0]`` and by ``n - 1``), a center loss by hand (a Sum over the rows
+    by ``tf.shape(h)[0]``, by ``n - 1`` and by ``tf.size(h) / 16``), a center loss by hand (a Sum over the rows
     divided by their count) (tests/test_rows_meeting.py's MLP)."""
     graph_def, feeds = rows_meeting_mlp(kind), dropout_batches(STEPS, BATCH)
     reads = test_rows_meeting.MLP_READS

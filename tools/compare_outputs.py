@@ -74,7 +74,8 @@ CONFIGS = {
 
 ZOO_OPTIMIZERS = {"keras": ("keras_adam", "keras_sgd_momentum"),
                   "keras_embedding": ("keras_adam", "keras_sgd_momentum")}
-REAL_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep", "vae")
+REAL_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep", "vae",
+               "barlow_twins")
 
 
 def build_inputs(out_dir, keras=False):
@@ -108,7 +109,8 @@ def build_inputs(out_dir, keras=False):
     os.makedirs(os.path.join(out_dir, "warm_start"), exist_ok=True)
     graphs["script_warm_start"] = tf1_scripts.warm_started_mlp(os.path.join(out_dir, "warm_start"))[0]
     graphs["script_dual_encoder"] = tf1_scripts.dual_encoder("in_batch")
-    for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows"):   # rows that meet other rows
+    for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows",   # rows that meet other rows
+                 "cross_correlation", "center_by_hand"):
         graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice

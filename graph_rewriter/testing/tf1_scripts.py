@@ -711,6 +711,7 @@ ROWS_MEETING = {
     "center_by_hand": ("batch_statistics", ["center"]),
     "mixed_count": ("batch_statistics", ["center"]),
     "reshaped_count": ("batch_statistics", ["center"]),
+    "size_count": ("batch_statistics", ["center"]),
     "fused_batch_norm": ("batch_statistics", ["bn"]),
     "labelled_rows": ("selected_means", ["loss_of_labelled"]),
     "partitioned_rows": ("selected_means", ["loss_of_labelled"]),
@@ -727,7 +728,7 @@ def rows_meeting_mlp(kind="plain"):
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
     the batch, on the features' cross-correlation over the batch divided by
-    ``tf.shape(h)[0]`` (or by the rows of a reshape of h), on their covariance (VICReg:
+    ``tf.shape(h)[0]`` (or by the rows of a reshape of h, or by ``tf.size(h) / 16``), on their covariance (VICReg:
     divided by ``n - 1``), a center loss by hand ``h - reduce_sum(h, 0) / n`` with
     the distances' mean by hand too, a sum over the rows and the square of a sum over
     them divided by one count; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
@@ -790,10 +791,14 @@ def rows_meeting_mlp(kind="plain"):
             loss += 0.5 * tf.reduce_sum(tf.square(tf.reduce_mean(h, 0, name="center") - 0.5))
         elif kind == "batch_max":
             loss += 0.1 * tf.reduce_max(tf.abs(h), name="center")
-        elif kind in ("cross_correlation", "reshaped_count"):
+        elif kind in ("cross_correlation", "reshaped_count", "size_count"):
             # Barlow Twins' redundancy reduction: C = h^T h / n, off-diagonal to 0
-            rows = tf.shape(h if kind == "cross_correlation" else tf.reshape(h, [-1, 4, 4]))[0]
-            c = tf.matmul(h, h, transpose_a=True, name="center") / tf.cast(rows, tf.float32)
+            if kind == "size_count":   # n as the count of h's elements over its 16 features
+                rows = tf.cast(tf.size(h), tf.float32) / 16.0
+            else:
+                rows = tf.cast(tf.shape(h if kind == "cross_correlation" else tf.reshape(h, [-1, 4, 4]))[0],
+                               tf.float32)
+            c = tf.matmul(h, h, transpose_a=True, name="center") / rows
             loss += 0.01 * tf.reduce_sum(tf.square(c - tf.linalg.diag(tf.linalg.diag_part(c))))
         elif kind == "covariance":   # VICReg's covariance term: the centred features' C = h_c^T h_c / (n - 1)
             centred = h - tf.reduce_mean(h, 0, name="center_mean")

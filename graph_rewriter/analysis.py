@@ -1090,7 +1090,9 @@ class _Analyzer:
                     self.declared_trainable is None or cut.variable not in self.declared_trainable):
                 primary.role = "state"
                 cut.role = "state"
-                cut.combine = batch_combine(cut.values)
+                # a state fed from the backward pass accumulates gradients (NVIDIA BERT's
+                # accumulators): averaged like them, even a bias's (a Sum over the rows)
+                cut.combine = None if in_gradients_scope(cut.values.node.name) else batch_combine(cut.values)
             else:
                 primary.role, primary.trainable = "trainable", True
                 cut.role = "gradient"
@@ -2026,10 +2028,18 @@ class _PostProcessingWalk:
         if self.affine:
             return {(t, None)}
         self.ops.add("UnsortedSegmentSum")
-        ids = _strip_identity(ids)
-        # every stop is paired with the ids; those that are not the rows (a global norm
-        # that scaled them) are downstream of other stops and are never averaged
-        return {(v, ids) for v, _ in inner}
+        return {(v, self._unrouted(ids)) for v, _ in inner}
+
+    def _unrouted(self, ids):
+        """The ids from before a routing into a cond branch, as the rows were walked
+        back: every stop is paired with them; those that are not the rows (a global norm
+        that scaled them) are downstream of other stops and are never averaged. (NVIDIA
+        BERT's gradient accumulation assigns IndexedSlices in a cond, densified there:
+        the ids of the branch it assigns in and of the one it adds in are one tensor.)"""
+        while (ids.node.op in ("Identity", "Snapshot", "Switch", "RefSwitch")
+               and self._walkable(ids.node)):
+            ids = ids.node.inputs[0]
+        return ids
 
     def sparse(self, values, indices, deduplicated):
         """Stops of a sparse cut: its rows walked back (through the optimizer's
@@ -2040,9 +2050,7 @@ class _PostProcessingWalk:
         if stops == {(start_values, None)}:
             return {(values, indices)}
         # the ids were routed like the rows (into a cond branch): take them from before
-        while (start_indices.node.op in ("Identity", "Snapshot", "Switch", "RefSwitch")
-               and self._walkable(start_indices.node)):
-            start_indices = start_indices.node.inputs[0]
+        start_indices = self._unrouted(start_indices)
         out = set()
         for v, i in stops:
             out.add((v, i if i is not None else start_indices))

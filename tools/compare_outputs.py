@@ -74,8 +74,8 @@ CONFIGS = {
 
 ZOO_OPTIMIZERS = {"keras": ("keras_adam", "keras_sgd_momentum"),
                   "keras_embedding": ("keras_adam", "keras_sgd_momentum")}
-REAL_MODELS = ("bert", "bert_dropout", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm", "wide_deep", "vae",
-               "barlow_twins")
+REAL_MODELS = ("bert", "bert_dropout", "bert_accumulate", "loss_scale", "loss_scale_v2", "resnet", "lstm_lm",
+               "wide_deep", "vae", "barlow_twins")
 
 
 def build_inputs(out_dir, keras=False):

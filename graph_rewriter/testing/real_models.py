@@ -24,6 +24,10 @@ The models (everything seeded: the graph seed and every op seed; ref variables,
   ``shards=k, per_shard_clipping=True`` builds the CONTROL variant: the batch is cut
   into k equal shards, each shard's gradient is clipped by its own global norm and the
   clipped gradients are averaged, i.e. per-replica clipping computed on one device.
+  ``build_bert_accumulate``: the same with NVIDIA DeepLearningExamples' gradient
+  accumulation by hand over 2 steps (accumulators assigned or added in a v1 cond on a
+  local step counter, AdamW applying the sums in another cond; resource variables, v1
+  control flow).
 - ``build_loss_scale``: an MLP trained with dynamic loss scaling in plain ops (loss scale
   and good-step counter variables, scaled loss, unscaled gradients, an all-finite check,
   clip_by_global_norm, a v1 tf.cond around AdamOptimizer.apply_gradients and the
@@ -155,12 +159,17 @@ BERT_LABEL_NOISE = 0.1
 BERT_KEY_TOKENS = 10       # the first token (the class's evidence) is drawn below this
 
 
-def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_size=BERT_BATCH, dropout=0.0):
+def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_size=BERT_BATCH, dropout=0.0,
+               accumulation_steps=1):
     """The BERT-style classifier. ``dropout`` > 0: BERT's dropouts at that rate (its
     hidden_dropout_prob and attention_probs_dropout_prob, 0.1 in the public configs): on
     the embeddings after their layer norm, on the attention probabilities, and on the
     attention output's and the feed-forward output's dense layer before their residual
     (seeded by the graph's seed, as tf.nn.dropout without a seed of its own is).
+    ``accumulation_steps`` = k > 1: NVIDIA's BERT gradient accumulation by hand (the
+    clipped gradients summed into accumulator variables under a v1 cond on a local step
+    counter, AdamW applying the sums at every k-th step under another; global_step
+    counts the applies).
 
     ``shards`` = k > 1 builds a control variant of the same model (same variables, same
     initial values): the batch is cut into k equal shards and each shard's gradient is
@@ -205,7 +214,7 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
     def heads(t):  # [B*S, H] -> [B, NH, S, HD]
         return tf.transpose(tf.reshape(t, [-1, S, NH, HD]), [0, 2, 1, 3])
 
-    with _graph(seed) as graph:
+    with _graph(seed, control_flow="v1" if accumulation_steps > 1 else None, resource=accumulation_steps > 1) as graph:
         input_ids = tf.compat.v1.placeholder(tf.int32, [None, S], name="input_ids")
         labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
         with tf.compat.v1.variable_scope("bert"):
@@ -285,25 +294,56 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
 
         # -- AdamW in plain ops
         beta1, beta2, epsilon = 0.9, 0.999, 1e-6
-        assignments = []
-        for param, grad in zip(tvars, grads):
-            name = param.op.name
-            m = tf.compat.v1.get_variable(name + "/adam_m", param.shape.as_list(), tf.float32,
-                                          trainable=False, initializer=tf.compat.v1.zeros_initializer())
-            v = tf.compat.v1.get_variable(name + "/adam_v", param.shape.as_list(), tf.float32,
-                                          trainable=False, initializer=tf.compat.v1.zeros_initializer())
-            next_m = tf.multiply(beta1, m) + tf.multiply(1.0 - beta1, grad)
-            next_v = tf.multiply(beta2, v) + tf.multiply(1.0 - beta2, tf.square(grad))
-            update = next_m / (tf.sqrt(next_v) + epsilon)
-            if not any(word_ in name for word_ in ("LayerNorm", "layer_norm", "bias")):
-                update += BERT_WEIGHT_DECAY * param
-            next_param = param - learning_rate * update
-            assignments += [tf.compat.v1.assign(param, next_param), tf.compat.v1.assign(m, next_m),
-                            tf.compat.v1.assign(v, next_v)]
-        update_op = tf.group(*assignments, name="adamw_update")
-        with tf.control_dependencies([update_op]):
-            bump = tf.compat.v1.assign_add(global_step, 1, name="increment_global_step")
-        tf.group(update_op, bump, name="train_op")
+        slots = {}
+        for param in tvars:
+            slots[param] = [tf.compat.v1.get_variable(param.op.name + suffix, param.shape.as_list(), tf.float32,
+                                                      trainable=False, initializer=tf.compat.v1.zeros_initializer())
+                            for suffix in ("/adam_m", "/adam_v")]
+
+        def adamw(grads):
+            assignments = []
+            for param, grad in zip(tvars, grads):
+                name = param.op.name
+                m, v = slots[param]
+                next_m = tf.multiply(beta1, m) + tf.multiply(1.0 - beta1, grad)
+                next_v = tf.multiply(beta2, v) + tf.multiply(1.0 - beta2, tf.square(grad))
+                update = next_m / (tf.sqrt(next_v) + epsilon)
+                if not any(word_ in name for word_ in ("LayerNorm", "layer_norm", "bias")):
+                    update += BERT_WEIGHT_DECAY * param
+                next_param = param - learning_rate * update
+                assignments += [tf.compat.v1.assign(param, next_param), tf.compat.v1.assign(m, next_m),
+                                tf.compat.v1.assign(v, next_v)]
+            return tf.group(*assignments, name="adamw_update")
+
+        if accumulation_steps == 1:
+            update_op = adamw(grads)
+            with tf.control_dependencies([update_op]):
+                bump = tf.compat.v1.assign_add(global_step, 1, name="increment_global_step")
+            tf.group(update_op, bump, name="train_op")
+        else:
+            # NVIDIA DeepLearningExamples' BERT (its TF1 optimization.py): each step's
+            # clipped gradients are summed into accumulators, reset at every k-th step, and
+            # AdamW applies the sums (undivided) at every k-th step, under v1 conds on a
+            # local step counter; global_step counts the applies.
+            k = accumulation_steps
+            local_step = tf.compat.v1.get_variable("local_step", [], tf.int32, trainable=False,
+                                                   initializer=tf.compat.v1.zeros_initializer())
+            accums = [tf.compat.v1.get_variable(param.op.name + "/accum", param.shape.as_list(), tf.float32,
+                                                trainable=False, initializer=tf.compat.v1.zeros_initializer())
+                      for param in tvars]
+            reset_step = tf.math.equal(local_step % k, 0)
+            local_step = tf.cond(reset_step, lambda: tf.compat.v1.assign(local_step, tf.ones_like(local_step)),
+                                 lambda: tf.compat.v1.assign_add(local_step, 1))
+            accums = tf.cond(reset_step, lambda: [tf.compat.v1.assign(a, g) for a, g in zip(accums, grads)],
+                             lambda: [tf.compat.v1.assign_add(a, g) for a, g in zip(accums, grads)])
+            update_step = tf.identity(tf.math.equal(local_step % k, 0), name="update_step")
+            update_op = tf.cond(update_step, lambda: adamw(accums), tf.no_op)
+            # (NVIDIA's assigns the new global step beside the update, unordered: the
+            # update's learning rate could read the step before or after the assign)
+            with tf.control_dependencies([update_op]):
+                new_step = tf.cond(update_step, lambda: global_step + 1, lambda: tf.identity(global_step))
+                bump = tf.compat.v1.assign(global_step, new_step)
+            tf.group(update_op, bump, name="train_op")
         ex = _finish(graph, "bert", "adamw", [input_ids.name, labels.name], seed,
                      tensors={"global_norm": global_norm.name, "learning_rate": learning_rate.name})
 
@@ -848,6 +888,11 @@ def build_loss_scale_v2(**kw):
     return build_loss_scale(control_flow="v2", **kw)
 
 
+def build_bert_accumulate(**kw):
+    """The BERT-style classifier with NVIDIA's gradient accumulation by hand over 2 steps."""
+    return build_bert(accumulation_steps=2, **kw)
+
+
 def build_bert_dropout(**kw):
     """The BERT-style classifier with BERT's dropouts at 0.1."""
     return build_bert(dropout=0.1, **kw)
@@ -856,6 +901,7 @@ def build_bert_dropout(**kw):
 BUILDERS = {
     "bert": build_bert,
     "bert_dropout": build_bert_dropout,
+    "bert_accumulate": build_bert_accumulate,
     "loss_scale": build_loss_scale,
     "loss_scale_v2": build_loss_scale_v2,
     "resnet": build_resnet,
@@ -865,7 +911,7 @@ BUILDERS = {
     "barlow_twins": build_barlow_twins,
 }
 
-BATCHES = {"bert": BERT_BATCH, "bert_dropout": BERT_BATCH, "loss_scale": LS_BATCH, "loss_scale_v2": LS_BATCH,
+BATCHES = {"bert": BERT_BATCH, "bert_dropout": BERT_BATCH, "bert_accumulate": BERT_BATCH, "loss_scale": LS_BATCH, "loss_scale_v2": LS_BATCH,
            "lstm_lm": LM_BATCH,
            "wide_deep": WD_BATCH, "vae": VAE_BATCH, "barlow_twins": BT_BATCH}
 

@@ -825,11 +825,10 @@ def _mirror_state_left_on_ps(plan, cluster, log):
     log says so."""
     if cluster.task is None or any(c.sync == "accumulate" for c in plan.cuts):
         return
-    on_ps = [v.name for v in plan.variables if v.placement == "ps"]
+    on_ps = _on_ps(plan)
     if not on_ps:
         return
-    for name in on_ps:
-        plan.set_placement(name, "mirrored")
+    _mirror(plan, on_ps)
     log(f"plan: no gradient is averaged on a parameter server, so its other variables "
         f"({_listed(on_ps)}) are mirrored too: between-graph, each worker "
         "would otherwise write them at every step")
@@ -849,7 +848,7 @@ def _mirror_unordered_state_on_ps(plan, analysis, cluster, log):
     from graph_rewriter.traversal import ancestors
     if cluster.task is not None or any(c.sync == "accumulate" for c in plan.cuts):
         return
-    on_ps = [v.name for v in plan.variables if v.placement == "ps"]
+    on_ps = _on_ps(plan)
     if not on_ps:
         return
     cut_nodes = {c.values.node for c in analysis.cuts}
@@ -860,11 +859,21 @@ def _mirror_unordered_state_on_ps(plan, analysis, cluster, log):
                  if any(not (ancestors([w]) & cut_nodes) for w in steps(analysis.variables[name]))]
     if not unordered:
         return
-    for name in on_ps:
-        plan.set_placement(name, "mirrored")
+    _mirror(plan, on_ps)
     log(f"plan: {_listed(unordered)} on the parameter servers would be written before the replicas' "
         f"reads of them (no gradient is accumulated there to wait for): the parameter servers' variables "
         f"({_listed(on_ps)}) are mirrored instead")
+
+
+def _on_ps(plan):
+    """The names of the plan's variables on a parameter server."""
+    return [v.name for v in plan.variables if v.placement == "ps"]
+
+
+def _mirror(plan, names):
+    """Every replica keeps a copy of each of ``names``, as under strategy allreduce."""
+    for name in names:
+        plan.set_placement(name, "mirrored")
 
 
 def _rows_read_unsummed(analysis):

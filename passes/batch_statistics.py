@@ -214,43 +214,36 @@ class _Sync:
     def mean(self, node, entries):
         """``node``'s readers read the synced mean, and its backward entries ``entries``
         ([(reader, position)]) the replicas' mean of the gradient, times f_r."""
-        name = node.name
+        factor, _ = self.factor(f"{node.name}/sync", node.inputs[0], node.attr["T"].type)
+        self._synced(node, entries, lambda: self.synced_mean(f"{node.name}/sync", node.output(0), factor, FORWARD),
+                     lambda scope, gradient, chain: self.op("Mul", f"{scope}/scaled", [
+                         self.all_reduce(scope, gradient, chain), factor]))
+
+    def _synced(self, node, entries, forward, backward):
+        """``node``'s readers (but its shape's) read ``forward()``, which takes its name
+        (the statistic is renamed ``<name>/replica_rows``), and its backward entries
+        ``entries`` ([(reader, position)]) ``backward(scope, gradient, chain)``, once per
+        gradient tensor."""
         readers = [(c, pos) for c, pos in node.consumers(0) if c.op not in _SHAPE_READERS]
-        factor, _ = self.factor(f"{name}/sync", node.inputs[0], node.attr["T"].type)
-        synced = self.synced_mean(f"{name}/sync", node.output(0), factor, FORWARD)
+        synced = forward()
         for c, pos in readers:
             c.set_input(pos, synced)
         by_tensor = {}
         for reader, pos in entries:
             by_tensor.setdefault(reader.inputs[pos], []).append((reader, pos))
         for gradient, readers in by_tensor.items():
-            scope = f"{readers[0][0].name}/sync"
-            total = self.all_reduce(scope, gradient, _chain_of(readers[0][0].name))
-            scaled = self.op("Mul", f"{scope}/scaled", [total, factor])
+            entry = backward(f"{readers[0][0].name}/sync", gradient, _chain_of(readers[0][0].name))
             for reader, pos in readers:
-                reader.set_input(pos, scaled)
-        self.renames[0].append((node, self.g.unique_name(f"{name}/replica_rows")))
-        self.renames[1].append((synced.node, name))
+                reader.set_input(pos, entry)
+        self.renames[0].append((node, self.g.unique_name(f"{node.name}/replica_rows")))
+        self.renames[1].append((synced.node, node.name))
 
     # ---- a sum over the rows ---------------------------------------------------------------
     def summed(self, node, entries):
         """``node``'s readers read the replicas' sum of it, and its backward entries
         ``entries`` ([(reader, position)]) the replicas' sum of the gradient."""
-        name = node.name
-        readers = [(c, pos) for c, pos in node.consumers(0) if c.op not in _SHAPE_READERS]
-        synced = self.all_reduce(f"{name}/sync", node.output(0), FORWARD, final_op="Id")
-        for c, pos in readers:
-            c.set_input(pos, synced)
-        by_tensor = {}
-        for reader, pos in entries:
-            by_tensor.setdefault(reader.inputs[pos], []).append((reader, pos))
-        for gradient, readers in by_tensor.items():
-            total = self.all_reduce(f"{readers[0][0].name}/sync", gradient, _chain_of(readers[0][0].name),
-                                    final_op="Id")
-            for reader, pos in readers:
-                reader.set_input(pos, total)
-        self.renames[0].append((node, self.g.unique_name(f"{name}/replica_rows")))
-        self.renames[1].append((synced.node, name))
+        self._synced(node, entries, lambda: self.all_reduce(f"{node.name}/sync", node.output(0), FORWARD, final_op="Id"),
+                     lambda scope, gradient, chain: self.all_reduce(scope, gradient, chain, final_op="Id"))
 
     def whole_counts(self, counts):
         """Where a synced sum's value meets a count of the batch's rows (``counts``:

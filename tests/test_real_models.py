@@ -505,18 +505,27 @@ PS_CLIPPED_CASES = [("bert", 1), ("lstm_lm", 1), ("lstm_lm", 2)]
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model,dpw", PS_CLIPPED_CASES, ids=[f"{m}-{d}" for m, d in PS_CLIPPED_CASES])
 def test_clipped_models_between_graph_ps_on_servers(model, dpw, pool, procs, tmp_path):
-    ex, feed = getattr(rm, f"build_{model}")(seed=310 + PS_CLIPPED_CASES.index((model, dpw)))
+    built = getattr(rm, f"build_{model}")(seed=310 + PS_CLIPPED_CASES.index((model, dpw)))
+    _between_graph_as_one_device(f"{model} between-graph 2x{dpw} ps", built, "ps", 1, dpw, pool, procs, tmp_path)
+
+
+def _between_graph_as_one_device(what, built, strategy, num_ps, dpw, pool, procs, tmp_path,
+                                 applies=BETWEEN_STEPS, **options):
+    """``built`` (example, feed) trained BETWEEN_STEPS steps by 2 workers x ``dpw``
+    replicas on loopback servers (``num_ps`` ps tasks), each its own client fed its
+    rows: both workers' variables, and the mean of their losses, as one device's; the
+    global step counts ``applies``."""
+    ex, feed = built
     batches = [feed(step) for step in range(BETWEEN_STEPS)]
     ref_losses, ref_values = harness.run_single(ex, steps=BETWEEN_STEPS, feeds=batches)
-    with pool.use(2, 1, tc.SERVER_DEVICES) as cluster:
-        _, outputs = tc._run_between(cluster, procs, tmp_path, ex, "ps", dpw, batches,
-                                     timeout_seconds=TIMEOUT_SECONDS)
+    with pool.use(2, num_ps, tc.SERVER_DEVICES) as cluster:
+        _, outputs = tc._run_between(cluster, procs, tmp_path, ex, strategy, dpw, batches,
+                                     timeout_seconds=TIMEOUT_SECONDS, **options)
     reads = [{name: o["reads"][t] for name, t in ex.variables.items()} for o in outputs]
-    losses = np.mean([o["losses"] for o in outputs], axis=0)
-    what = f"{model} between-graph 2x{dpw} ps"
+    losses = np.mean([o["losses"] for o in outputs], axis=0)   # equal shards: mean of means
     _assert_equal(f"{what} (chief)", ref_losses, ref_values, losses, reads[0])
     _assert_equal(f"{what} (worker 1)", ref_losses, ref_values, losses, reads[1])
-    assert int(reads[0]["global_step"]) == BETWEEN_STEPS
+    assert int(reads[0]["global_step"]) == applies
 
 
 def test_between_graph_ps_with_an_all_gathered_embedding_structure():
@@ -600,18 +609,8 @@ def test_barlow_twins_without_synced_statistics_differs_and_the_note_says_so():
 def test_barlow_twins_between_graph_on_servers(dpw, pool, procs, tmp_path):
     """2 workers on loopback servers, each its own client: the statistics, the
     cross-correlation and its count of rows all-reduced between the processes."""
-    ex, feed = rm.build_barlow_twins(seed=320 + dpw)
-    batches = [feed(step) for step in range(BETWEEN_STEPS)]
-    ref_losses, ref_values = harness.run_single(ex, steps=BETWEEN_STEPS, feeds=batches)
-    with pool.use(2, 0, tc.SERVER_DEVICES) as cluster:
-        _, outputs = tc._run_between(cluster, procs, tmp_path, ex, "allreduce", dpw, batches,
-                                     timeout_seconds=TIMEOUT_SECONDS, sync_batch_statistics=True)
-    reads = [{name: o["reads"][t] for name, t in ex.variables.items()} for o in outputs]
-    losses = np.mean([o["losses"] for o in outputs], axis=0)
-    what = f"barlow_twins between-graph 2x{dpw} allreduce"
-    _assert_equal(f"{what} (chief)", ref_losses, ref_values, losses, reads[0])
-    _assert_equal(f"{what} (worker 1)", ref_losses, ref_values, losses, reads[1])
-    assert int(reads[0]["global_step"]) == BETWEEN_STEPS
+    _between_graph_as_one_device(f"barlow_twins between-graph 2x{dpw} allreduce", rm.build_barlow_twins(seed=320 + dpw),
+                                 "allreduce", 0, dpw, pool, procs, tmp_path, sync_batch_statistics=True)
 
 
 # ----- NVIDIA BERT's gradient accumulation between-graph on real TensorFlow servers (slow) -----
@@ -623,18 +622,9 @@ def test_barlow_twins_between_graph_on_servers(dpw, pool, procs, tmp_path):
 def test_bert_accumulate_between_graph_on_servers(strategy, num_ps, pool, procs, tmp_path):
     """Accumulators summed in a cond, applied in another every 2nd step: 2 workers x 1
     replica, as one device (3 applies in 6 steps)."""
-    ex, feed = rm.build_bert_accumulate(seed=330 + num_ps)
-    batches = [feed(step) for step in range(BETWEEN_STEPS)]
-    ref_losses, ref_values = harness.run_single(ex, steps=BETWEEN_STEPS, feeds=batches)
-    with pool.use(2, num_ps, tc.SERVER_DEVICES) as cluster:
-        _, outputs = tc._run_between(cluster, procs, tmp_path, ex, strategy, 1, batches,
-                                     timeout_seconds=TIMEOUT_SECONDS)
-    reads = [{name: o["reads"][t] for name, t in ex.variables.items()} for o in outputs]
-    losses = np.mean([o["losses"] for o in outputs], axis=0)
-    what = f"bert_accumulate between-graph 2x1 {strategy}"
-    _assert_equal(f"{what} (chief)", ref_losses, ref_values, losses, reads[0])
-    _assert_equal(f"{what} (worker 1)", ref_losses, ref_values, losses, reads[1])
-    assert int(reads[0]["global_step"]) == BETWEEN_STEPS // 2
+    _between_graph_as_one_device(f"bert_accumulate between-graph 2x1 {strategy}",
+                                 rm.build_bert_accumulate(seed=330 + num_ps), strategy, num_ps, 1, pool, procs,
+                                 tmp_path, applies=BETWEEN_STEPS // 2)
 
 
 def test_bert_accumulate_plan():

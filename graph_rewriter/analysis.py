@@ -1018,9 +1018,9 @@ class _Analyzer:
         """([(op name, input position, [shape reads])], None) where a value computed
         from the sum over the rows ``stat`` and values free of the batch meets a count of
         the batch's rows (Barlow Twins' ``C = z_a^T z_b / tf.cast(tf.shape(z_a)[0],
-        tf.float32)``), or (None, obstacle). Synced, the statistic is the whole batch's, and one device
-        divides it by the whole batch's count of rows: there the rewrite counts every
-        replica's rows (passes/batch_statistics.py). Where a value of the replica's own
+        tf.float32)``), or (None, obstacle). Synced, the statistic is the whole batch's,
+        and one device divides it by the whole batch's count of rows: there the rewrite
+        counts every replica's rows (passes/batch_statistics.py). Where a value of the replica's own
         rows meets a count (a sum of the rows' distances to the statistic divided by
         ``tf.shape(h)[0]``: a mean by hand) the replica's count is right and stays. A
         count that meets both at once, a row-reduced value plus one of the statistic

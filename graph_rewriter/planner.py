@@ -45,8 +45,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _keep_unshardable_whole(result, graph, info)
     _keep_coupled_together(result, analysis, info)
     _keep_rows_unsummed(result, analysis, info)
-    _mirror_state_left_on_ps(result, cluster, info)
-    _mirror_unordered_state_on_ps(result, analysis, cluster, info)
+    _mirror_state_left_on_ps(result, analysis, cluster, info)
     # (on the placement the steps above settle: strategy ps can end with a gradient
     # mirrored, an embedding whose rows a norm reads)
     _check_shared_step_ids(result, cluster)
@@ -815,65 +814,46 @@ def _keep_coupled_together(plan, analysis, log):
         _repack(plan)
 
 
-def _mirror_state_left_on_ps(plan, cluster, log):
-    """Between-graph, a plan whose every gradient ended up mirrored (_keep_coupled_together
-    under strategy ps) has no accumulator, so nothing makes the chief alone write the
-    parameter servers' other variables: each worker's step would write them (Adam's beta
-    powers multiplied once per worker, the global step bumped once per worker), and
-    collectives spanning the workers beside ps writes abort each other's steps
-    ("Cleanup <step id>"). They are mirrored too, as under strategy allreduce, and the
-    log says so."""
-    if cluster.task is None or any(c.sync == "accumulate" for c in plan.cuts):
-        return
-    on_ps = _on_ps(plan)
-    if not on_ps:
-        return
-    _mirror(plan, on_ps)
-    log(f"plan: no gradient is averaged on a parameter server, so its other variables "
-        f"({_listed(on_ps)}) are mirrored too: between-graph, each worker "
-        "would otherwise write them at every step")
+def _mirror_state_left_on_ps(plan, analysis, cluster, log):
+    """A plan whose every gradient ended up mirrored (_keep_coupled_together under
+    strategy ps) has no accumulator, so nothing makes a parameter server's writes wait
+    for every replica, or the chief write alone.
 
-
-def _mirror_unordered_state_on_ps(plan, analysis, cluster, log):
-    """In one graph, a plan with no accumulator (every gradient mirrored by
-    _keep_coupled_together) has nothing that makes a parameter server's write wait for
-    every replica's reads. A write that follows the gradients (an optimizer's update,
-    the global step's bump after it) waits for them anyway; one that does not (NVIDIA
-    BERT's local step counter, reset or bumped in a cond at the start of the step) ran
-    once while each replica read the variable before or after it, so replicas took
-    different branches of the cond it drives. Then the parameter servers' variables are
-    all mirrored, as under strategy allreduce (mirroring that one alone left the
-    parameter servers' updates inside one replica's cond, which the verifier refuses).
-    The log says so."""
+    Between-graph, each worker's step would write the parameter servers' other
+    variables (Adam's beta powers multiplied once per worker, the global step bumped
+    once per worker), and collectives spanning the workers beside ps writes abort each
+    other's steps ("Cleanup <step id>"). In one graph, a write that follows the
+    gradients (an optimizer's update, the global step's bump after it) waits for them
+    anyway; one that does not (NVIDIA BERT's local step counter, reset or bumped in a
+    cond at the start of the step) ran once while each replica read the variable
+    before or after it, so replicas took different branches of the cond it drives
+    (mirroring that variable alone left the parameter servers' updates inside one
+    replica's cond, which the verifier refuses). Either way the parameter servers'
+    variables are mirrored, as under strategy allreduce, and the log says so."""
     from graph_rewriter.traversal import ancestors
-    if cluster.task is not None or any(c.sync == "accumulate" for c in plan.cuts):
+    if any(c.sync == "accumulate" for c in plan.cuts):
         return
-    on_ps = _on_ps(plan)
+    on_ps = [v.name for v in plan.variables if v.placement == "ps"]
     if not on_ps:
         return
-    cut_nodes = {c.values.node for c in analysis.cuts}
+    if cluster.task is not None:
+        reason = (f"no gradient is averaged on a parameter server, so its other variables ({_listed(on_ps)}) "
+                  "are mirrored too: between-graph, each worker would otherwise write them at every step")
+    else:
+        cut_nodes = {c.values.node for c in analysis.cuts}
 
-    def steps(v):   # its writes in a training step, not its initializer's or a restore's
-        return [w for w in v.writers if w is not v.initializer and w not in analysis.saver_nodes]
-    unordered = [name for name in on_ps
-                 if any(not (ancestors([w]) & cut_nodes) for w in steps(analysis.variables[name]))]
-    if not unordered:
-        return
-    _mirror(plan, on_ps)
-    log(f"plan: {_listed(unordered)} on the parameter servers would be written before the replicas' "
-        f"reads of them (no gradient is accumulated there to wait for): the parameter servers' variables "
-        f"({_listed(on_ps)}) are mirrored instead")
-
-
-def _on_ps(plan):
-    """The names of the plan's variables on a parameter server."""
-    return [v.name for v in plan.variables if v.placement == "ps"]
-
-
-def _mirror(plan, names):
-    """Every replica keeps a copy of each of ``names``, as under strategy allreduce."""
-    for name in names:
+        def steps(v):   # its writes in a training step, not its initializer's or a restore's
+            return [w for w in v.writers if w is not v.initializer and w not in analysis.saver_nodes]
+        unordered = [name for name in on_ps
+                     if any(not (ancestors([w]) & cut_nodes) for w in steps(analysis.variables[name]))]
+        if not unordered:
+            return
+        reason = (f"{_listed(unordered)} on the parameter servers would be written before the replicas' "
+                  f"reads of them (no gradient is accumulated there to wait for): the parameter servers' "
+                  f"variables ({_listed(on_ps)}) are mirrored instead")
+    for name in on_ps:
         plan.set_placement(name, "mirrored")
+    log(f"plan: {reason}")
 
 
 def _rows_read_unsummed(analysis):

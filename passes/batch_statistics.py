@@ -52,6 +52,7 @@ from graph_rewriter import dtypes
 from graph_rewriter.analysis import (BATCH_NORM_AXES, FUSED_BATCH_NORM_GRADS, dead_zeros_like, gradient_entries,
                                      gradient_scopes)
 from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_instance_key
+from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.traversal import topological_order
@@ -75,10 +76,10 @@ class BatchStatisticsPass(Pass):
         names = plan.sync_batch_statistics or []
         if rm.group_size == 1 or not names:
             return False
-        sums = {name: rm.node(graph, 0, name) for name in names
-                if rm.node(graph, 0, name).op in ("Mean",) + SUMMED}
+        statistics = {name: rm.node(graph, 0, name) for name in names
+                      if rm.node(graph, 0, name).op in ("Mean",) + SUMMED}
         mine = [n for n in graph.nodes if "_grad/" in n.name and rm.replica_of(graph, n.name) == 0]
-        entries = gradient_entries(mine, sums) if sums else {}
+        entries = gradient_entries(mine, statistics) if statistics else {}
         counts = [(op, pos, reads, _gradient_readers(mine, rm.node(graph, 0, op), pos))
                   for op, pos, reads in plan.synced_row_counts or []]
         first_key = len(plan.normalizers or []) + len(plan.selected_means or [])
@@ -111,12 +112,18 @@ def _unread_reads(replaced):
     ignores them. Left, such a read is a root of the graph, and a control input on it (a
     script ordering its second application of a BatchNorm after the first's updates)
     would make it run one replica's synced update alone."""
-    gone = set(replaced)
-    found, stack = [], [t.node for n in replaced for t in n.inputs]
+    return _unread([t.node for n in replaced for t in n.inputs], set(replaced),
+                   lambda n: n.op in ("ReadVariableOp", "Identity"))
+
+
+def _unread(starts, gone, removable):
+    """The ``removable`` nodes among ``starts`` and their ancestors that nobody but nodes
+    ``gone`` (or found here) reads, walking up from ``starts``."""
+    gone, found, stack = set(gone), [], list(starts)
     while stack:
         n = stack.pop()
-        if (n in gone or n.op not in ("ReadVariableOp", "Identity")
-                or any(c not in gone for c, _ in n.consumers()) or n.control_consumers):
+        if (n in gone or not removable(n) or n.control_consumers
+                or any(c not in gone for c, _ in n.consumers())):
             continue
         gone.add(n)
         found.append(n)
@@ -137,16 +144,7 @@ def _unread_counts(counts):
     shape) that nobody reads once a synced sum and its backward read the whole count:
     left, such a count is a root of the graph, and one computed after a synced statistic
     (the rows of a normalised embedding) would run one replica's collectives alone."""
-    found, gone, stack = [], set(), list(counts)
-    while stack:
-        n = stack.pop()
-        if n in gone or n.op in _SHAPE_READERS or n.control_consumers or any(
-                c not in gone for c, _ in n.consumers()):
-            continue
-        gone.add(n)
-        found.append(n)
-        stack.extend(t.node for t in n.inputs)
-    return found
+    return _unread(counts, (), lambda n: n.op not in _SHAPE_READERS)
 
 
 def _chain(graph, syncs):
@@ -263,7 +261,6 @@ class _Sync:
         """``tensor`` computed from every replica's rows: ``memo`` maps the names of the
         shape reads of the batch to their whole versions (None until made) and of the
         ops copied to their copies."""
-        from graph_rewriter.ir import Tensor
         node = tensor.node
         if node.name in memo:
             if memo[node.name] is None:
@@ -272,7 +269,7 @@ class _Sync:
         if node.op in _SHAPE_READERS or node.op == "Const":   # (the shape of a tensor without rows)
             return tensor
         inputs = [self._whole(t, memo, scope) for t in node.inputs]
-        if all(a is b or a == b for a, b in zip(inputs, node.inputs)):
+        if inputs == list(node.inputs):
             return tensor
         copy = self.g.clone_node(node, self.g.unique_name(f"{scope}/{node.name.rsplit('/', 1)[-1]}"))
         copy.set_inputs(inputs)

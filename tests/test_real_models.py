@@ -15,8 +15,9 @@ final variables (every variable: weights, optimizer slots, loss scale, step coun
 within RTOL/ATOL, every mirrored replica copy equals the master's, and the step counter
 equals STEPS. Each single-device reference is checked to have trained (the variables
 moved, the loss went down) and to exercise what it is there for (clipping fires, the
-overflow step is skipped) and to be bit-for-bit deterministic, so an idle or trivially
-equal rewrite cannot pass and a difference is never scheduling noise.
+overflow step is skipped) and to be deterministic to within float rounding (REPEAT_RTOL,
+far below the tolerance), so an idle or trivially equal rewrite cannot pass and a
+difference is never scheduling noise.
 
 Controls: the BERT reference with per-replica clipping computed on one device differs
 from the single-device result by MORE than the tolerance (so the equivalence test would
@@ -60,6 +61,14 @@ from test_two_train_ops import _ancestors
 
 STEPS = 12
 RTOL, ATOL = 1e-4, 1e-5
+# Two single-device runs of one reference agree to within REPEAT_RTOL of each variable's
+# largest magnitude, not bit for bit: wide_deep's two optimizers each build a backward
+# pass, Grappler's dependency optimizer strips their gates and the two merge, and 11 of
+# 660 repeated runs (TF 2.21, 2 cores) ended a few ulps apart: at most 2.9e-7 of a
+# variable's scale (5 of 300 runs measured so). With dependency_optimization off, 0 of
+# 400 runs differed. CI once failed on the bit-for-bit check this replaces. One whole
+# update moves a variable by 2e-4 to 0.5 of its scale (wide_deep and lstm_lm, step 12).
+REPEAT_RTOL = 1e-5
 REPLICAS = (2, 4)
 STRATEGIES = ("allreduce", "ps", "hybrid")
 TIMEOUT_SECONDS = 30
@@ -250,15 +259,19 @@ def test_references_learn():
 
 
 def test_references_are_deterministic():
-    """A second single-device run gives bit-identical numbers: no update races with a
-    gradient that reads the same ref variable (see real_models.build_lstm_lm), so the
-    reference is one number, not one draw of a schedule."""
+    """A second single-device run gives the same numbers to within float rounding: no
+    update races with a gradient that reads the same ref variable (see
+    real_models.build_lstm_lm), so the reference is one number, not one draw of a
+    schedule. Such a race moves a variable by a share of an update, orders of magnitude
+    above REPEAT_RTOL. Not bit-for-bit: see REPEAT_RTOL."""
     for model in FED_MODELS:
         ex, feed, _, losses, final = _reference(model)
         again_losses, again = harness.run_single(ex, steps=STEPS, feeds=feed)
-        assert again_losses == losses, model
+        np.testing.assert_allclose(again_losses, losses, rtol=REPEAT_RTOL, atol=0, err_msg=model)
         for name in final:
-            np.testing.assert_array_equal(again[name], final[name], err_msg=f"{model}: {name}")
+            scale = float(np.max(np.abs(final[name]), initial=0.0))
+            np.testing.assert_allclose(again[name], final[name], rtol=0, atol=REPEAT_RTOL * scale,
+                                       err_msg=f"{model}: {name}")
 
 
 def test_bert_clipping_fires():

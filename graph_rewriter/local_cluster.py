@@ -1,7 +1,8 @@
 """A cluster of real TensorFlow servers on this machine's loopback, one process each.
 
-Used by the demo, the multi-process tests and the benchmarks. Ports come from the OS;
-every wait is bounded; ``stop()`` (and leaving the ``with`` block, and interpreter exit)
+Used by the demo, the multi-process tests and the benchmarks. Ports come from
+``free_port()`` (below); every wait is bounded; a server counts as started only once its
+own process listens (not whatever else answers on its port); ``stop()`` (and leaving the ``with`` block, and interpreter exit)
 ends every process this object started, by its process id.
 
     with LocalCluster(workers=2, ps=1, device_type="CPU", devices_per_worker=2) as c:
@@ -22,11 +23,128 @@ from graph_rewriter.cluster import accepts_connections
 from graph_rewriter.errors import GraphRewriteError
 
 
-def free_port():
-    """A TCP port the OS says is free now (a later bind may still race; tests accept it)."""
+# Why not bind(0): the port the OS hands out comes from its ephemeral range, which it
+# also uses for the source port of every outgoing connection, and between free_port()
+# returning and the server binding, another process (a parallel test run's server, or
+# any client connecting) can take it. Ports below the ephemeral range are never handed
+# out by the OS; each pytest-xdist worker takes its own slice of them, and one process
+# never hands out the same port twice in a row of the slice.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10000
+
+
+def _ephemeral_range():
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999        # Linux's default; other systems: IANA's is 49152-65535
+
+
+def _worker_slice(low, high, env):
+    """This process's [start, stop) of the ports [low, high): the whole range, or the
+    slice of pytest-xdist worker gwN among PYTEST_XDIST_WORKER_COUNT."""
+    name, count = env.get("PYTEST_XDIST_WORKER", ""), env.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (name.startswith("gw") and name[2:].isdigit() and count.isdigit() and int(count) > 0):
+        return low, high
+    index, count = int(name[2:]), int(count)
+    size = (high - low) // count
+    return low + (index % count) * size, low + (index % count + 1) * size
+
+
+class PortPicker:
+    """Hands out ports outside the OS's ephemeral range, in turn through this process's
+    slice (starting at a place set by the process id), each one checked free by a bind."""
+
+    def __init__(self, env=None):
+        env = os.environ if env is None else env
+        ephemeral_low, ephemeral_high = _ephemeral_range()
+        if ephemeral_low - LOWEST_PORT >= 2000:
+            low, high = LOWEST_PORT, ephemeral_low
+        else:
+            low, high = ephemeral_high + 1, 65536
+        self.start, self.stop = _worker_slice(low, high, env)
+        self._next = self.start + (os.getpid() * 7919) % max(1, self.stop - self.start)
+
+    def pick(self):
+        size = self.stop - self.start
+        for _ in range(min(size, 2000)):
+            port = self._next
+            self._next = self.start + (port + 1 - self.start) % size
+            if _bindable(port):
+                return port
+        raise GraphRewriteError(
+            f"no free TCP port among 2000 tried in {self.start}-{self.stop - 1}; stop the "
+            "servers a previous run left behind (graph-rewrite serve)")
+
+
+def _bindable(port):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+_PICKER = None
+
+
+def free_port():
+    """A TCP port free now that neither the OS nor a parallel test worker hands out to
+    anyone else (see PortPicker); a server should bind it soon."""
+    global _PICKER
+    if _PICKER is None:
+        _PICKER = PortPicker()
+    return _PICKER.pick()
+
+
+def _listening_inodes(port):
+    """The socket inodes listening on TCP ``port`` (IPv4 and IPv6), from /proc/net;
+    None where /proc/net is not there (not Linux)."""
+    found, read_any = set(), False
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        read_any = True
+        for line in lines:
+            fields = line.split()
+            # local_address is HEX_IP:HEX_PORT; state 0A is LISTEN; the inode is field 9
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(fields[9])
+    return found if read_any else None
+
+
+def _group_inodes(pgid):
+    """The socket inodes open in any process of process group ``pgid``."""
+    inodes = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            # fields after the parenthesised command name: state ppid pgrp ...
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return inodes
+
+
+def listens_in_group(port, pgid):
+    """True if a process of group ``pgid`` listens on ``port``; where /proc cannot tell
+    (not Linux), True if anything accepts connections on it."""
+    listening = _listening_inodes(port)
+    if listening is None:
+        return accepts(port)
+    return bool(listening) and bool(listening & _group_inodes(pgid))
 
 
 def accepts(port):
@@ -87,7 +205,8 @@ class LocalCluster:
     def _wait_listening(self, job, i, deadline):
         port = int(self.spec[job][i].rsplit(":", 1)[1])
         proc = self.processes[f"{job}:{i}"]
-        while not accepts(port):
+        # The server is serve's child, in the process group serve leads (start_new_session).
+        while not listens_in_group(port, proc.pid):
             if proc.poll() is not None:
                 self.stop()
                 raise GraphRewriteError(f"the server for {job}:{i} exited with status {proc.returncode}")

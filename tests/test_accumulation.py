@@ -459,7 +459,7 @@ def _between_client_cmd(*args):
 
 @pytest.fixture
 def cluster_factory(tmp_path):
-    """Starts LocalClusters (ports from the OS; every server process ended by its id in
+    """Starts LocalClusters (ports from free_port(); every server process ended by its id in
     stop()) and stops them at teardown, whatever happens."""
     started = []
 

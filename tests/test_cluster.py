@@ -1,7 +1,7 @@
 """Multi-process tests on real TensorFlow servers on loopback (all marked slow).
 
-Every server is a ``graph-rewrite serve`` process started by LocalCluster (ports from the
-OS); every between-graph worker is its own client process (``python -m
+Every server is a ``graph-rewrite serve`` process started by LocalCluster (ports from
+free_port()); every between-graph worker is its own client process (``python -m
 graph_rewriter.worker_client``, or the small client loop of this file); every wait is
 bounded (server start, every session call, every process) and every process a test
 starts is ended by its id in a fixture's teardown, whatever happens.

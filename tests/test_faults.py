@@ -1,5 +1,5 @@
 """Faults on real clusters (slow): every scenario starts `graph-rewrite serve` processes on
-loopback (LocalCluster: ports from the OS), injects the fault at a controlled point (a
+loopback (LocalCluster: ports from free_port()), injects the fault at a controlled point (a
 client killed after the step it printed, a server killed by its process id, a
 collective that must time out), bounds every wait, ends every process it started by its
 id, and then asserts both the recovery and the numbers: the run after the fault trains

@@ -11,7 +11,7 @@ What is held (docs/deployment.md, "Server configuration"):
   CollectiveReduce, stays off: the emitted graphs use CollectiveReduceV2, which it does
   not rewrite (docs/deployment.md says why).
 - For real (slow): two `graph-rewrite serve --communication ring` processes on loopback
-  (ports from the OS, bounded waits, both ended by their process ids) train an in-graph
+  (ports from free_port(), bounded waits, both ended by their process ids) train an in-graph
   allreduce rewrite like one device.
 """
 

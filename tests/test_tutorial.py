@@ -1,5 +1,5 @@
 """docs/tutorial.md, run as written: its files are written, its shell blocks run in
-order in a scratch folder (servers in the background, on ports from the OS instead of
+order in a scratch folder (servers in the background, on ports from free_port() instead of
 the tutorial's 2222/2223), and what it promises is checked: the losses, the checkpoints
 (the one-device graph restores what the replicas trained; a restarted
 MonitoredTrainingSession resumes at its checkpoint's step and ends where one device

@@ -2,8 +2,9 @@
 
 Used by the demo, the multi-process tests and the benchmarks. Ports come from
 ``free_port()`` (below); every wait is bounded; a server counts as started only once its
-own process listens (not whatever else answers on its port); ``stop()`` (and leaving the ``with`` block, and interpreter exit)
-ends every process this object started, by its process id.
+own process listens (not whatever else answers on its port); ``stop()`` (and leaving the
+``with`` block, and interpreter exit) ends every process this object started, by its
+process id.
 
     with LocalCluster(workers=2, ps=1, device_type="CPU", devices_per_worker=2) as c:
         result = gr.rewrite(gd, c.spec, strategy="ps", device_type="CPU", devices_per_worker=2)
@@ -69,14 +70,15 @@ class PortPicker:
 
     def pick(self):
         size = self.stop - self.start
-        for _ in range(min(size, 2000)):
+        tries = min(size, 2000)
+        for _ in range(tries):
             port = self._next
             self._next = self.start + (port + 1 - self.start) % size
             if _bindable(port):
                 return port
         raise GraphRewriteError(
-            f"no free TCP port among 2000 tried in {self.start}-{self.stop - 1}; stop the "
-            "servers a previous run left behind (graph-rewrite serve)")
+            f"no free TCP port among the {tries} tried in {self.start}-{self.stop - 1}; stop "
+            "the servers a previous run left behind (graph-rewrite serve)")
 
 
 def _bindable(port):

@@ -54,6 +54,15 @@ def test_a_port_something_listens_on_is_skipped():
         assert picker.pick() != taken
 
 
+def test_a_slice_with_no_free_port_is_an_error_naming_it():
+    with _listener() as s:
+        port = s.getsockname()[1]
+        picker = PortPicker({})
+        picker.start, picker.stop, picker._next = port, port + 1, port
+        with pytest.raises(GraphRewriteError, match=rf"no free TCP port among the 1 tried in {port}-{port}"):
+            picker.pick()
+
+
 def test_listening_is_told_apart_by_process_group():
     with _listener() as s:
         port = s.getsockname()[1]

@@ -262,8 +262,8 @@ def test_references_are_deterministic():
     """A second single-device run gives the same numbers to within float rounding: no
     update races with a gradient that reads the same ref variable (see
     real_models.build_lstm_lm), so the reference is one number, not one draw of a
-    schedule. Such a race moves a variable by a share of an update, orders of magnitude
-    above REPEAT_RTOL. Not bit-for-bit: see REPEAT_RTOL."""
+    schedule. Such a race moves a variable by a share of an update, which is 20 times
+    REPEAT_RTOL or more. Not bit-for-bit: see REPEAT_RTOL."""
     for model in FED_MODELS:
         ex, feed, _, losses, final = _reference(model)
         again_losses, again = harness.run_single(ex, steps=STEPS, feeds=feed)

@@ -65,8 +65,8 @@ The models (everything seeded: the graph seed and every op seed; ref variables,
 Every single-device run is deterministic to within float rounding (bit for bit but
 for wide_deep, whose two optimizers' backward passes Grappler merges: a few ulps apart
 in about 1 run of 60; tests/test_real_models.py, REPEAT_RTOL). With ref variables that
-takes care: a read of a ref variable aliases the buffer that an optimizer's apply op updates
-in place, so an update that nothing orders after the gradients that read the same
+takes care: a read of a ref variable aliases the buffer that an optimizer's apply op
+updates in place, so an update that nothing orders after the gradients that read the same
 variable races with them (tf.gradients + per-variable applies, e.g. per-tensor clipping
 or two optimizers). Where a global norm orders every update after every gradient (BERT,
 loss scaling) tf.gradients is safe; elsewhere the gradients come from the optimizers'

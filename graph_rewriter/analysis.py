@@ -999,9 +999,10 @@ class _Analyzer:
         spaces only its backward FusedBatchNormGrads read."""
         if ":" in name:
             call, function, _ = name.split(":", 2)
-            return (f"it is inside the function '{function}' that '{call}' calls (tf_keras' BatchNormalization "
-                    "behind its learning phase builds a v2 cond); call the layer with training=True so it is "
-                    "in the graph itself")
+            return (f"it is inside the function '{function}' that '{call}' calls, which the rewrite does not "
+                    "lower to the graph's own ops (it lowers a v2 cond, an If, whose branch functions have no "
+                    "control outputs, with its backward If on the same predicate); compute the statistic in "
+                    "the graph itself (call the layer with training=True)")
         n = self.g.node(name)
         if n.op in _FUSED_BATCH_NORMS:
             return fused_batch_norm_obstacle(n)

@@ -18,6 +18,10 @@ class RewriteContext:
     ``options``, ``cluster`` and ``log`` are the input. Every product a pass hands on
     is a field declared here, with its type, set by the one pass that ``provides`` it
     and read by the passes that ``require`` it (the pass manager checks that order):
+    - ``lowered_statistics`` ({name: name}): provided by lower_conds when it runs; the
+      batch statistics in a v2 cond's function (``call:function:node``) it inlined, each
+      to its inlined node's name. The plan pass reads it when set (the option may name
+      a statistic either way);
     - ``plan`` (graph_rewriter.plan.Plan): provided by the plan pass;
     - ``replicas`` (graph_rewriter.replicas.ReplicaMap): provided by replicate; which
       node belongs to which replica, the per-replica outputs the batch split adds and
@@ -27,6 +31,7 @@ class RewriteContext:
     options: Options
     cluster: object
     plan: object = None
+    lowered_statistics: dict = None
     log: typing.Callable = None
     replicas: object = None
     timings: list = dataclasses.field(default_factory=list)  # (pass name, seconds, modified)
@@ -46,4 +51,4 @@ class RewriteContext:
             self.log(message)
 
 
-PRODUCTS = frozenset(("plan", "replicas"))   # the fields above that passes provide
+PRODUCTS = frozenset(("lowered_statistics", "plan", "replicas"))   # the fields above that passes provide

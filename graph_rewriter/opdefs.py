@@ -112,7 +112,8 @@ def require_op_def(node):
     return od
 
 
-def _arg_length(arg, attrs):
+def arg_length(arg, attrs):
+    """How many tensors the OpDef argument ``arg`` stands for on a node with ``attrs``."""
     if arg.number_attr:
         return attrs[arg.number_attr].i if arg.number_attr in attrs else 0
     if arg.type_list_attr:
@@ -123,7 +124,7 @@ def _arg_length(arg, attrs):
 def _arg_dtypes(arg, attrs):
     if arg.number_attr:
         dt = arg.type if arg.type else attrs[arg.type_attr].type if arg.type_attr in attrs else 0
-        return [dt] * _arg_length(arg, attrs)
+        return [dt] * arg_length(arg, attrs)
     if arg.type_list_attr:
         return list(attrs[arg.type_list_attr].list.type) if arg.type_list_attr in attrs else []
     if arg.type:
@@ -141,7 +142,7 @@ class _ArgInfo:
         self.slices, self.names, self.refs, self.in_dtypes = {}, [], [], []
         pos = 0
         for arg in od.input_arg:
-            n = _arg_length(arg, attrs)
+            n = arg_length(arg, attrs)
             self.slices[arg.name] = (pos, n)
             pos += n
             self.names += [arg.name] * n

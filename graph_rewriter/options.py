@@ -397,7 +397,8 @@ class Options:
         False, "All-reduce the statistics training takes over the batch's rows (BatchNorm in "
         "training mode, tf.nn.moments) over every replica's rows, forward and backward, so each "
         "replica normalises with one device's statistics (synchronised BatchNorm); True: every "
-        "one the analysis lists, or the names of some. A fused BatchNorm is replaced by its ops.",
+        "one the analysis lists, or the names of some. A fused BatchNorm is replaced by its ops "
+        "(inside a v2 cond, behind a Keras learning phase, the cond is first lowered to Switch and Merge).",
         accepts="False | True | names of batch statistics", convert=_bool_or_names("sync_batch_statistics"),
         check=_check_bool_or_names("sync_batch_statistics"),
         cli=Flag("--sync-batch-statistics", action="const", const=True,

@@ -25,11 +25,12 @@ from graph_rewriter.plan import (DENSE_SYNCS, DRAWN, SPARSE_SYNCS, CutPlan, Inpu
                                  joined_train_ops)
 
 
-def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
+def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, aliases=None):
     """The final plan of a rewrite of ``graph`` (whose ``analysis`` is given) into
     ``num_replicas`` replicas on ``cluster``: ``given`` (a user's plan, checked against
     the graph and completed) or the default plan for the options. ``log`` takes one
-    line per decision the options did not spell out."""
+    line per decision the options did not spell out. ``aliases`` maps a batch
+    statistic's name before passes/lower_conds.py inlined its cond to its name now."""
     info = log if log is not None else (lambda message: None)
     _check_plannable(graph, analysis, options, cluster, num_replicas)
     r = num_replicas
@@ -57,7 +58,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None):
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
     _plan_loss_sums(result, analysis, info)
-    _plan_batch_statistics(result, analysis, options, cluster, info)
+    _plan_batch_statistics(result, analysis, options, cluster, info, aliases or {})
     _note_rows_meeting(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
@@ -229,7 +230,7 @@ SYNCED_MICRO_BATCHES = ("with accumulation_steps {k} the synchronised batch stat
                         "micro-batch's, over the {r} replicas' rows of it, not the whole step's")
 
 
-def _plan_batch_statistics(plan, analysis, options, cluster, log):
+def _plan_batch_statistics(plan, analysis, options, cluster, log, aliases):
     """The batch statistics to all-reduce over every replica's rows (the option
     sync_batch_statistics: True for every one the analysis lists, or names; a given
     plan keeps its own list). One the rewrite cannot synchronise, or a plan whose
@@ -239,7 +240,7 @@ def _plan_batch_statistics(plan, analysis, options, cluster, log):
     wanted, field = plan.sync_batch_statistics, "the plan's sync_batch_statistics"
     if wanted is None:
         asked, field = options.sync_batch_statistics, "sync_batch_statistics"
-        wanted = found if asked is True else list(asked or [])
+        wanted = found if asked is True else [aliases.get(name, name) for name in asked or []]
     for name in wanted:
         if name not in found:
             raise GraphRewriteError(

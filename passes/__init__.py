@@ -3,6 +3,7 @@
 graph_rewriter puts them in order."""
 
 from graph_rewriter.passes.saver import SaverPass
+from graph_rewriter.passes.lower_conds import LowerCondsPass
 from graph_rewriter.passes.plan import PlanPass
 from graph_rewriter.passes.replicate import ReplicatePass
 from graph_rewriter.passes.split_inputs import SplitInputsPass
@@ -26,7 +27,7 @@ from graph_rewriter.passes.step_sequence import StepSequencePass
 from graph_rewriter.passes.place import PlacePass
 from graph_rewriter.passes.metadata import MetadataPass
 
-__all__ = ["SaverPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "NormalizersPass", "BatchStatisticsPass", "RandomDrawsPass",
+__all__ = ["SaverPass", "LowerCondsPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "NormalizersPass", "BatchStatisticsPass", "RandomDrawsPass",
            "MirrorVariablesPass",
            "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",

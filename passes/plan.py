@@ -14,9 +14,10 @@ from graph_rewriter.pass_manager import Pass
 class PlanPass(Pass):
     name = "plan"
     provides = frozenset({"plan"})
+    after = frozenset({"lower_conds"})   # plans the graph it lowered
 
     def run(self, graph, ctx):
         analysis = analyze(graph, ctx.options.gradients)
         ctx.plan = planner.plan(graph, analysis, ctx.options, ctx.cluster, ctx.num_replicas,
-                                given=ctx.plan, log=ctx.info)
+                                given=ctx.plan, log=ctx.info, aliases=ctx.lowered_statistics)
         return False

@@ -308,22 +308,6 @@ def test_micro_batches_are_noted_and_train():
 
 # ----- refusals -----------------------------------------------------------------------------
 
-def _keras_conv_bn():
-    """tf_keras' BatchNormalization after a Conv2D, behind its learning phase: a fused
-    BatchNorm inside a v2 cond's function."""
-    import tf_keras
-    g = tf.Graph()
-    with g.as_default():
-        inp = tf_keras.Input(shape=(4, 4, 2))
-        h = tf_keras.layers.Flatten()(tf_keras.layers.BatchNormalization()(tf_keras.layers.Conv2D(3, 2)(inp)))
-        model = tf_keras.Model(inp, tf_keras.layers.Dense(1)(h))
-        y = tf1.placeholder(tf.float32, [None, 1], name="y")
-        loss = tf.reduce_mean(tf.square(model.output - y))
-        opt = tf_keras.optimizers.legacy.SGD(0.1)
-        tf.group(*opt.get_updates(loss, model.trainable_weights), *model.updates, name="train_op")
-    return g.as_graph_def()
-
-
 @pytest.mark.parametrize("graph_def, sync, message", [
     (lambda: rows_meeting_mlp("batch_max"), True,
      "the batch statistic 'center' cannot be synchronised: it is a Max over the rows"),
@@ -333,13 +317,10 @@ def _keras_conv_bn():
     (lambda: rows_meeting_mlp("reshaped_count"), True,
      "the batch statistic 'center' cannot be synchronised: 'truediv' meets it with a count of the batch's rows "
      "taken by Shape 'Shape' of a tensor whose first axis may not be the rows"),
-    (_keras_conv_bn, True, r"the batch statistic 'batch_normalization/cond:batch_normalization_cond_true_\d+:"
-                           r"FusedBatchNormV3' cannot be synchronised: it is inside the function "
-                           r"'batch_normalization_cond_true_\d+' that 'batch_normalization/cond' calls"),
     (lambda: batch_norm_cnn("layers")[0], ["bn3/FusedBatchNormV3"],
      "sync_batch_statistics names 'bn3/FusedBatchNormV3', which is not a statistic over the batch's rows "
      "that this graph trains with \\(found: bn1/FusedBatchNormV3, bn2/FusedBatchNormV3\\)"),
-], ids=["max", "mixed_count", "reshaped_count", "keras_function", "unknown"])
+], ids=["max", "mixed_count", "reshaped_count", "unknown"])
 def test_what_cannot_be_synced_is_refused_by_name(graph_def, sync, message):
     with pytest.raises(gr.GraphRewriteError, match=message) as e:
         _rewrite(graph_def(), sync_batch_statistics=sync)

@@ -825,6 +825,7 @@ def rows_meeting_mlp(kind="plain"):
 
 # batch_norm_cnn's kinds: how its two BatchNorms are written
 BATCH_NORMS = ("layers", "layers_cond", "moments", "fused_average", "nchw")
+V2_COND_BATCH_NORMS = ("layers_cond_v2",)   # statistics in a v2 cond's function
 
 
 def batch_norm_cnn(kind="layers"):
@@ -832,7 +833,10 @@ def batch_norm_cnn(kind="layers"):
     (BATCH_NORMS): ``layers`` is tf.compat.v1.layers.batch_normalization(training=True)
     (a fused BatchNorm on 4-D input; moving averages in UPDATE_OPS, grouped into the
     train op as its documentation says); ``layers_cond`` the same behind a v1 tf.cond on
-    a ``training`` placeholder (default True); ``moments`` tf.nn.moments and
+    a ``training`` placeholder (default True); ``layers_cond_v2`` the same behind a v2
+    cond (TensorFlow 2's control flow, which tf.compat.v1 graphs get unless the script
+    disables it: the BatchNorm is in the cond's branch function, V2_COND_BATCH_NORMS);
+    ``moments`` tf.nn.moments and
     tf.nn.batch_normalization by hand; ``fused_average`` tf.nn.fused_batch_norm keeping
     its moving averages itself (exponential_avg_factor 0.1, what tf_keras' fused path
     does eagerly); ``nchw`` fused BatchNorms of channels-first tensors. x [None, 6, 6, 2]
@@ -846,18 +850,21 @@ def batch_norm_cnn(kind="layers"):
     before = tf1.control_flow_v2_enabled()
     if kind == "layers_cond":
         tf1.disable_control_flow_v2()    # a TF1 script's tf.cond: Switch and Merge (restored below)
+    elif kind == "layers_cond_v2":
+        tf1.enable_control_flow_v2()     # an If op and its branch functions (restored below)
     try:
         with g.as_default():
             tf1.set_random_seed(1)
             x = tf1.placeholder(tf.float32, [None, 6, 6, 2], name="x")
             y = tf1.placeholder(tf.float32, [None, 1], name="y")
-            training = tf1.placeholder_with_default(True, [], name="training") if kind == "layers_cond" else True
+            training = tf1.placeholder_with_default(True, [], name="training") if kind.startswith("layers_cond") \
+                else True
 
             def variable(name, shape, init, trainable=True):
                 return tf1.get_variable(name, shape, initializer=init, trainable=trainable)
 
             def batch_norm(h, name):
-                if kind in ("layers", "layers_cond"):
+                if kind.startswith("layers"):
                     return _batch_normalization()(h, training=training, momentum=0.9, name=name)
                 gamma = variable(f"{name}/gamma", [4], tf1.ones_initializer())
                 beta = variable(f"{name}/beta", [4], tf1.zeros_initializer())
@@ -895,9 +902,8 @@ def batch_norm_cnn(kind="layers"):
             reads = {v.op.name: f"{v.op.name}/Read/ReadVariableOp:0" if v.op.type == "VarHandleOp" else v.name
                      for v in tf1.global_variables()}
     finally:
-        if before:
-            tf1.enable_control_flow_v2()
-    if kind not in BATCH_NORMS:
+        (tf1.enable_control_flow_v2 if before else tf1.disable_control_flow_v2)()
+    if kind not in BATCH_NORMS + V2_COND_BATCH_NORMS:
         raise ValueError(f"batch_norm_cnn: unknown kind {kind!r}")
     return g.as_graph_def(), reads
 

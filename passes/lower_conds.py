@@ -1,0 +1,237 @@
+"""lower_conds: a v2 cond that holds a batch statistic to synchronise becomes v1 control flow.
+
+tf_keras' BatchNormalization called behind the Keras learning phase (``model(x)`` in a
+TF1 graph, no ``training=True``) computes its fused BatchNorm in the branch function of
+a v2 cond, an ``If`` op, and tf.gradients builds its backward pass as a second ``If`` on
+the same predicate, whose branches read the forward branch's intermediates (the
+reserve spaces, wrapped in ``OptionalFromValue``) through extra outputs of the first.
+The batch_statistics pass rewrites ops of the graph, not of functions. So, when the
+rewrite is to synchronise batch statistics and one is inside such a cond, this pass
+lowers the cond as TensorFlow's runtime lowers it before running it anyway (an ``If``
+carries ``_lower_using_switch_merge``): a Switch on the predicate per input, each
+branch's body inlined reading its arguments from the Switch's output for that branch,
+a Merge per output, the readers of the ``If``'s outputs reading the Merges.
+
+The backward ``If`` on the same predicate is lowered with it, the way tf.gradients
+builds the backward of a v1 cond: its branch reads the forward branch's values directly
+(one predicate: both branches live or dead together) and an ``OptionalGetValue`` of an
+``OptionalFromValue`` becomes the value itself. The forward's intermediate outputs then
+have no reader but the unread Identities cond_v2 puts after every output (and the
+ZerosLikes tf.gradients feeds the backward as their gradients), and go. What
+is left is what ``tf.cond`` in v1 control flow builds: the FusedBatchNorm's reserve
+spaces read only by its FusedBatchNormGrad, which the batch_statistics pass replaces.
+
+Inlined nodes are named ``<if>/then/<body node>`` and ``<if>/else/<body node>`` (a body's
+own ``gradients/`` scope becomes ``grad/``, so the backward ops stay in the scope of the
+tf.gradients call that built the backward ``If``). ``ctx.lowered_statistics`` maps the
+analysis' name of a statistic in a function (``call:function:node``) to its lowered
+node's name, so the option and the plan's notes name it either way. Nothing else is
+lowered: a graph without such a cond is unchanged.
+"""
+
+from graph_rewriter import opdefs
+from graph_rewriter.analysis import analyze
+from graph_rewriter.ir import COLOCATION_ATTR
+from graph_rewriter.op_builder import make_op
+from graph_rewriter.pass_manager import Pass
+from graph_rewriter.protos import types_pb2
+
+_IFS = frozenset(("If", "StatelessIf"))
+_BRANCHES = (("then", "then_branch", 1), ("else", "else_branch", 0))   # (name, attr, Switch output)
+
+
+class LowerCondsPass(Pass):
+    name = "lower_conds"
+    provides = frozenset({"lowered_statistics"})
+    after = frozenset({"saver"})
+
+    def applies(self, ctx):
+        given = ctx.plan is not None and ctx.plan.sync_batch_statistics
+        return ctx.num_replicas > 1 and bool(ctx.options.sync_batch_statistics or given)
+
+    def run(self, graph, ctx):
+        ctx.lowered_statistics = {}
+        functions = {f.signature.name: f for f in graph.library.function} if graph.library is not None else {}
+        statistics = {}   # call -> [(function, body node, analysis name)]
+        for name in analyze(graph, ctx.options.gradients).batch_statistics:
+            if name.count(":") == 2:
+                call, function, node = name.split(":")
+                statistics.setdefault(call, []).append((function, node, name))
+        added, dropped = [], []
+        for call_name, found in statistics.items():
+            call = graph.get(call_name)
+            if call is None or not _lowerable(call, functions):
+                continue   # the plan refuses the statistic, naming the function it is in
+            backward = [g for g in dict.fromkeys(c for c, _ in call.consumers())
+                        if g.op in _IFS and g.inputs[0] == call.inputs[0] and _lowerable(g, functions)]
+            branch_of = {call.attr[attr].func.name: branch for branch, attr, _ in _BRANCHES}
+            shared = {}
+            for c in [call] + backward:
+                _lower(graph, c, functions, shared, added, dropped)
+            for function, node, name in found:
+                ctx.lowered_statistics[name] = f"{call_name}/{branch_of[function]}/{_body_name(node)}"
+            ctx.info(f"lower_conds: the v2 cond '{call_name}' and its backward "
+                     f"{', '.join(repr(g.name) for g in backward) or '(none)'} lowered to Switch and Merge, "
+                     f"for the batch statistics {', '.join(n for _, _, n in found)}")
+        if not added:
+            return False
+        _bypass_optionals(graph, added)
+        _remove_unread(graph, added + dropped)
+        return True
+
+
+def _lowerable(call, functions):
+    """An If whose two branches are library functions without control outputs or
+    attribute placeholders (what inlining can copy as it is)."""
+    if call.op not in _IFS:
+        return False
+    for _, attr, _ in _BRANCHES:
+        fn = functions.get(call.attr[attr].func.name)
+        if fn is None or fn.control_ret or fn.signature.control_output:
+            return False
+        if any(v.placeholder for nd in fn.node_def for v in nd.attr.values()):
+            return False
+    return True
+
+
+def _body_name(name):
+    return "grad/" + name[len("gradients/"):] if name.startswith("gradients/") else name
+
+
+def _lower(graph, call, functions, shared, added, dropped):
+    """Replaces the If ``call`` by Switches, its two inlined branches and Merges, appending
+    the nodes it adds to ``added`` and the readers of its intermediates (cond_v2's
+    Identities, tf.gradients' ZerosLikes for the backward If) to ``dropped``. ``shared``
+    maps (branch, tensor of the graph) to the value a cond lowered before on the same
+    predicate gives that branch for it (its branch's output for the Merge of one of its
+    outputs, its Switch's for one of its inputs); it is read, and extended."""
+    pred, controls, device = call.inputs[0], list(call.control_inputs), call.device
+    tout = list(call.attr["Tout"].list.type)
+
+    def op(op_type, suffix, inputs, control_inputs=()):
+        node = make_op(graph, op_type, f"{call.name}/{suffix}", inputs, device=device, control_inputs=control_inputs)
+        added.append(node)
+        return node
+
+    switch_pred = op("Switch", "switch_pred", [pred, pred], controls)
+    pivots = {branch: op("Identity", f"pivot_{branch[0]}", [switch_pred.output(side)]) for branch, _, side in _BRANCHES}
+    switches = {}
+
+    def argument(branch, side, position):
+        t = call.inputs[1 + position]
+        if (branch, t) in shared:
+            return shared[(branch, t)]
+        if position not in switches:
+            switches[position] = op("Switch", "Switch", [t, pred], controls)
+        return switches[position].output(side)
+
+    outputs = {}
+    for branch, attr, side in _BRANCHES:
+        fn = functions[call.attr[attr].func.name]
+        args = {a.name: i for i, a in enumerate(fn.signature.input_arg)}
+        outputs[branch] = _inline(graph, fn, f"{call.name}/{branch}/", device, pivots[branch], added,
+                                  lambda arg, b=branch, s=side: argument(b, s, args[arg]))
+    merges = [op("Merge", "Merge", [[f, t]]) for f, t in zip(outputs["else"], outputs["then"])]
+    for k, merge in enumerate(merges):
+        shared[("else", merge.output(0))], shared[("then", merge.output(0))] = outputs["else"][k], outputs["then"][k]
+        if tout[k] == types_pb2.DT_VARIANT:
+            dropped += [r for r, _ in call.consumers(k)]   # may go with the Merge, once unread
+        graph.replace_all_uses(call.output(k), merge.output(0))
+    for position, t in enumerate(call.inputs[1:]):
+        if position in switches:
+            for branch, _, side in _BRANCHES:
+                shared.setdefault((branch, t), switches[position].output(side))
+    name, done = call.name, None
+    if call.control_consumers:
+        done = op("NoOp", "done", [], [m for k, m in enumerate(merges) if tout[k] != types_pb2.DT_VARIANT])
+        graph.replace_control_uses(call, done)
+    graph.remove_node(call)
+    if done is not None:
+        graph.rename_node(done, name)
+
+
+def _inline(graph, fn, prefix, device, pivot, added, argument):
+    """Adds the body of ``fn`` under ``prefix`` (appending its nodes to ``added``);
+    ``argument(name)`` gives the tensor an argument reads. A node with no inputs waits
+    for ``pivot``, so that it is dead with its branch. Returns the tensors of the
+    function's outputs, in order."""
+    defs = {nd.name: nd for nd in fn.node_def}
+    made = {}
+
+    def tensor(ref):
+        parts = ref.split(":")
+        if len(parts) == 1:
+            return argument(ref)
+        return made[parts[0]].output(_flat_index(graph, defs[parts[0]], parts[1], int(parts[2])))
+
+    colocated = []
+    for nd in _body_order(fn):
+        inputs = [tensor(s) for s in nd.input if not s.startswith("^")]
+        controls = [made[s[1:]] for s in nd.input if s.startswith("^")] or ([] if inputs else [pivot])
+        attrs = {k: v for k, v in nd.attr.items() if k != COLOCATION_ATTR}
+        node = graph.add_node(graph.unique_name(prefix + _body_name(nd.name)), nd.op, inputs, controls,
+                              attrs=attrs, device=nd.device or device)
+        made[nd.name] = node
+        added.append(node)
+        if COLOCATION_ATTR in nd.attr:
+            colocated.append((node, [s.decode()[len("loc:@"):] for s in nd.attr[COLOCATION_ATTR].list.s]))
+    for node, names in colocated:   # (with the body's nodes; one outside it is not the body's to name)
+        node.set_colocation([made[n] for n in names if n in made])
+    return [tensor(fn.ret[a.name]) for a in fn.signature.output_arg]
+
+
+def _body_order(fn):
+    """The body's NodeDefs, each after the body nodes it reads (Kahn's algorithm; a
+    FunctionDef lists them in any order)."""
+    defs = {nd.name: nd for nd in fn.node_def}
+    producers = {nd.name: {s.lstrip("^").split(":")[0] for s in nd.input} & defs.keys() for nd in fn.node_def}
+    readers = {name: [] for name in defs}
+    for name, ps in producers.items():
+        for p in ps:
+            readers[p].append(name)
+    ready = [name for name in defs if not producers[name]]
+    out = []
+    while ready:
+        name = ready.pop()
+        out.append(defs[name])
+        for r in readers[name]:
+            producers[r].discard(name)
+            if not producers[r]:
+                ready.append(r)
+    return out
+
+
+def _flat_index(graph, nd, arg_name, index):
+    """The output position of ``arg_name:index`` of a body node (a FunctionDef names an
+    output by its OpDef argument, which may expand to several)."""
+    position = 0
+    for arg in opdefs.op_def(nd.op, graph.library).output_arg:
+        if arg.name == arg_name:
+            return position + index
+        position += opdefs.arg_length(arg, nd.attr)
+    raise KeyError(f"'{nd.name}' ({nd.op}) has no output argument '{arg_name}'")
+
+
+def _bypass_optionals(graph, added):
+    """An ``OptionalGetValue`` of an ``OptionalFromValue`` of one value reads the value:
+    cond_v2 wraps a branch's intermediates in Optionals for the backward branches that
+    do not have them; lowered, each backward branch reads its own forward branch's."""
+    for n in added:
+        if n.op == "OptionalGetValue" and n.graph.get(n.name) is n:
+            source = n.inputs[0].node
+            if source.op == "OptionalFromValue" and len(source.inputs) == 1:
+                graph.replace_all_uses(n.output(0), source.inputs[0])
+
+
+def _remove_unread(graph, candidates):
+    """Removes the ``candidates`` that nothing reads and that change no state, again
+    until none is left: the unread Switches, Merges, Optionals and the branch halves
+    no output needs."""
+    alive = [n for n in dict.fromkeys(candidates) if graph.get(n.name) is n]
+    while True:
+        doomed = [n for n in alive if n.is_sink and not opdefs.is_stateful(n)]
+        if not doomed:
+            return
+        graph.remove_nodes(doomed)
+        gone = set(doomed)
+        alive = [n for n in alive if n not in gone]

@@ -1340,7 +1340,10 @@ def _value_ancestors_of(nodes):
 
 # Where tf.gradients puts the backward pass of op X: "<scope>gradients[_k]/X_grad/..."
 # (TensorFlow's gradients_util opens a name scope op.name + "_grad" per forward op).
-_GRADIENTS_SCOPE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
+# (the "/" before it is looked behind, not matched: tf_keras' legacy optimizers call
+# tf.gradients inside their own "gradients" scope, "SGD/gradients/gradients/...", and
+# finditer must find the inner scope after the outer one)
+_GRADIENTS_SCOPE = re.compile(r"(?:^|(?<=/))gradients(?:_\d+)?/")
 
 
 def in_gradients_scope(name):
@@ -1453,7 +1456,9 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     every path to the batch passes a mean or sum over the rows or a product that
     contracts them (``reduce_sum(square(reduce_mean(h, 0) - t))``, a loss on the batch's
     mean features, is no sum over the rows). ``strict``: not through ops that may move
-    rows (_MOVES_ROWS), so the value's first axis is the batch's rows."""
+    rows (_MOVES_ROWS), so the value's first axis is the batch's rows; a Reshape that
+    keeps its first axis (_keeps_first_axis: tf_keras' and tf.layers' Flatten) is no
+    such op."""
     def follow(n):
         if n.op in _REDUCTIONS:
             axes = n.inputs[1].node if len(n.inputs) > 1 else None
@@ -1465,10 +1470,25 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
                 return [n.inputs[0].node]
         elif n.op in ("GatherV2", "Gather", "ResourceGather"):
             return [n.inputs[1].node]
-        elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS):
+        elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS and not _keeps_first_axis(n)):
             return [t.node for t in n.inputs]
         return []
     return _search_back(tensor.node, lambda n: n in batch_nodes, follow, limit) is not None
+
+
+def _keeps_first_axis(reshape):
+    """True for a Reshape to ``[-1, d, ...]`` with constant d's or to ``[tf.shape(x)[0],
+    ...]`` of its own input x (what Flatten builds, with static and with unknown inner
+    dimensions): its input's rows, split or grouped in order, are its rows, so on
+    every replica its first axis holds that replica's shard of one device's value, as
+    for the input itself."""
+    if reshape.op != "Reshape":
+        return False
+    shape = reshape.inputs[1]
+    if _leading_constant(shape) == -1:
+        return all(d > 0 for d in list(dtypes.int_values(_strip_identity(shape).node.attr["value"].tensor))[1:])
+    rows = _leading_rows(shape)
+    return rows is not None and rows == reshape.inputs[0]
 
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).

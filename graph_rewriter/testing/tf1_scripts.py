@@ -728,7 +728,7 @@ def rows_meeting_mlp(kind="plain"):
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
     the batch, on the features' cross-correlation over the batch divided by
-    ``tf.shape(h)[0]`` (or by the rows of a reshape of h, or by ``tf.size(h) / 16``), on their covariance (VICReg:
+    ``tf.shape(h)[0]`` (or by the first axis of a reshape of h to [2, -1], not its rows, or by ``tf.size(h) / 16``), on their covariance (VICReg:
     divided by ``n - 1``), a center loss by hand ``h - reduce_sum(h, 0) / n`` with
     the distances' mean by hand too, a sum over the rows and the square of a sum over
     them divided by one count; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
@@ -796,7 +796,7 @@ def rows_meeting_mlp(kind="plain"):
             if kind == "size_count":   # n as the count of h's elements over its 16 features
                 rows = tf.cast(tf.size(h), tf.float32) / 16.0
             else:
-                rows = tf.cast(tf.shape(h if kind == "cross_correlation" else tf.reshape(h, [-1, 4, 4]))[0],
+                rows = tf.cast(tf.shape(h if kind == "cross_correlation" else tf.reshape(h, [2, -1]))[0],
                                tf.float32)
             c = tf.matmul(h, h, transpose_a=True, name="center") / rows
             loss += 0.01 * tf.reduce_sum(tf.square(c - tf.linalg.diag(tf.linalg.diag_part(c))))

@@ -1011,8 +1011,15 @@ class _Analyzer:
                     "sums over the rows (a Sum, a MatMul contracting them) and fused BatchNorms are synchronised")
         if name in selected_means:
             return "it is also a mean over rows a condition selects, which the normalizers pass scales"
-        if gradient_scopes(self.order, {name: n}) and not gradient_entries(self.order, {name: n}):
+        scopes = gradient_scopes(self.order, {name: n})
+        if scopes and not gradient_entries(self.order, {name: n}):
             return "its backward pass reads the gradient from more than one tensor"
+        if not scopes:   # its backward under a scope not named "gradients": its forward alone would be synced
+            unread = next((m.name for m in self.order if m.name.startswith(f"{name}_grad/")
+                           or f"/{name}_grad/" in m.name), None)
+            if unread is not None:
+                return (f"its backward pass ('{unread}') is in a name scope the rewrite does not read as "
+                        "tf.gradients' ('gradients', 'gradients_1', ...); leave tf.gradients' name at its default")
         return None
 
     def _row_counts_met(self, stat, seed_nodes, variant0, limit=4096):

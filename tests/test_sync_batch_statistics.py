@@ -327,6 +327,24 @@ def test_what_cannot_be_synced_is_refused_by_name(graph_def, sync, message):
     assert e.value.hint
 
 
+def test_a_backward_pass_under_another_name_is_refused():
+    """tf.gradients(..., name="my_grads"): the analysis reads backward passes by their
+    "gradients" scope, so it would sync the moments' forward pass alone; it refuses,
+    naming the backward op it cannot read."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.get_variable("w", [4, 3], initializer=tf1.ones_initializer())
+        h = tf.matmul(x, w)
+        mean, var = tf.nn.moments(h, [0], name="moments")
+        loss = tf.reduce_sum(tf.square((h - mean) / tf.sqrt(var + 1e-3)), name="loss")
+        grads = tf.gradients(loss, [w], name="my_grads")
+        tf1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, [w]), name="train_op")
+    with pytest.raises(gr.GraphRewriteError, match="the batch statistic 'moments/mean' cannot be synchronised: its "
+                                                  r"backward pass \('my_grads/moments/mean_grad/"):
+        _rewrite(g.as_graph_def(), sync_batch_statistics=True)
+
+
 def test_a_parameter_server_plan_across_machines_is_refused():
     with pytest.raises(gr.GraphRewriteError, match="meet in no collective group") as e:
         gr.rewrite(batch_norm_cnn("layers")[0], PS2_WORKERS2, task="worker:1", strategy="ps", device_type="CPU",

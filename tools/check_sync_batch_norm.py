@@ -13,7 +13,11 @@ difference ||a - b|| / ||b|| after the step (a convolution's bias before a Batch
 a gradient of zero, which rounding makes a small random value: its relative difference is
 about 1 in every run).
 
-    python tools/check_sync_batch_norm.py [--batch 64] [--image 32]
+    python tools/check_sync_batch_norm.py [--batch 64] [--image 32] [--learning-phase]
+
+``--learning-phase`` calls the model without ``training``, as a Keras script in a TF1
+graph does, and feeds the Keras learning phase True: each BatchNorm is then in a v2
+cond, which the rewrite lowers to Switch and Merge to sync it (passes/lower_conds.py).
 
 Needs tensorflow and tf-keras. About two minutes on 2 cores.
 """
@@ -30,9 +34,10 @@ RUNS = (("one device, Eigen kernels", "one", "0"), ("2 replicas, sync_batch_stat
         ("2 replicas, per-replica statistics", "nosync", "1"))
 
 
-def build(path, image):
-    """tf_keras ResNet50 (random init, 10 classes) called on x with training=True, its
-    updates for x and a Momentum step in train_op; written to ``path``."""
+def build(path, image, learning_phase=False):
+    """tf_keras ResNet50 (random init, 10 classes) called on x with training=True (or
+    behind the learning phase), its updates for x and a Momentum step in train_op;
+    written to ``path``."""
     import tensorflow as tf
     import tf_keras
     tf1 = tf.compat.v1
@@ -41,7 +46,7 @@ def build(path, image):
         model = tf_keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=10)
         x = tf1.placeholder(tf.float32, (None, image, image, 3), name="x")
         y = tf1.placeholder(tf.int64, (None,), name="y")
-        out = model(x, training=True)
+        out = model(x) if learning_phase else model(x, training=True)
         loss = tf.identity(tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(y, out)), name="loss")
         tf.group(tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss), *model.get_updates_for(x), name="train_op")
         tf1.global_variables_initializer()
@@ -59,6 +64,8 @@ def run(graph_path, mode, batch, image, out):
         gd = tf1.GraphDef.FromString(f.read())
     rng = np.random.RandomState(0)
     feed = {"x:0": rng.randn(batch, image, image, 3).astype(np.float32), "y:0": rng.randint(0, 10, batch)}
+    if any(n.name == "keras_learning_phase" for n in gd.node):
+        feed["keras_learning_phase:0"] = True
     reads = {n.name: n.name + "/Read/ReadVariableOp:0" for n in gd.node if n.op == "VarHandleOp"}
     if mode == "one":
         g = tf.Graph()
@@ -91,6 +98,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--image", type=int, default=32, help="image side (default 32)")
+    parser.add_argument("--learning-phase", action="store_true",
+                        help="call the model behind the Keras learning phase (fed True), not training=True")
     parser.add_argument("--run", nargs=3, metavar=("GRAPH", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
@@ -98,7 +107,7 @@ def main(argv=None):
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         graph = os.path.join(tmp, "resnet50.pb")
-        build(graph, args.image)
+        build(graph, args.image, args.learning_phase)
         outs = {}
         for _, mode, onednn in (("", "reference", "1"),) + RUNS:
             outs[mode] = os.path.join(tmp, f"{mode}.npz")
@@ -106,7 +115,8 @@ def main(argv=None):
             cmd = [sys.executable, __file__, "--batch", str(args.batch), "--image", str(args.image),
                    "--run", graph, "one" if mode == "reference" else mode, outs[mode]]
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-        print(f"tf_keras ResNet50, {args.image}x{args.image} images, global batch {args.batch}, one Momentum step; "
+        print(f"tf_keras ResNet50{' behind the learning phase' if args.learning_phase else ''}, "
+              f"{args.image}x{args.image} images, global batch {args.batch}, one Momentum step; "
               "against one device (oneDNN kernels): norm-relative difference, median / largest")
         for label, mode, _ in RUNS:
             kinds, loss, reference = differences(outs[mode], outs["reference"])

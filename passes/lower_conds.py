@@ -57,7 +57,7 @@ class LowerCondsPass(Pass):
             if name.count(":") == 2:
                 call, function, node = name.split(":")
                 statistics.setdefault(call, []).append((function, node, name))
-        added, dropped = [], []
+        added, dropped, lowered, calls, renames = [], [], [], [], {}
         for call_name, found in statistics.items():
             call = graph.get(call_name)
             if call is None or not _lowerable(call, functions):
@@ -67,14 +67,20 @@ class LowerCondsPass(Pass):
             branch_of = {call.attr[attr].func.name: branch for branch, attr, _ in _BRANCHES}
             shared = {}
             for c in [call] + backward:
-                _lower(graph, c, functions, shared, added, dropped)
+                done = _lower(graph, c, functions, shared, added, dropped)
+                calls.append(c)
+                if done is not None:
+                    renames[done] = c.name
             for function, node, name in found:
                 ctx.lowered_statistics[name] = f"{call_name}/{branch_of[function]}/{_body_name(node)}"
-            ctx.info(f"lower_conds: the v2 cond '{call_name}' and its backward "
-                     f"{', '.join(repr(g.name) for g in backward) or '(none)'} lowered to Switch and Merge, "
-                     f"for the batch statistics {', '.join(n for _, _, n in found)}")
+            lowered.append(f"'{call_name}'" + (f" (and its backward {', '.join(repr(g.name) for g in backward)})"
+                                               if backward else ""))
         if not added:
             return False
+        graph.remove_nodes(calls)   # (at once: each removal rebuilds the graph's name table)
+        graph.rename_nodes(renames)
+        ctx.info(f"lower_conds: {len(lowered)} v2 cond(s) holding batch statistics lowered to Switch and Merge: "
+                 + ", ".join(lowered[:3]) + (f" and {len(lowered) - 3} more" if len(lowered) > 3 else ""))
         _bypass_optionals(graph, added)
         _remove_unread(graph, added + dropped)
         return True
@@ -99,9 +105,11 @@ def _body_name(name):
 
 
 def _lower(graph, call, functions, shared, added, dropped):
-    """Replaces the If ``call`` by Switches, its two inlined branches and Merges, appending
-    the nodes it adds to ``added`` and the readers of its intermediates (cond_v2's
-    Identities, tf.gradients' ZerosLikes for the backward If) to ``dropped``. ``shared``
+    """Puts Switches, the two inlined branches and Merges in place of the If ``call``
+    (left unread, for the caller to remove; returns the NoOp its control consumers now
+    wait for, or None), appending the nodes it adds to ``added`` and the readers of its
+    intermediates (cond_v2's Identities, tf.gradients' ZerosLikes for the backward If)
+    to ``dropped``. ``shared``
     maps (branch, tensor of the graph) to the value a cond lowered before on the same
     predicate gives that branch for it (its branch's output for the Merge of one of its
     outputs, its Switch's for one of its inputs); it is read, and extended."""
@@ -141,13 +149,11 @@ def _lower(graph, call, functions, shared, added, dropped):
         if position in switches:
             for branch, _, side in _BRANCHES:
                 shared.setdefault((branch, t), switches[position].output(side))
-    name, done = call.name, None
-    if call.control_consumers:
+    if call.control_consumers:   # they wait for a NoOp that takes the If's name once it is gone
         done = op("NoOp", "done", [], [m for k, m in enumerate(merges) if tout[k] != types_pb2.DT_VARIANT])
         graph.replace_control_uses(call, done)
-    graph.remove_node(call)
-    if done is not None:
-        graph.rename_node(done, name)
+        return done
+    return None
 
 
 def _inline(graph, fn, prefix, device, pivot, added, argument):

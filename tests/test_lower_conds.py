@@ -198,7 +198,8 @@ def test_the_cli_flag_lowers_and_inspect_lists_them(tmp_path, capsys):
     assert main([str(src), str(out), "--device-type", "CPU", "--devices-per-worker", "2",
                  "--sync-batch-statistics", "-v"]) == 0
     err = capsys.readouterr().err
-    assert "lower_conds: the v2 cond 'bn1/cond' and its backward 'gradients/bn1/cond_grad/StatelessIf'" in err
+    assert "lower_conds: 2 v2 cond(s) holding batch statistics lowered to Switch and Merge: 'bn1/cond' (and its " \
+           "backward 'gradients/bn1/cond_grad/StatelessIf'), 'bn2/cond'" in err
     assert main(["inspect", str(out)]) == 0
     assert "bn1/cond/then/FusedBatchNormV3" in capsys.readouterr().out
 

@@ -15,7 +15,8 @@ cond, which lower_conds lowers). Two faults hid here, both fixed:
 
 With sync_batch_statistics 2 replicas now train as one device (every variable, the
 momentum slots and the moving averages, rtol 1e-5); without it the plan's note names
-the statistics and the step differs (the control).
+the statistics and the step differs (the control). The scope fault also hid a loss
+summed over the rows from the loss_sums pass (the last test).
 """
 
 import numpy as np
@@ -107,3 +108,32 @@ def test_the_moments_backward_is_found_under_the_optimizers_gradients_scope():
                and not n.name.startswith("replica_") and "/sync/" in n.name]
     backward = [n for n in reduces if n.startswith("SGD/gradients/gradients/")]
     assert len(backward) == 2 and len(reduces) - len(backward) >= 2, reduces
+
+
+def test_a_summed_loss_under_the_optimizers_gradients_scope_trains_as_one_device():
+    """The same scope fault cost losses summed over the rows (docs/semantics.md,
+    "Gradients"): a Keras MLP with ``tf.reduce_sum`` of squared errors, trained by
+    legacy SGD's get_updates, had no loss sum found, so 2 replicas averaged their sums'
+    gradients (17.8 in the loss and 0.52 in the weights after three steps). Now the sum
+    is scaled where its gradient enters the backward pass, and the step is one device's."""
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        inp = tf_keras.Input(shape=(6, 6, 2), name="x")
+        hidden = tf_keras.layers.Dense(8, activation="relu")(tf_keras.layers.Flatten()(inp))
+        model = tf_keras.Model(inp, tf_keras.layers.Dense(1)(hidden))
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        loss = tf.identity(tf.reduce_sum(tf.square(model.output - y)), name="loss")
+        opt = tf_keras.optimizers.legacy.SGD(0.01, momentum=0.9)
+        tf.group(*opt.get_updates(loss, model.trainable_weights), name="train_op")
+        variables = tf1.global_variables()
+        tf1.variables_initializer(variables, name="init")
+        reads = {v.name: tf1.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype).name for v in variables}
+    graph_def, feeds = g.as_graph_def(), _feeds(True)
+    result = _rewrite(graph_def)
+    assert result.plan.loss_sums == ["Sum"]
+    got, want = _train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=1e-5)
+    for name in want[1]:
+        np.testing.assert_allclose(got[1][name], want[1][name], rtol=2e-5, atol=1e-5, err_msg=name)

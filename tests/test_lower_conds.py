@@ -78,6 +78,39 @@ def test_without_the_option_nothing_is_lowered_and_the_step_differs():
     assert loss_gap > 1e-3 and max(gaps.values()) > 1e-2
 
 
+def test_the_lowered_graph_computes_what_the_original_computes():
+    """The lowering alone (saver and lower_conds on the one-device graph, no replicas):
+    three training steps and then a loss in the inference branch equal the original
+    graph's, every variable included, and the Ifs of the BatchNorms are gone."""
+    from graph_rewriter.api import _options
+    from graph_rewriter.cluster import parse_cluster
+    from graph_rewriter.context import RewriteContext
+    from graph_rewriter.pass_manager import run_passes
+    from graph_rewriter.passes import LowerCondsPass, SaverPass
+    (graph_def, reads), feeds = batch_norm_cnn(KIND), cnn_batches(STEPS + 1, BATCH)
+    _, options = _options(dict(devices_per_worker=2, sync_batch_statistics=True))
+    ctx = RewriteContext(options=options, cluster=parse_cluster(None, None))
+    graph = graph_io.load_graph(graph_def)
+    run_passes(graph, ctx, SaverPass(), LowerCondsPass())
+    lowered = graph_io.to_graph_def(graph, None)
+    assert _functional(lowered) == [] and sorted(ctx.lowered_statistics.values()) == LOWERED
+
+    def run(gd):
+        g = tf.Graph()
+        with g.as_default():
+            tf1.import_graph_def(gd, name="")
+        with tf1.Session(graph=g) as sess:
+            sess.run("init")
+            losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds[:STEPS]]
+            losses.append(sess.run("loss:0", dict(feeds[STEPS], **{"training:0": False})))
+            return np.array(losses), sess.run(reads)
+
+    (got_losses, got), (want_losses, want) = run(lowered), run(graph_def)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_the_option_names_a_statistic_either_way():
     """A name as the analysis gives it (call:function:node, what the note says) or as
     lowered: the same graph as True."""

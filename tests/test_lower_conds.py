@@ -7,7 +7,9 @@ holds the fused BatchNorm, and the backward pass as a second If on the same pred
 With sync_batch_statistics the rewrite lowers both to Switch and Merge
 (passes/lower_conds.py) and synchronises the BatchNorm as in a v1 cond; 2 and 4
 replicas then train as one device under every strategy (rtol 1e-5). Without the
-option nothing is lowered, and the step differs (the control).
+option nothing is lowered, and the step differs (the control). The Keras model behind
+its learning phase is in tests/test_keras_batch_norm.py, the inference branch after
+training in tests/test_sync_batch_statistics.py.
 """
 
 import numpy as np
@@ -133,60 +135,6 @@ def test_a_given_plan_keeps_the_same_graph():
     assert again.plan.sync_batch_statistics == LOWERED
     assert again.graph_def.SerializeToString(deterministic=True) == \
         result.graph_def.SerializeToString(deterministic=True)
-
-
-def test_the_inference_branch_still_reads_the_moving_statistics():
-    """After training with the option, training=False takes the lowered else branch and
-    gives one device's loss."""
-    (graph_def, _), feeds = batch_norm_cnn(KIND), cnn_batches(STEPS + 1, BATCH)
-
-    def run(session):
-        with session as sess:
-            sess.run("init")
-            for feed in feeds[:STEPS]:
-                sess.run("train_op", feed)
-            return sess.run("loss:0", dict(feeds[STEPS], **{"training:0": False}))
-
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    want = run(tf1.Session(graph=graph))
-    got = run(gr.Session(_rewrite(graph_def, sync_batch_statistics=True)))
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-
-
-def _keras_model():
-    """tf_keras Conv2D -> BatchNormalization -> Flatten -> Dense, called on its Input in
-    a TF1 graph (the BatchNorm behind the Keras learning phase, a v2 cond); squared
-    error, legacy SGD with momentum, the model's updates (the moving averages) grouped
-    into train_op. Returns (GraphDef, {variable: tensor to read})."""
-    import tf_keras
-    g = tf.Graph()
-    with g.as_default():
-        tf1.set_random_seed(3)
-        inp = tf_keras.Input(shape=(6, 6, 2), name="x")
-        h = tf_keras.layers.BatchNormalization(momentum=0.9)(tf_keras.layers.Conv2D(4, 3, use_bias=False)(inp))
-        model = tf_keras.Model(inp, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(tf.nn.relu(h))))
-        y = tf1.placeholder(tf.float32, [None, 1], name="y")
-        loss = tf.identity(tf.reduce_mean(tf.square(model.output - y)), name="loss")
-        opt = tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9)
-        tf.group(*opt.get_updates(loss, model.trainable_weights), *model.updates, name="train_op")
-        variables = tf1.global_variables()   # the optimizer's hyperparameters and iterations too
-        tf1.variables_initializer(variables, name="init")
-        reads = {v.name: tf1.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype).name for v in variables}
-    return g.as_graph_def(), reads
-
-
-def test_keras_batch_norm_behind_the_learning_phase_trains_as_one_device():
-    """The Keras learning phase fed True: the BatchNorm is synced, and the kernels, the
-    moving averages and the momentum slots equal one device's."""
-    graph_def, reads = _keras_model()
-    feeds = [{"x:0": f["x:0"], "y:0": f["y:0"], "keras_learning_phase:0": True} for f in cnn_batches(STEPS, BATCH)]
-    result = _rewrite(graph_def, sync_batch_statistics=True)
-    assert result.plan.sync_batch_statistics == ["batch_normalization/cond/then/FusedBatchNormV3"]
-    got, want = _train(gr.Session(result), feeds, reads), _one_device(graph_def, feeds, reads)
-    assert any("moving_mean" in name for name in want[1]) and len(want[1]) >= 8
-    _assert_one_device(got, want)
 
 
 def test_a_cond_that_cannot_be_lowered_is_refused_by_name():

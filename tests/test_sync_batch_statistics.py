@@ -227,11 +227,13 @@ def test_a_real_resnet_trains_as_one_device_on_the_global_batch():
         np.testing.assert_allclose(values[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_the_v1_cond_still_infers_with_the_moving_statistics():
-    """tf.compat.v1.layers.batch_normalization(training=placeholder): after training with
-    the option, feeding training=False takes the inference branch (the synced ops are in
-    the other, dead, branch) and gives one device's loss."""
-    (graph_def, reads), feeds = batch_norm_cnn("layers_cond"), cnn_batches(STEPS + 1, BATCH)
+@pytest.mark.parametrize("kind", ["layers_cond", "layers_cond_v2"])
+def test_the_cond_still_infers_with_the_moving_statistics(kind):
+    """tf.compat.v1.layers.batch_normalization(training=placeholder), in a v1 cond or a v2
+    one (lowered): after training with the option, feeding training=False takes the
+    inference branch (the synced ops are in the other, dead, branch) and gives one
+    device's loss."""
+    (graph_def, reads), feeds = batch_norm_cnn(kind), cnn_batches(STEPS + 1, BATCH)
 
     def run(session):
         with session as sess:

@@ -171,12 +171,11 @@ def pipeline():
     """Every pass a rewrite may run, in order. Each declares what it requires, provides and
     must run after (the pass manager refuses an order that breaks one) and whether a
     given plan needs it (the pass manager skips it when not)."""
-    return [passes.SaverPass(), passes.LowerCondsPass(), passes.PlanPass(), passes.ReplicatePass(), passes.SplitInputsPass(),
-            passes.NormalizersPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(), passes.LossSumsPass(),
-            passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(), passes.AllGatherPass(),
-            passes.CommunicationPass(),
-            passes.AccumulatePass(), passes.SyncQueuesPass(), passes.ShardVariablesPass(),
-            passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
+    return [passes.SaverPass(), passes.LowerCondsPass(), passes.PlanPass(), passes.ReplicatePass(),
+            passes.SplitInputsPass(), passes.NormalizersPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
+            passes.LossSumsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
+            passes.AllGatherPass(), passes.CommunicationPass(), passes.AccumulatePass(), passes.SyncQueuesPass(),
+            passes.ShardVariablesPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
             passes.RecordIncarnationsPass(), passes.StepSequencePass(), passes.PlacePass(), passes.MetadataPass()]
 
 

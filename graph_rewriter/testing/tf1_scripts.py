@@ -728,8 +728,8 @@ def rows_meeting_mlp(kind="plain"):
     ``tf.random.shuffle(tf.range(n))`` or by ``tf.roll``; a center loss ``h -
     reduce_mean(h, 0)``, a loss on the batch's mean features, on the largest output of
     the batch, on the features' cross-correlation over the batch divided by
-    ``tf.shape(h)[0]`` (or by the first axis of a reshape of h to [2, -1], not its rows, or by ``tf.size(h) / 16``), on their covariance (VICReg:
-    divided by ``n - 1``), a center loss by hand ``h - reduce_sum(h, 0) / n`` with
+    ``tf.shape(h)[0]`` (or by the first axis of a reshape of h to [2, -1], not its
+    rows, or by ``tf.size(h) / 16``), on their covariance (VICReg: divided by ``n - 1``), a center loss by hand ``h - reduce_sum(h, 0) / n`` with
     the distances' mean by hand too, a sum over the rows and the square of a sum over
     them divided by one count; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
     a fused BatchNorm in training mode; the mean loss of the rows with

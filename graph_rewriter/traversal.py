@@ -211,3 +211,19 @@ def absorb_exclusive_ancestors(region, keep_out):
                 frontier.append(p)
                 changed = True
     return region
+
+
+def unread_ancestors(starts, gone, removable):
+    """The ``removable`` nodes among ``starts`` and their ancestors that nobody but nodes
+    ``gone`` (or found here) reads, by data or control edge, walking up from ``starts``:
+    what dead-code elimination may remove once ``gone`` is removed."""
+    gone, found, stack = set(gone), [], list(starts)
+    while stack:
+        n = stack.pop()
+        if (n in gone or not removable(n) or n.control_consumers
+                or any(c not in gone for c, _ in n.consumers())):
+            continue
+        gone.add(n)
+        found.append(n)
+        stack.extend(t.node for t in n.inputs)
+    return found

@@ -55,7 +55,7 @@ from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_in
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
-from graph_rewriter.traversal import topological_order
+from graph_rewriter.traversal import topological_order, unread_ancestors
 
 _SHAPE_READERS = frozenset(("Shape", "ShapeN", "Size", "Rank"))
 _GRADIENTS = re.compile(r"^(?:.*/)?gradients(?:_\d+)?/")
@@ -112,23 +112,8 @@ def _unread_reads(replaced):
     ignores them. Left, such a read is a root of the graph, and a control input on it (a
     script ordering its second application of a BatchNorm after the first's updates)
     would make it run one replica's synced update alone."""
-    return _unread([t.node for n in replaced for t in n.inputs], set(replaced),
+    return unread_ancestors([t.node for n in replaced for t in n.inputs], set(replaced),
                    lambda n: n.op in ("ReadVariableOp", "Identity"))
-
-
-def _unread(starts, gone, removable):
-    """The ``removable`` nodes among ``starts`` and their ancestors that nobody but nodes
-    ``gone`` (or found here) reads, walking up from ``starts``."""
-    gone, found, stack = set(gone), [], list(starts)
-    while stack:
-        n = stack.pop()
-        if (n in gone or not removable(n) or n.control_consumers
-                or any(c not in gone for c, _ in n.consumers())):
-            continue
-        gone.add(n)
-        found.append(n)
-        stack.extend(t.node for t in n.inputs)
-    return found
 
 
 def _gradient_readers(nodes, op, pos):
@@ -144,7 +129,7 @@ def _unread_counts(counts):
     shape) that nobody reads once a synced sum and its backward read the whole count:
     left, such a count is a root of the graph, and one computed after a synced statistic
     (the rows of a normalised embedding) would run one replica's collectives alone."""
-    return _unread(counts, (), lambda n: n.op not in _SHAPE_READERS)
+    return unread_ancestors(counts, (), lambda n: n.op not in _SHAPE_READERS)
 
 
 def _chain(graph, syncs):

@@ -35,6 +35,7 @@ from graph_rewriter.ir import COLOCATION_ATTR
 from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
 from graph_rewriter.protos import types_pb2
+from graph_rewriter.traversal import unread_ancestors
 
 _IFS = frozenset(("If", "StatelessIf"))
 _BRANCHES = (("then", "then_branch", 1), ("else", "else_branch", 0))   # (name, attr, Switch output)
@@ -230,14 +231,9 @@ def _bypass_optionals(graph, added):
 
 
 def _remove_unread(graph, candidates):
-    """Removes the ``candidates`` that nothing reads and that change no state, again
-    until none is left: the unread Switches, Merges, Optionals and the branch halves
-    no output needs."""
+    """Removes the ``candidates`` that nothing but other such candidates reads and that
+    change no state: the unread Switches, Merges, Optionals and the branch halves no
+    output needs."""
     alive = [n for n in dict.fromkeys(candidates) if graph.get(n.name) is n]
-    while True:
-        doomed = [n for n in alive if n.is_sink and not opdefs.is_stateful(n)]
-        if not doomed:
-            return
-        graph.remove_nodes(doomed)
-        gone = set(doomed)
-        alive = [n for n in alive if n not in gone]
+    keep = set(alive)
+    graph.remove_nodes(unread_ancestors(alive, (), lambda n: n in keep and not opdefs.is_stateful(n)))

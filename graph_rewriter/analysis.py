@@ -167,6 +167,10 @@ class Analysis:
     # statistic alone meets a count of the batch's rows (``/ tf.cast(tf.shape(h)[0],
     # ...)``): synced, the statistic is the whole batch's, and there the count must be too
     statistics_row_counts: dict = dataclasses.field(default_factory=dict)
+    # SparseTensor batch inputs: (indices, values, dense_shape) Tensors, each also in
+    # batch_inputs. Their first axis counts entries, not rows: each replica takes the
+    # entries of its rows, re-numbered (passes/split_inputs.py; see _sparse_inputs)
+    sparse_inputs: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -309,7 +313,7 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
             selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
-            variables=self.variables, cuts=cuts, batch_inputs=batch,
+            variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
             step_counters=[v.name for v in self.variables.values() if v.role == "step"])
@@ -423,10 +427,17 @@ class _Analyzer:
                     if any(c not in self.input_pipeline for c, _ in n.consumers(i)):
                         found.append((Tensor(n, i), "dynamic" if rows is None else "iterator", rows))
         self.static_batch = {}
+        self.sparse_inputs = []
         if any(kind == "dynamic" for _, kind, _ in found):
-            batch = [t for t, kind, _ in found if kind == "dynamic"]
-            broadcast = [t for t, kind, _ in found if kind != "dynamic"]
-            return batch, broadcast
+            self.sparse_inputs = self._sparse_inputs(found)
+            entries = {t for triple in self.sparse_inputs for t in triple}
+            # an iterator's serialized SparseTensor that only its DeserializeSparse reads
+            entries |= {t for t, _, _ in found
+                        if all(c in self.input_pipeline and c.op == "DeserializeSparse"
+                               for c, _ in t.node.consumers(t.index))}
+            batch = [t for t, kind, _ in found if kind == "dynamic" and t not in entries]
+            broadcast = [t for t, kind, _ in found if kind != "dynamic" and t not in entries]
+            return batch + [t for triple in self.sparse_inputs for t in triple], broadcast
         sizes = [dim for _, kind, dim in found if kind in ("placeholder", "iterator") and dim is not None]
         size = max(sizes, key=lambda d: (sizes.count(d), -sizes.index(d))) if sizes else None
         batch, broadcast = [], []
@@ -437,6 +448,50 @@ class _Analyzer:
             else:
                 broadcast.append(t)
         return batch, broadcast
+
+    def _sparse_inputs(self, found):
+        """The batch's SparseTensors, as (indices, values, dense_shape) Tensors, when the
+        batch's first dimension is dynamic (split across the replicas):
+
+        - tf.compat.v1.sparse_placeholder(name=p): the placeholders ``p/indices`` (int64,
+          [None, rank]) and ``p/values`` ([None]), and ``p/shape`` (int64 [rank], a
+          Placeholder or the PlaceholderWithDefault it makes when given a shape). Only
+          the names tie the three together (an embedding lookup reads the indices' first
+          column and the values, never the shape), so an unnamed sparse_placeholder is
+          three unrelated inputs;
+        - a tf.data pipeline's SparseTensor (tf.io.VarLenFeature): the iterator hands it
+          over as one variant, the whole batch serialized, which a DeserializeSparse
+          turns into the three tensors; that DeserializeSparse joins the input pipeline
+          (it runs once, on the host) and its outputs are the batch input.
+
+        Split by rows, these would hand replica k the k-th slice of the entries, whose
+        row numbers and dense shape are the whole batch's."""
+        g, out = self.g, []
+        fed = {t.node.name for t, _, _ in found}
+        for t, kind, _ in found:
+            n = t.node
+            if kind != "dynamic" or n.op != "Placeholder" or not n.name.endswith("/indices"):
+                continue
+            prefix = n.name[:-len("indices")]
+            values, shape = (g.node(prefix + s) if prefix + s in g else None for s in ("values", "shape"))
+            dims = _shape_of(n.attr["shape"].shape)
+            if (values is None or shape is None or values.name not in fed or values.op != "Placeholder"
+                    or n.attr["dtype"].type != types_pb2.DT_INT64 or len(dims) != 2
+                    or _shape_of(values.attr["shape"].shape) != [-1]
+                    or shape.op not in PLACEHOLDERS or shape.attr["dtype"].type != types_pb2.DT_INT64
+                    or _shape_of(shape.attr["shape"].shape) not in (None, [-1], [dims[1]])):
+                continue
+            out.append((t, Tensor(values, 0), Tensor(shape, 0)))
+        for n in self.order:
+            if n.op != "DeserializeSparse" or n.inputs[0].node.op not in ITERATOR_GET_NEXT:
+                continue
+            source = n.inputs[0]
+            shapes = source.node.attr["output_shapes"].list.shape
+            shape = _shape_of(shapes[source.index]) if source.index < len(shapes) else None
+            if shape is None or shape == [3]:   # one SparseTensor (not a batch of serialized ones)
+                self.input_pipeline.add(n)
+                out.append(tuple(Tensor(n, i) for i in range(3)))
+        return out
 
     # ---- gradient cuts ---------------------------------------------------------------
     def _find_cuts(self, batch, variant0):

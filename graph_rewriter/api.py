@@ -17,7 +17,7 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.metadata import METADATA_NODE, read_metadata, read_metadata_of
 from graph_rewriter.options import Options
 from graph_rewriter.pass_manager import PassManager
-from graph_rewriter.plan import Plan
+from graph_rewriter.plan import Plan, sparse_line
 from graph_rewriter.verifier import check_collectives_run, verify, verify_changes
 
 
@@ -138,6 +138,7 @@ class RewriteResult:
             f"gradients: {len(dense)} allreduced in {len(plan['packs'])} pack(s), {len(sparse)} allgathered"
             + (f", {len(accumulated)} accumulated on parameter servers" if accumulated else ""),
             _inputs_line(plan),
+            *([sparse_line(plan["sparse_inputs"])] if plan.get("sparse_inputs") else []),
             f"nodes: {self.num_nodes}",
         ]
         lines[1:1] = [f"note: {note}" for note in plan.get("notes") or []]

@@ -10,7 +10,7 @@ import re
 from graph_rewriter import dtypes
 from graph_rewriter.collectives import NEVER_RUNS
 from graph_rewriter.op_vocabulary import input_kind
-from graph_rewriter.plan import DRAWN
+from graph_rewriter.plan import DRAWN, sparse_line
 from graph_rewriter.verifier import COLLECTIVES
 
 _INDEX_BYTES = {"int32": 4, "int64": 8}
@@ -123,6 +123,7 @@ def report(result, batch_size=None):
            if plan.get("sync_batch_statistics") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
         "batch_inputs": md["batch_inputs"],
+        **({"sparse_inputs": [list(t) for t in plan["sparse_inputs"]]} if plan.get("sparse_inputs") else {}),
         "inputs": _inputs(md, nodes),
         "variables": variables,
         "packs": [{"index": i, "dtype": p["dtype"], "bytes": p["bytes"], "gradients": p["cuts"],
@@ -264,6 +265,8 @@ def format_report(rep):
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))
     inputs = rep.get("inputs") or []
+    if rep.get("sparse_inputs"):
+        lines.append(sparse_line(rep["sparse_inputs"]))
     if not any(i["mode"] == "per_replica" for i in inputs):
         lines.append(f"batch inputs split across replicas: {', '.join(rep['batch_inputs']) or 'none'}")
     else:

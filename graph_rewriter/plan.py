@@ -114,6 +114,12 @@ class InputPlan:
     global_batch: int = None
 
 
+def sparse_line(triples):
+    """One line naming the batch's SparseTensors (a plan's sparse_inputs) for summaries."""
+    return ("SparseTensors of the batch (each replica takes its rows' entries): "
+            + "; ".join(" + ".join(t) for t in triples))
+
+
 def joined_train_ops(keys):
     """{key: the first of the keys it shares a train op with, directly or through
     others} for tuples of train-op names (the plan's cuts' train_ops): gradients whose
@@ -211,6 +217,11 @@ class Plan:
     # shapes' rows summed over the replicas (passes/batch_statistics.py); None: none,
     # and absent from the JSON
     synced_row_counts: list = None
+    # the batch's SparseTensors, each [indices, values, dense_shape] tensor names (also in
+    # batch_inputs): every replica takes the entries of its rows of the batch, their row
+    # numbers and dense shape its own (passes/split_inputs.py); None: none, and absent
+    # from the JSON
+    sparse_inputs: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -269,6 +280,8 @@ class Plan:
             del d["sync_batch_statistics"]
         if d["synced_row_counts"] is None:
             del d["synced_row_counts"]
+        if d["sparse_inputs"] is None:
+            del d["sparse_inputs"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
@@ -315,7 +328,7 @@ class Plan:
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
                 random_draws=d.get("random_draws"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
-                synced_row_counts=d.get("synced_row_counts"))
+                synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 

@@ -41,6 +41,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     else:
         result = check_plan(given, analysis, options, r)
     result.fingerprint = graph_fingerprint(graph)
+    result.sparse_inputs = _sparse_inputs(analysis, options.batch_split, r)
     result.inputs = plan_inputs(analysis, options.batch_split, r)
     _check_collective_dtypes(result, r)
     _keep_unshardable_whole(result, graph, info)
@@ -413,6 +414,23 @@ def _tf2_function_graph(graph):
     return None
 
 
+def _sparse_inputs(analysis, batch_split, num_replicas):
+    """The plan's sparse_inputs: [indices, values, dense_shape] per SparseTensor of the
+    batch, or None. A tf.data SparseTensor is split from the one batch drawn: with
+    batch_split "per_replica" the iterator is drawn once per replica instead, and its
+    serialized SparseTensor would be deserialized from the first draw only."""
+    triples = [[t.name for t in triple] for triple in analysis.sparse_inputs]
+    drawn = [names for names, triple in zip(triples, analysis.sparse_inputs)
+             if triple[0].node.op == "DeserializeSparse"]
+    if drawn and batch_split == "per_replica" and num_replicas > 1:
+        raise GraphRewriteError(
+            f"batch_split='per_replica' draws the input pipeline once per replica, but the batch's "
+            f"SparseTensor '{drawn[0][0].split(':')[0]}' (a tf.data SparseTensor, tf.io.VarLenFeature's) "
+            "is split from one batch", hint="leave batch_split at 'split', or batch the dataset with "
+                                            "drop_remainder=True (each replica then draws its own batch)")
+    return triples or None
+
+
 def plan_inputs(analysis, batch_split, num_replicas):
     """The InputPlans of the analysis' batch inputs, or None if every one is split: inputs
     with a static first dimension are per replica, the others as ``batch_split`` says.
@@ -479,6 +497,7 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
         variables=variables, cuts=cuts, packs=[],
         batch_inputs=[t.name for t in analysis.batch_inputs],
         broadcast_inputs=[t.name for t in analysis.broadcast_inputs],
+        sparse_inputs=[[t.name for t in triple] for triple in analysis.sparse_inputs] or None,
         step_counters=list(analysis.step_counters), compression=options.compression,
         sync=options.sync, staleness=options.staleness, num_ps=max(num_ps, 1),
         accumulation_steps=options.accumulation_steps)

@@ -122,6 +122,10 @@ class Session(tf.compat.v1.Session):
         self._merged_in_graph = set(md.get("merged", {}))   # op names holding the merged value
         self._merge = {_tensor_key(k): v for k, v in md.get("merge", {}).items()}
         self._batch_inputs = {_tensor_key(n) for n in md["batch_inputs"]}
+        # the batch's SparseTensors: dense shape name -> (indices, values) names
+        self._sparse = {_tensor_key(s): (_tensor_key(i), _tensor_key(v))
+                        for i, v, s in md["plan"].get("sparse_inputs") or []}
+        self._entries = {name for pair in self._sparse.values() for name in pair}
         self._inputs = {_tensor_key(i["name"]): i for i in md.get("inputs") or []}
         self._static_batches = {i["static_batch"] for i in self._inputs.values()
                                 if i["mode"] == "per_replica" and i["static_batch"] is not None}
@@ -229,14 +233,18 @@ class Session(tf.compat.v1.Session):
         if not feed_dict:
             return feed_dict
         out = {}
-        for key, value in feed_dict.items():
+        for key, value in _expand_sparse_feeds(feed_dict).items():
             name = key if isinstance(key, str) else getattr(key, "name", None)
             if name is None:
                 raise GraphRewriteError(f"feed key {key!r} is not a tensor name or a tf.Tensor",
                                         hint="feed by the original graph's names, e.g. \"x:0\"")
             tname = _tensor_key(name)
             static = self._inputs.get(tname, {}).get("static_batch")
-            if tname in self._inputs and self._inputs[tname]["mode"] == "per_replica" and static is not None:
+            if tname in self._entries:
+                pass   # a SparseTensor's entries: its dense shape tells its rows
+            elif tname in self._sparse and self._num_replicas > 1:
+                self._check_sparse_rows(tname, value)
+            elif tname in self._inputs and self._inputs[tname]["mode"] == "per_replica" and static is not None:
                 self._check_static_rows(tname, value, static)
             elif tname in self._batch_inputs and self._num_replicas > 1:
                 rows = np.shape(value)[0] if np.ndim(value) > 0 else None
@@ -256,7 +264,25 @@ class Session(tf.compat.v1.Session):
                         f"replicas (the mean of replica means would differ from the batch mean)",
                         hint=f"feed a multiple of {r} rows")
             out[tname] = value
+        for shape, (indices, _) in self._sparse.items():
+            if indices in out and shape not in out and self._num_replicas > 1:
+                raise GraphRewriteError(
+                    f"the SparseTensor fed as '{indices}' comes without its dense shape '{shape}': its "
+                    f"first dimension says how many rows each of the {self._num_replicas} replicas takes",
+                    hint="feed the SparseTensor itself ({sparse_tensor: tf.compat.v1.SparseTensorValue(...)}) "
+                         f"or '{shape}' with the others")
         return out
+
+    def _check_sparse_rows(self, tname, value):
+        r = self._num_replicas
+        shape = np.asarray(value)
+        rows = int(shape.reshape(-1)[0]) if shape.ndim == 1 and shape.size else None
+        if rows is None or rows < r or rows % r:
+            raise GraphRewriteError(
+                f"the SparseTensor whose dense shape is '{tname}' gets "
+                f"{'no dense shape' if rows is None else f'{rows} row(s)'} (the dense shape's first "
+                f"dimension), which do not split evenly across {r} replicas",
+                hint=f"feed a multiple of {r} rows")
 
     def _check_static_rows(self, tname, value, batch):
         r = self._num_replicas
@@ -418,6 +444,29 @@ def _add_queue_runners(meta_graph):
     for raw in meta_graph.collection_def["queue_runners"].bytes_list.value:
         runner = tf.compat.v1.train.QueueRunner(queue_runner_def=queue_runner_pb2.QueueRunnerDef.FromString(raw))
         tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS, runner)
+
+
+def _expand_sparse_feeds(feed_dict):
+    """``feed_dict`` with each SparseTensor key (a tf.SparseTensor, or anything with
+    ``indices``, ``values`` and ``dense_shape`` tensors) replaced by its three tensors'
+    names, as tf.compat.v1.Session feeds one: its value a SparseTensorValue or an
+    (indices, values, dense_shape) tuple."""
+    if not any(hasattr(k, "dense_shape") for k in feed_dict):
+        return feed_dict
+    out = {}
+    for key, value in feed_dict.items():
+        if not hasattr(key, "dense_shape"):
+            out[key] = value
+            continue
+        parts = ((value.indices, value.values, value.dense_shape) if hasattr(value, "dense_shape")
+                 else tuple(value) if isinstance(value, (tuple, list)) and len(value) == 3 else None)
+        if parts is None:
+            raise GraphRewriteError(
+                f"the SparseTensor feed '{key.indices.name}' is given a {type(value).__name__}",
+                hint="feed a tf.compat.v1.SparseTensorValue or an (indices, values, dense_shape) tuple")
+        for tensor, part in zip((key.indices, key.values, key.dense_shape), parts):
+            out[tensor.name] = part
+    return out
 
 
 def _build(plan, values):

@@ -70,7 +70,13 @@ class SplitInputsPass(Pass):
             return sharded
         modes = ctx.plan.input_plans()
         drawn = {}   # iterator nodes drawn once per replica, in plan order
+        sparse = ctx.plan.sparse_inputs or []
+        for names in sparse:
+            _split_sparse(graph, rm, names)
+        entries = {name for names in sparse for name in names}
         for name in ctx.plan.batch_inputs:
+            if name in entries:
+                continue
             x = graph.tensor(name)
             ip = modes[name]
             if ip.mode == "per_replica" and ip.kind in DRAWN:
@@ -136,6 +142,50 @@ class SplitInputsPass(Pass):
             batch.set_input(0, shard.output(0))
         producers = _shard_queue_producers(graph, len(workers), me, host)
         return _shard_one_shot_factories(graph, len(workers), me) or producers or bool(batching)
+
+
+def _split_sparse(graph, rm, names):
+    """Replica k reads the k-th of R SparseTensors a SparseSplit on the first axis makes
+    of the batch's SparseTensor (``names``: its indices, values and dense shape): the
+    entries of its rows, in their order, renumbered from 0, with the dense shape [rows
+    / R, ...]. An IdentityN per component hands replica k output k (as the Split of a
+    dense input does), after an Assert that the rows divide evenly: SparseSplit would
+    give the first replicas one row more."""
+    indices, values, shape = (graph.tensor(name) for name in names)
+    host, r = rm.global_device, rm.num_local
+    node = indices.node.name
+    base = node[:-len("/indices")] if node.endswith("/indices") else node
+    name = f"{base}/split_for_replicas"
+    split = make_op(graph, "SparseSplit", name,
+                    [const(graph, f"{name}/split_dim", 0, "int64", host), indices, values, shape],
+                    attrs={"num_split": r}, device=host, replica=GLOBAL)
+    rows = make_op(graph, "GatherV2", f"{name}/rows",
+                   [shape, const(graph, f"{name}/first", 0, "int32", host),
+                    const(graph, f"{name}/axis", 0, "int32", host)], device=host, replica=GLOBAL)
+    even = make_op(graph, "Equal", f"{name}/even",
+                   [make_op(graph, "FloorMod", f"{name}/remainder",
+                            [rows.output(0), const(graph, f"{name}/replicas", r, "int64", host)],
+                            device=host, replica=GLOBAL).output(0),
+                    const(graph, f"{name}/zero", 0, "int64", host)], device=host, replica=GLOBAL)
+    check = make_op(graph, "Assert", f"{name}/check",
+                    [even.output(0), [const(graph, f"{name}/message",
+                                            f"graph_rewriter: SparseTensor {base} of the batch: the first "
+                                            f"dimension of its dense shape (its rows) does not split evenly "
+                                            f"across {r} replicas; rows:".encode(), "string", host),
+                                      rows.output(0)]],
+                    attrs={"summarize": 3}, device=host, replica=GLOBAL)
+    for c, t in enumerate((indices, values, shape)):
+        readers = [(n, pos, rm.replica_of(graph, n.name)) for n, pos in t.node.consumers(t.index)]
+        readers = [(n, pos, k) for n, pos, k in readers if k is not None and n is not split and n is not rows]
+        if not readers:
+            continue   # read by no replica (an embedding lookup never reads the dense shape)
+        part = make_op(graph, "IdentityN", f"{name}/{('indices', 'values', 'shape')[c]}",
+                       [[split.output(c * r + k) for k in range(r)]], device=host,
+                       control_inputs=[check], replica=GLOBAL)
+        if rm.template:
+            rm.per_replica_outputs.append(part.name)   # replica k reads output k
+        for n, pos, k in readers:
+            n.set_input(pos, part.output(k))
 
 
 def _shard_queue_producers(graph, num_workers, me, host):

@@ -115,6 +115,9 @@ def build_inputs(out_dir, keras=False):
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
+    records = tf1_scripts.sparse_feature_records(16)   # a SparseTensor in the batch: fed, and from tf.data
+    graphs["script_sparse_placeholder"] = tf1_scripts.sparse_features_model("placeholder")
+    graphs["script_sparse_dataset"] = tf1_scripts.sparse_features_model("dataset", records=records)
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -3,11 +3,12 @@ their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
 word2vec tutorial, a script's counts of its batches, a sequence model's masked loss, a
 Transformer block, dropout, losses summed over the batch, BatchNorm written five ways and
-applied twice, a multi-task model whose two train ops share an encoder.
+applied twice, a multi-task model whose two train ops share an encoder, a Wide & Deep
+model over a SparseTensor feature.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
-tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py and
-tools/compare_outputs.py.
+tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
+tests/test_sparse_inputs.py and tools/compare_outputs.py.
 """
 
 import numpy as np
@@ -1044,3 +1045,87 @@ def multi_task_batches(steps, batch, embedding=False, seed=0):
             feed["x:0"] = rng.randn(batch, 4).astype(np.float32)
         feeds.append(feed)
     return feeds
+
+
+SPARSE_VOCAB = 12
+
+
+def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, records=None):
+    """A Wide & Deep click model over a variable-length sparse feature, as TF1 CTR scripts
+    feed one: ``ids``, a SparseTensor [batch, None] of int64 ids (some rows have none),
+    ``x`` [batch, 3] dense features, ``y`` [batch, 1] clicks. Wide: the ids' weights
+    summed (safe_embedding_lookup_sparse with combiner "sum", as a linear feature
+    column does), FTRL; deep: the ids' mean embedding (an empty row's is zero) with x,
+    a hidden layer, Adagrad; sigmoid cross-entropy; both updates in train_op.
+
+    ``source``: "placeholder", tf.compat.v1.sparse_placeholder(name="ids") and
+    placeholders x, y (fed by sparse_feature_batches); "dataset", tf.data over
+    ``records`` (sparse_feature_records: serialized tf.train.Examples) parsed with
+    tf.io.VarLenFeature, batched by ``batch`` (``drop_remainder``) behind an
+    initializable iterator (its initializer runs in "init"). Returns the GraphDef."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(5)
+        if source == "placeholder":
+            ids = tf1.sparse_placeholder(tf.int64, shape=[None, None], name="ids")
+            x = tf1.placeholder(tf.float32, [None, 3], name="x")
+            y = tf1.placeholder(tf.float32, [None, 1], name="y")
+            iterators = []
+        else:
+            spec = {"ids": tf.io.VarLenFeature(tf.int64), "x": tf.io.FixedLenFeature([3], tf.float32),
+                    "y": tf.io.FixedLenFeature([1], tf.float32)}
+            ds = tf.data.Dataset.from_tensor_slices(records).batch(batch, drop_remainder=drop_remainder)
+            iterator = tf1.data.make_initializable_iterator(ds.map(lambda s: tf.io.parse_example(s, spec)))
+            features = iterator.get_next()
+            ids, x, y = features["ids"], features["x"], features["y"]
+            iterators = [iterator.initializer]
+        wide_w = tf1.get_variable("wide/weights", [SPARSE_VOCAB, 1], initializer=tf1.zeros_initializer())
+        embedding = tf1.get_variable("deep/embedding", [SPARSE_VOCAB, 4])
+        wide = tf1.nn.safe_embedding_lookup_sparse([wide_w], ids, combiner="sum")
+        deep = tf1.nn.safe_embedding_lookup_sparse([embedding], ids, combiner="mean")
+        h = _dense(tf.concat([deep, x], 1), 8, "deep/hidden", tf.nn.relu)
+        logits = _dense(h, 1, "deep/out") + wide
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        wide_vars = [wide_w]
+        deep_vars = [v for v in tf1.trainable_variables() if v not in wide_vars]
+        tf.group(tf1.train.FtrlOptimizer(0.2).minimize(loss, var_list=wide_vars),
+                 tf1.train.AdagradOptimizer(0.1).minimize(loss, var_list=deep_vars), name="train_op")
+        tf.group(tf1.variables_initializer(tf1.global_variables(), name="init_variables"), *iterators, name="init")
+    return g.as_graph_def()
+
+
+def _sparse_rows(rng, batch):
+    """``batch`` rows of 0 to 3 ids each, the first row's and every fifth one's none."""
+    return [[] if r % 5 == 0 else list(rng.randint(0, SPARSE_VOCAB, size=1 + rng.randint(3)))
+            for r in range(batch)]
+
+
+def sparse_feature_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` rows for sparse_features_model("placeholder"): the
+    SparseTensor's three placeholders by name ("ids/indices:0", "ids/values:0",
+    "ids/shape:0", entries in row order), x and y."""
+    rng = np.random.RandomState(seed)
+    feeds = []
+    for _ in range(steps):
+        rows = _sparse_rows(rng, batch)
+        indices = [[r, k] for r, row in enumerate(rows) for k in range(len(row))]
+        feeds.append({"ids/indices:0": np.array(indices, np.int64).reshape(-1, 2),
+                      "ids/values:0": np.array(sum(rows, []), np.int64),
+                      "ids/shape:0": np.array([batch, max(map(len, rows))], np.int64),
+                      "x:0": rng.randn(batch, 3).astype(np.float32),
+                      "y:0": (rng.rand(batch, 1) < 0.3).astype(np.float32)})
+    return feeds
+
+
+def sparse_feature_records(count, seed=0):
+    """``count`` serialized tf.train.Examples for sparse_features_model("dataset")."""
+    tf, _ = _tf()
+    rng = np.random.RandomState(seed)
+    out = []
+    for row in _sparse_rows(rng, count):
+        feature = {"ids": tf.train.Feature(int64_list=tf.train.Int64List(value=row)),
+                   "x": tf.train.Feature(float_list=tf.train.FloatList(value=list(rng.randn(3)))),
+                   "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(rng.rand() < 0.3)]))}
+        out.append(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    return out

@@ -4,6 +4,8 @@
 gives these rules in full.
 
 - Feeds: the original placeholders; the graph itself splits a batch across replicas.
+  A SparseTensor of the batch may be fed under one key (as tf.compat.v1.Session
+  allows) and is split by its dense shape's rows, which must divide evenly.
   A batch smaller than the replica count, or one that does not divide evenly, is
   rejected here with a GraphRewriteError naming the input, before TensorFlow runs. A
   placeholder taken per replica with a static batch B takes exactly R*B rows (the R
@@ -83,8 +85,10 @@ class Session(tf.compat.v1.Session):
 
     - Feeds: a batch input's rows are split across this session's replicas in order; a
       batch that does not divide evenly (or a per-replica input fed another row count)
-      raises GraphRewriteError naming the input, before TensorFlow runs. Other feeds (a
-      learning rate) are read by every replica.
+      raises GraphRewriteError naming the input, before TensorFlow runs. A SparseTensor
+      key (tf.SparseTensor) takes a SparseTensorValue or an (indices, values,
+      dense_shape) tuple, split by its rows. Other feeds (a learning rate) are read by
+      every replica.
     - Fetches: an op runs on every replica. A tensor computed from the batch is merged: a
       scalar is averaged over the replicas, a tensor with the batch as its first
       dimension is concatenated in replica order, the rewrite's ``merge`` option decides

@@ -4,7 +4,9 @@
                                                       └─:1─> replica 1's readers of x
 
 Batch inputs are placeholders, tf.data iterator outputs and TF1 queues' DequeueMany/UpTo
-outputs (the plan lists them). The
+outputs (the plan lists them). A SparseTensor of the batch (the plan's sparse_inputs) is
+split by its rows, not its entries: a SparseSplit hands replica k the entries of its rows,
+renumbered, with its own dense shape (_split_sparse). The
 split runs on the host CPU where the batch arrives; a batch whose rows do not divide
 evenly by R fails the step with TensorFlow's error from this Split (the Session wrapper
 checks fed batches first and names the input).

@@ -806,17 +806,18 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipe
 
 
 def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb", options=None,
-                     step_ops=None):
-    """Trains ``graph`` between-graph on 2 workers x 1 replica of a pooled cluster (with a
-    ps task unless ``strategy`` is allreduce), each its own worker_client process, worker
-    k fed the k-th half of every global batch of ``feeds`` (none: an in-graph pipeline),
-    ``steps`` steps; returns worker 0's values of the ``reads`` tensors. ``suffix``
-    "meta" saves MetaGraphDefs (their QueueRunners); ``options``: more rewrite keywords;
-    ``step_ops``: (loss, train op) pairs the steps run in turns (default loss:0, train_op)."""
+                     step_ops=None, dpw=1, halve=None):
+    """Trains ``graph`` between-graph on 2 workers x ``dpw`` replicas of a pooled cluster
+    (with a ps task unless ``strategy`` is allreduce), each its own worker_client
+    process, worker k fed the k-th half of every global batch of ``feeds`` (none: an
+    in-graph pipeline; ``halve(feed, k)``, when given, makes worker k's half), ``steps``
+    steps; returns worker 0's values of the ``reads`` tensors. ``suffix`` "meta" saves
+    MetaGraphDefs (their QueueRunners); ``options``: more rewrite keywords; ``step_ops``:
+    (loss, train op) pairs the steps run in turns (default loss:0, train_op)."""
     with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
         outs = []
         for k in range(2):
-            path = gr.rewrite(graph, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=1,
+            path = gr.rewrite(graph, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=dpw,
                               task=f"worker:{k}", **(options or {})).save(str(tmp_path / f"worker{k}.{suffix}"))
             out = str(tmp_path / f"worker{k}_out.npz")
             cmd = [sys.executable, "-m", "graph_rewriter.worker_client", "--graph", path,
@@ -825,8 +826,10 @@ def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds
             for loss, train_op in step_ops or ():
                 cmd += ["--loss", loss, "--train-op", train_op]
             if feeds is not None:
-                half = {f"{s}/{name}": value[k * len(value) // 2:(k + 1) * len(value) // 2]
-                        for s, feed in enumerate(feeds) for name, value in feed.items()}
+                halves = [halve(feed, k) if halve is not None else
+                          {name: value[k * len(value) // 2:(k + 1) * len(value) // 2] for name, value in feed.items()}
+                          for feed in feeds]
+                half = {f"{s}/{name}": value for s, feed in enumerate(halves) for name, value in feed.items()}
                 np.savez(tmp_path / f"worker{k}_feeds.npz", **half)
                 cmd += ["--feeds", str(tmp_path / f"worker{k}_feeds.npz")]
             procs.start(f"worker{k}", cmd)

@@ -21,6 +21,9 @@ from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.testing.tf1_scripts import (sparse_feature_batches, sparse_feature_records,
                                                 sparse_features_model)
 
+import test_cluster as tc
+from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
+
 tf1 = tf.compat.v1
 STEPS, BATCH = 3, 8
 RTOL, ATOL = 1e-5, 1e-6
@@ -194,3 +197,27 @@ def test_per_replica_draws_of_a_dataset_sparse_tensor_are_refused():
 def test_one_replica_leaves_the_graph_without_a_split():
     result = gr.rewrite(_model("placeholder"), devices_per_worker=1, device_type="CPU")
     assert not [n for n in result.graph_def.node if n.op == "SparseSplit"]
+
+
+def _half(feed, k):
+    """Worker k's half of a global batch of sparse_feature_batches: its rows of x and y,
+    and the entries of its rows of the SparseTensor, renumbered, with its dense shape."""
+    rows = len(feed["x:0"]) // 2
+    mine = (feed["ids/indices:0"][:, 0] >= k * rows) & (feed["ids/indices:0"][:, 0] < (k + 1) * rows)
+    return {"ids/indices:0": feed["ids/indices:0"][mine] - [k * rows, 0], "ids/values:0": feed["ids/values:0"][mine],
+            "ids/shape:0": np.array([rows, feed["ids/shape:0"][1]], np.int64),
+            "x:0": feed["x:0"][k * rows:(k + 1) * rows], "y:0": feed["y:0"][k * rows:(k + 1) * rows]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_two_workers_of_two_replicas_train_as_one_device_on_loopback_servers(strategy, pool, procs, tmp_path):
+    """Between-graph, 2 workers x 2 replicas, each worker its own client fed its half of
+    the rows (its entries renumbered), which its graph splits again between its replicas."""
+    feeds = sparse_feature_batches(STEPS, BATCH)
+    _, want = _one_device(_model("placeholder"), feeds)
+    got = tc.two_workers_read(pool, procs, tmp_path, _model("placeholder"), strategy, STEPS, READS.values(), feeds,
+                              dpw=2, halve=_half)
+    for name, tensor in READS.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")

@@ -18,8 +18,8 @@ import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.testing.tf1_scripts import (sparse_feature_batches, sparse_feature_records,
-                                                sparse_features_model)
+from graph_rewriter.testing.tf1_scripts import (feature_column_model, feature_column_records, sparse_feature_batches,
+                                                sparse_feature_records, sparse_features_model)
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -98,6 +98,36 @@ def test_replicas_train_as_one_device(source, strategy, replicas):
     want = _one_device(_model(source), feeds)
     result = gr.rewrite(_model(source), devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     _assert_equal(f"{source}, {strategy}, {replicas} replicas", _rewritten(result, feeds), want)
+
+
+def _variable_reads(graph_def):
+    return [n.name + ":0" for n in graph_def.node if n.op == "ReadVariableOp" and n.name.endswith("/Read/ReadVariableOp")]
+
+
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("hybrid", 4), ("ps", 2)])
+def test_a_feature_column_model_trains_as_one_device(strategy, replicas):
+    """tf.compat.v1.feature_column as a TF1 Wide & Deep estimator builds it: a hashed and a
+    vocabulary column (a lookup table) over a VarLenFeature of strings, a crossed column,
+    an embedding column in input_layer, linear_model; every variable as one device's."""
+    graph_def = feature_column_model(feature_column_records(STEPS * BATCH), batch=BATCH)
+    reads = _variable_reads(graph_def)
+    assert len(reads) >= 8
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        want_losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
+        want = sess.run(reads)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    assert len(result.metadata["plan"]["sparse_inputs"]) == 2   # tags, city: VarLenFeatures
+    with gr.Session(result) as sess:
+        sess.run("init")
+        losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
+        got = sess.run(reads)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for name, a, b in zip(reads, got, want):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
 
 
 def test_each_replica_gets_the_entries_of_its_rows_renumbered():

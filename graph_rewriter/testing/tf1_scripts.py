@@ -3,8 +3,8 @@ their steps themselves: TF1 queue input (tf.train.batch over input producers and
 readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's basic
 word2vec tutorial, a script's counts of its batches, a sequence model's masked loss, a
 Transformer block, dropout, losses summed over the batch, BatchNorm written five ways and
-applied twice, a multi-task model whose two train ops share an encoder, a Wide & Deep
-model over a SparseTensor feature.
+applied twice, a multi-task model whose two train ops share an encoder, Wide & Deep
+models over SparseTensor features (by hand, and with tf.compat.v1.feature_column).
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1129,3 +1129,55 @@ def sparse_feature_records(count, seed=0):
                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(rng.rand() < 0.3)]))}
         out.append(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
     return out
+
+
+FC_WORDS = [b"news", b"sports", b"music", b"games", b"travel", b"food"]
+
+
+def feature_column_records(count, seed=0):
+    """``count`` serialized tf.train.Examples for feature_column_model: "tags" (0 to 3
+    words, none in every fifth row), "city" (one word), "age" (a float), "y" (a click)."""
+    tf, _ = _tf()
+    rng = np.random.RandomState(seed)
+    out = []
+    for r in range(count):
+        n = 0 if r % 5 == 0 else 1 + rng.randint(3)
+        feature = {
+            "tags": tf.train.Feature(bytes_list=tf.train.BytesList(value=[FC_WORDS[i] for i in rng.randint(6, size=n)])),
+            "city": tf.train.Feature(bytes_list=tf.train.BytesList(value=[FC_WORDS[rng.randint(6)]])),
+            "age": tf.train.Feature(float_list=tf.train.FloatList(value=[rng.rand()])),
+            "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(rng.rand() < 0.3)]))}
+        out.append(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    return out
+
+
+def feature_column_model(records, batch=8):
+    """A TF1 Wide & Deep estimator's graph written with tf.compat.v1.feature_column, over
+    ``records`` (feature_column_records) read by tf.data: the features parsed with the
+    columns' own parse spec (tags, a tf.io.VarLenFeature of strings: a SparseTensor of
+    the batch), a hashed column, a vocabulary list (a lookup table, initialized by
+    "init" with the variables and the iterator), a crossed column; deep: input_layer of
+    tags' mean embedding, city's one-hot and age, a hidden layer; wide: linear_model of
+    tags, city and their cross; sigmoid cross-entropy, Adagrad. Returns the GraphDef."""
+    tf, tf1 = _tf()
+    fc = tf1.feature_column
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(6)
+        tags = fc.categorical_column_with_hash_bucket("tags", 20)
+        city = fc.categorical_column_with_vocabulary_list("city", FC_WORDS)
+        age = fc.numeric_column("age")
+        spec = fc.make_parse_example_spec([tags, city, age])
+        spec["y"] = tf.io.FixedLenFeature([1], tf.float32)
+        ds = tf.data.Dataset.from_tensor_slices(records).batch(batch).map(lambda s: tf.io.parse_example(s, spec))
+        iterator = tf1.data.make_initializable_iterator(ds)
+        features = iterator.get_next()
+        y = features.pop("y")
+        deep = fc.input_layer(features, [fc.embedding_column(tags, 4, combiner="mean"), fc.indicator_column(city), age])
+        logits = (_dense(_dense(deep, 8, "hidden", tf.nn.relu), 1, "out")
+                  + fc.linear_model(features, [tags, city, fc.crossed_column(["tags", city], 30)]))
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        tf1.train.AdagradOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.variables_initializer(tf1.global_variables(), name="init_variables"), tf1.tables_initializer(),
+                 iterator.initializer, name="init")
+    return g.as_graph_def()

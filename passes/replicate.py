@@ -8,7 +8,9 @@
 Replica 0 keeps the original names; replica i gets ``replica_i/<name>``. Everything is
 cloned except the nodes that exist once: placeholders, the tf.data pipeline and the
 saver. Clones get their own v1 loop frame names and shared_names (two VarHandleOps with
-one shared_name on one device are one variable), and colocation follows the clone.
+one shared_name on one device are one variable), except a shared_name naming a node that
+exists once (its resource is shared: a tf.train.batch's SparseTensorsMap), and colocation
+follows the clone.
 Ops nothing reads (the train op, the init op) run every replica's copy: the original
 gains control edges on its clones, so running it by name runs the whole step.
 
@@ -62,7 +64,10 @@ class ReplicatePass(Pass):
             return True
         _drop_outer_colocation_in_functions(graph)
         roots = [n for n in cloned if n.is_sink]
-        shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s]
+        # (not a shared_name that names a node existing once: a TF1 batch's
+        # TakeManySparseFromTensorsMap names the map its global AddSparseToTensorsMap made)
+        shared_name_nodes = [n for n in cloned if "shared_name" in n.attr and n.attr["shared_name"].s
+                             and not _names_global(n.attr["shared_name"].s, graph, global_nodes)]
         frame_nodes = [n for n in cloned if n.op in ("Enter", "RefEnter")]
         clones_of_roots = []
         # A replica's node read only by nodes that exist once (global_step's bump after
@@ -96,6 +101,14 @@ class ReplicatePass(Pass):
                  + (" (replica 1 built, the template of the others)" if rm.template else "")
                  + f", {len(global_nodes)} global, {len(roots)} root ops run every replica")
         return True
+
+
+def _names_global(shared_name, graph, global_nodes):
+    """Whether ``shared_name`` is the name of a node that exists once: the resource it
+    names is that node's (a SparseTensorsMap is named after the op that made it when
+    its own shared_name is empty), the same for every replica."""
+    name = shared_name.decode()
+    return name in graph and graph.node(name) in global_nodes
 
 
 def _read_only_by_global(cloned, global_nodes):

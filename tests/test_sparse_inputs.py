@@ -173,6 +173,36 @@ def test_a_dataset_batched_with_drop_remainder_is_drawn_per_replica():
     _assert_equal("drop_remainder", _rewritten(result, [None] * STEPS), want)
 
 
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("ps", 4)])
+def test_a_tf1_batch_of_sparse_tensors_is_taken_per_replica(strategy, replicas):
+    """tf.train.batch of a parsed VarLenFeature: the queue holds handles into a
+    SparseTensorsMap its AddSparseToTensorsMap (on the host, once) fills; each replica
+    dequeues its own batch (a static batch) and takes its handles from that one map
+    (the clones keep the map's shared_name), as one device taking R batches at once."""
+    records = sparse_feature_records(STEPS * BATCH)
+
+    def run(session):
+        with session as sess:
+            sess.run("init")
+            coord = tf1.train.Coordinator()
+            threads = tf1.train.start_queue_runners(sess, coord)
+            losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
+            values = sess.run(READS)
+            coord.request_stop()
+            coord.join(threads, stop_grace_period_secs=10)
+        return losses, values
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.train.import_meta_graph(sparse_features_model("queue", batch=BATCH, records=records))
+    want = run(tf1.Session(graph=graph))
+    result = gr.rewrite(sparse_features_model("queue", batch=BATCH // replicas, records=records),
+                        devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    takes = [n for n in result.graph_def.node if n.op == "TakeManySparseFromTensorsMap"]
+    assert len(takes) == replicas and {n.attr["shared_name"].s for n in takes} == {b"batch/AddSparseToTensorsMap"}
+    _assert_equal(f"queue, {strategy}, {replicas} replicas", run(gr.Session(result)), want)
+
+
 def test_the_session_takes_the_sparse_tensor_as_a_feed_key():
     """As tf.compat.v1.Session does: a SparseTensor key, its value a SparseTensorValue or
     an (indices, values, dense_shape) tuple."""

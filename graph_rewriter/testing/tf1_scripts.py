@@ -1062,7 +1062,11 @@ def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, r
     placeholders x, y (fed by sparse_feature_batches); "dataset", tf.data over
     ``records`` (sparse_feature_records: serialized tf.train.Examples) parsed with
     tf.io.VarLenFeature, batched by ``batch`` (``drop_remainder``) behind an
-    initializable iterator (its initializer runs in "init"). Returns the GraphDef."""
+    initializable iterator (its initializer runs in "init"); "queue", TF1 queues over
+    ``records`` (an input producer in order, tf.parse_single_example, tf.train.batch of
+    ``batch`` with one thread: the SparseTensor goes through the batch's queue as a
+    handle into a SparseTensorsMap). Returns the GraphDef (for "queue" the
+    MetaGraphDef, which holds the QueueRunners)."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
@@ -1071,6 +1075,13 @@ def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, r
             ids = tf1.sparse_placeholder(tf.int64, shape=[None, None], name="ids")
             x = tf1.placeholder(tf.float32, [None, 3], name="x")
             y = tf1.placeholder(tf.float32, [None, 1], name="y")
+            iterators = []
+        elif source == "queue":
+            spec = {"ids": tf.io.VarLenFeature(tf.int64), "x": tf.io.FixedLenFeature([3], tf.float32),
+                    "y": tf.io.FixedLenFeature([1], tf.float32)}
+            record = tf1.train.input_producer(tf.constant(records), shuffle=False).dequeue()
+            features = tf1.train.batch(tf1.parse_single_example(record, spec), batch_size=batch, num_threads=1)
+            ids, x, y = features["ids"], features["x"], features["y"]
             iterators = []
         else:
             spec = {"ids": tf.io.VarLenFeature(tf.int64), "x": tf.io.FixedLenFeature([3], tf.float32),
@@ -1092,6 +1103,8 @@ def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, r
         tf.group(tf1.train.FtrlOptimizer(0.2).minimize(loss, var_list=wide_vars),
                  tf1.train.AdagradOptimizer(0.1).minimize(loss, var_list=deep_vars), name="train_op")
         tf.group(tf1.variables_initializer(tf1.global_variables(), name="init_variables"), *iterators, name="init")
+        if source == "queue":
+            return tf1.train.export_meta_graph()
     return g.as_graph_def()
 
 

@@ -281,3 +281,15 @@ def test_two_workers_of_two_replicas_train_as_one_device_on_loopback_servers(str
                               dpw=2, halve=_half)
     for name, tensor in READS.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+
+
+def test_between_graph_each_worker_shards_its_pipeline_and_splits_its_own_sparse_batch():
+    """Worker 1 of 2 (2 replicas each): the dataset is sharded for the worker before it is
+    batched, and the worker's SparseTensor is split between its own replicas."""
+    cluster = {"worker": ["w0:2222", "w1:2222"]}
+    result = gr.rewrite(_model("dataset"), cluster, task="worker:1", devices_per_worker=2, device_type="CPU")
+    ops = [n.op for n in result.graph_def.node]
+    assert ops.count("ShardDataset") == 1 and ops.count("SparseSplit") == 1
+    split = next(n for n in result.graph_def.node if n.op == "SparseSplit")
+    assert split.input[1:] == ["DeserializeSparse", "DeserializeSparse:1", "DeserializeSparse:2"]
+    assert split.device.endswith("/job:worker/replica:0/task:1/device:CPU:0")

@@ -18,8 +18,8 @@ import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.testing.tf1_scripts import (feature_column_model, feature_column_records, sparse_feature_batches,
-                                                sparse_feature_records, sparse_features_model)
+from graph_rewriter.testing.tf1_scripts import (ctc_batches, ctc_model, feature_column_model, feature_column_records,
+                                                sparse_feature_batches, sparse_feature_records, sparse_features_model)
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -124,6 +124,30 @@ def test_a_feature_column_model_trains_as_one_device(strategy, replicas):
     with gr.Session(result) as sess:
         sess.run("init")
         losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
+        got = sess.run(reads)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for name, a, b in zip(reads, got, want):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+
+
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("ps", 4)])
+def test_a_ctc_loss_over_sparse_transcripts_trains_as_one_device(strategy, replicas):
+    """The transcripts are the SparseTensor: each replica's utterances with their own
+    labels (renumbered), the dense shape's label axis the batch's longest."""
+    feeds = ctc_batches(STEPS, BATCH)
+    reads = ["w/Read/ReadVariableOp:0", "b/Read/ReadVariableOp:0"]
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(ctc_model(), name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        want_losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
+        want = sess.run(reads)
+    result = gr.rewrite(ctc_model(), devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    assert result.metadata["plan"]["sparse_inputs"] == [["labels/indices:0", "labels/values:0", "labels/shape:0"]]
+    with gr.Session(result) as sess:
+        sess.run("init")
+        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
         got = sess.run(reads)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
     for name, a, b in zip(reads, got, want):

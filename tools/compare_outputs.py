@@ -119,6 +119,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_sparse_placeholder"] = tf1_scripts.sparse_features_model("placeholder")
     graphs["script_sparse_dataset"] = tf1_scripts.sparse_features_model("dataset", records=records)
     graphs["script_feature_columns"] = tf1_scripts.feature_column_model(tf1_scripts.feature_column_records(16))
+    graphs["script_ctc"] = tf1_scripts.ctc_model()
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -4,7 +4,8 @@ readers), TensorFlow's CIFAR-10 tutorial, a GAN with two train ops, TensorFlow's
 word2vec tutorial, a script's counts of its batches, a sequence model's masked loss, a
 Transformer block, dropout, losses summed over the batch, BatchNorm written five ways and
 applied twice, a multi-task model whose two train ops share an encoder, Wide & Deep
-models over SparseTensor features (by hand, and with tf.compat.v1.feature_column).
+models over SparseTensor features (by hand, and with tf.compat.v1.feature_column), a
+speech model's CTC loss over SparseTensor transcripts.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1194,3 +1195,44 @@ def feature_column_model(records, batch=8):
         tf.group(tf1.variables_initializer(tf1.global_variables(), name="init_variables"), tf1.tables_initializer(),
                  iterator.initializer, name="init")
     return g.as_graph_def()
+
+
+CTC_STEPS, CTC_FEATURES, CTC_CLASSES = 10, 5, 6
+
+
+def ctc_model():
+    """A speech model's CTC loss as TF1 scripts write it (DeepSpeech-style, scaled down):
+    x [None, CTC_STEPS, CTC_FEATURES] frames, lengths [None] frames per utterance, the
+    transcripts a tf.compat.v1.sparse_placeholder(tf.int32, name="labels") (labels per
+    utterance vary); a per-frame linear layer, tf.compat.v1.nn.ctc_loss on its
+    time-major logits, the batch mean, Momentum. Returns the GraphDef."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(7)
+        x = tf1.placeholder(tf.float32, [None, CTC_STEPS, CTC_FEATURES], name="x")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        labels = tf1.sparse_placeholder(tf.int32, name="labels")
+        w = tf1.get_variable("w", [CTC_FEATURES, CTC_CLASSES])
+        b = tf1.get_variable("b", [CTC_CLASSES], initializer=tf1.zeros_initializer())
+        logits = tf.reshape(tf.matmul(tf.reshape(x, [-1, CTC_FEATURES]), w) + b, [-1, CTC_STEPS, CTC_CLASSES])
+        loss = tf.reduce_mean(tf1.nn.ctc_loss(labels, tf.transpose(logits, [1, 0, 2]), lengths), name="loss")
+        tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def ctc_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` utterances for ctc_model: 1 to 4 labels each, the
+    frames per utterance from CTC_STEPS - 2 to CTC_STEPS."""
+    rng = np.random.RandomState(seed)
+    feeds = []
+    for _ in range(steps):
+        counts = 1 + rng.randint(4, size=batch)
+        indices = [[r, k] for r in range(batch) for k in range(counts[r])]
+        feeds.append({"x:0": rng.randn(batch, CTC_STEPS, CTC_FEATURES).astype(np.float32),
+                      "lengths:0": (CTC_STEPS - rng.randint(3, size=batch)).astype(np.int32),
+                      "labels/indices:0": np.array(indices, np.int64),
+                      "labels/values:0": rng.randint(0, CTC_CLASSES - 1, size=len(indices)).astype(np.int32),
+                      "labels/shape:0": np.array([batch, counts.max()], np.int64)})
+    return feeds

@@ -171,6 +171,9 @@ class Analysis:
     # batch_inputs. Their first axis counts entries, not rows: each replica takes the
     # entries of its rows, re-numbered (passes/split_inputs.py; see _sparse_inputs)
     sparse_inputs: list = dataclasses.field(default_factory=list)
+    # (placeholder, reader, argument) for fed batch inputs a sparse op reads as a
+    # SparseTensor's indices that are in no SparseTensor found (an unnamed sparse_placeholder)
+    unpaired_sparse: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -313,7 +316,7 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
             selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
-            variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs,
+            variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs, unpaired_sparse=self.unpaired_sparse,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
             step_counters=[v.name for v in self.variables.values() if v.role == "step"])
@@ -427,7 +430,7 @@ class _Analyzer:
                     if any(c not in self.input_pipeline for c, _ in n.consumers(i)):
                         found.append((Tensor(n, i), "dynamic" if rows is None else "iterator", rows))
         self.static_batch = {}
-        self.sparse_inputs = []
+        self.sparse_inputs, self.unpaired_sparse = [], []
         if any(kind == "dynamic" for _, kind, _ in found):
             self.sparse_inputs = self._sparse_inputs(found)
             entries = {t for triple in self.sparse_inputs for t in triple}
@@ -491,6 +494,26 @@ class _Analyzer:
             if shape is None or shape == [3]:   # one SparseTensor (not a batch of serialized ones)
                 self.input_pipeline.add(n)
                 out.append(tuple(Tensor(n, i) for i in range(3)))
+        self.unpaired_sparse = self._unpaired_sparse(found, {t for triple in out for t in triple})
+        return out
+
+    def _unpaired_sparse(self, found, paired):
+        """[(placeholder, reader, argument)]: fed batch inputs that a sparse op reads as a
+        SparseTensor's indices (CTCLoss's labels_indices, SparseReshape's input_indices,
+        ...) but that are in no SparseTensor found (an unnamed sparse_placeholder). Split
+        by rows, their entries would be misnumbered: the planner refuses them when it
+        splits the batch."""
+        dynamic = {t for t, kind, _ in found if kind == "dynamic" and t.node.op in PLACEHOLDERS} - paired
+        out = []
+        for n in self.order if dynamic else ():
+            if "Sparse" not in n.op and not n.op.startswith("CTC"):
+                continue
+            slices = opdefs.input_arg_slices(n)
+            for arg, (pos, count) in slices.items():
+                prefix = arg[:-len("indices")]
+                if (arg.endswith("indices") and count == 1 and n.inputs[pos] in dynamic
+                        and any(prefix + other in slices for other in ("values", "shape", "dense_shape"))):
+                    out.append((n.inputs[pos].node.name, n.name, arg))
         return out
 
     # ---- gradient cuts ---------------------------------------------------------------

@@ -41,7 +41,8 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     else:
         result = check_plan(given, analysis, options, r)
     result.fingerprint = graph_fingerprint(graph)
-    result.sparse_inputs = _sparse_inputs(analysis, options.batch_split, r)
+    local = options.devices_per_worker if cluster.task is not None else r
+    result.sparse_inputs = _sparse_inputs(analysis, options.batch_split, local)
     result.inputs = plan_inputs(analysis, options.batch_split, r)
     _check_collective_dtypes(result, r)
     _keep_unshardable_whole(result, graph, info)
@@ -416,9 +417,18 @@ def _tf2_function_graph(graph):
 
 def _sparse_inputs(analysis, batch_split, num_replicas):
     """The plan's sparse_inputs: [indices, values, dense_shape] per SparseTensor of the
-    batch, or None. A tf.data SparseTensor is split from the one batch drawn: with
-    batch_split "per_replica" the iterator is drawn once per replica instead, and its
-    serialized SparseTensor would be deserialized from the first draw only."""
+    batch, or None, when ``num_replicas`` (this client's) take the batch. Refused: a
+    SparseTensor's indices fed without the rest (its entries cannot be split by rows),
+    and a tf.data SparseTensor under batch_split "per_replica" (the iterator is drawn
+    once per replica, its serialized SparseTensor deserialized from the first draw)."""
+    if analysis.unpaired_sparse and num_replicas > 1:
+        placeholder, reader, arg = analysis.unpaired_sparse[0]
+        raise GraphRewriteError(
+            f"placeholder '{placeholder}' is a SparseTensor's indices ('{reader}' reads it as {arg}), but its "
+            "values and dense shape were not found: split like a dense batch input, each replica would get "
+            "a slice of the entries numbered by the whole batch's rows",
+            hint="create it with tf.compat.v1.sparse_placeholder(..., name=\"<name>\"): the rewrite knows "
+                 "its placeholders by the names <name>/indices, <name>/values and <name>/shape")
     triples = [[t.name for t in triple] for triple in analysis.sparse_inputs]
     drawn = [names for names, triple in zip(triples, analysis.sparse_inputs)
              if triple[0].node.op == "DeserializeSparse"]

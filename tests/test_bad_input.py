@@ -589,6 +589,20 @@ def _(base, tmp, mp):
     return str(p), {}
 
 
+@case("unnamed-sparse-placeholder", "'Placeholder_2'", "SparseTensor's indices", "labels_indices",
+      "sparse_placeholder(..., name=")
+def _(base, tmp, mp):
+    from graph_rewriter.testing.tf1_scripts import ctc_model
+    return ctc_model(named=False), {}
+
+
+@case("per-replica-draws-of-a-dataset-sparse-tensor", "batch_split='per_replica'", "'DeserializeSparse'",
+      "drop_remainder=True")
+def _(base, tmp, mp):
+    from graph_rewriter.testing.tf1_scripts import sparse_feature_records, sparse_features_model
+    return sparse_features_model("dataset", records=sparse_feature_records(8)), dict(batch_split="per_replica")
+
+
 @pytest.mark.parametrize("make, expect", CASES)
 def test_api_rejects(base, tmp_path, monkeypatch, make, expect):
     monkeypatch.delenv("TF_CONFIG", raising=False)
@@ -743,8 +757,15 @@ def _step_graph(tmp):
     return _write(tmp / "step.pb", concrete_function_graph_def().SerializeToString())
 
 
+def _unnamed_sparse(tmp):
+    from graph_rewriter.testing.tf1_scripts import ctc_model
+    return _write(tmp / "ctc.pb", ctc_model(named=False).SerializeToString())
+
+
 # (id, make IN, extra flags, OUT in tmp (None: OUT given by make_out), existing OUT?, expect)
 CLI_CASES = [
+    pytest.param(lambda b, t: _unnamed_sparse(t), [], True, ["'Placeholder_2'", "SparseTensor's indices"],
+                 id="unnamed-sparse-placeholder-existing-out"),
     pytest.param(lambda b, t: _write(t / "empty.pb", b""), [], False, ["empty.pb", "empty"],
                  id="empty-file"),
     pytest.param(lambda b, t: _write(t / "trunc.pb", b.data[:len(b.data) // 2]), [], True,

@@ -283,6 +283,17 @@ def test_one_replica_leaves_the_graph_without_a_split():
     assert not [n for n in result.graph_def.node if n.op == "SparseSplit"]
 
 
+def test_an_unnamed_sparse_placeholder_is_refused_when_its_batch_is_split():
+    """Its three placeholders cannot be told apart from dense inputs by name: the indices
+    CTCLoss reads are refused (tests/test_bad_input.py checks the message), unless
+    nothing is split (one replica per client)."""
+    with pytest.raises(GraphRewriteError, match="'Placeholder_2' is a SparseTensor's indices"):
+        gr.rewrite(ctc_model(named=False), devices_per_worker=2, device_type="CPU")
+    cluster = {"worker": ["w0:2222", "w1:2222"]}
+    gr.rewrite(ctc_model(named=False), cluster, task="worker:0", devices_per_worker=1, device_type="CPU")
+    gr.rewrite(ctc_model(named=False), devices_per_worker=1, device_type="CPU")
+
+
 def _half(feed, k):
     """Worker k's half of a global batch of sparse_feature_batches: its rows of x and y,
     and the entries of its rows of the SparseTensor, renumbered, with its dense shape."""

@@ -1200,19 +1200,20 @@ def feature_column_model(records, batch=8):
 CTC_STEPS, CTC_FEATURES, CTC_CLASSES = 10, 5, 6
 
 
-def ctc_model():
+def ctc_model(named=True):
     """A speech model's CTC loss as TF1 scripts write it (DeepSpeech-style, scaled down):
     x [None, CTC_STEPS, CTC_FEATURES] frames, lengths [None] frames per utterance, the
     transcripts a tf.compat.v1.sparse_placeholder(tf.int32, name="labels") (labels per
-    utterance vary); a per-frame linear layer, tf.compat.v1.nn.ctc_loss on its
-    time-major logits, the batch mean, Momentum. Returns the GraphDef."""
+    utterance vary; unnamed unless ``named``, as many scripts leave it); a per-frame
+    linear layer, tf.compat.v1.nn.ctc_loss on its time-major logits, the batch mean,
+    Momentum. Returns the GraphDef."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(7)
         x = tf1.placeholder(tf.float32, [None, CTC_STEPS, CTC_FEATURES], name="x")
         lengths = tf1.placeholder(tf.int32, [None], name="lengths")
-        labels = tf1.sparse_placeholder(tf.int32, name="labels")
+        labels = tf1.sparse_placeholder(tf.int32, name="labels" if named else None)
         w = tf1.get_variable("w", [CTC_FEATURES, CTC_CLASSES])
         b = tf1.get_variable("b", [CTC_CLASSES], initializer=tf1.zeros_initializer())
         logits = tf.reshape(tf.matmul(tf.reshape(x, [-1, CTC_FEATURES]), w) + b, [-1, CTC_STEPS, CTC_CLASSES])

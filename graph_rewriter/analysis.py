@@ -1,11 +1,13 @@
 """What a data-parallel rewrite must know about a plain single-device training GraphDef.
 
 Found from op types, OpDef argument names and graph structure, never from node names
-(one exception: the backward pass of a loss summed over the batch is found by the name
-scope tf.gradients gives it, ``gradients/<op>_grad/``; see gradient_entries):
+(two exceptions: the backward pass of a loss summed over the batch is found by the name
+scope tf.gradients gives it, ``gradients/<op>_grad/``, see gradient_entries; and a
+sparse_placeholder's three placeholders by the names it gives them, see _sparse_inputs):
 
 - variables (resource and ref) and every op that writes one;
-- batch inputs: placeholders with an unknown first dimension, tf.data iterator outputs;
+- batch inputs: placeholders with an unknown first dimension, tf.data iterator outputs,
+  and the batch's SparseTensors (split by their rows, not their entries);
 - the replica-variant nodes: those whose value depends on a batch input;
 - gradient cuts: for every variable update that depends on the batch, the tensor (dense)
   or (values, indices) pair (sparse) through which the batch reaches it. Averaging a cut

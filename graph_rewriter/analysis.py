@@ -1802,8 +1802,8 @@ def _called_batch_norms(call, functions, variant):
 class _Body:
     """A FunctionDef's body, its nodes read as the analysis reads the graph's (``op``,
     ``attr``, ``inputs`` as tensors with ``node`` and ``index``); an argument is a node
-    of op "_Arg". Body inputs are strings: ``node:output_arg:index`` or an argument's
-    name."""
+    of op "_Arg". Body inputs are strings: ``node:output_arg:index`` (the index within
+    that argument; ``tensor`` gives the flat output position) or an argument's name."""
 
     def __init__(self, fn):
         self.defs = {nd.name: nd for nd in fn.node_def}
@@ -1816,7 +1816,11 @@ class _Body:
 
     def tensor(self, ref):
         parts = ref.split(":")
-        return Tensor(self.node(parts[0]), int(parts[2]) if len(parts) == 3 else 0)
+        if len(parts) != 3:
+            return Tensor(self.node(parts[0]), 0)
+        nd = self.defs.get(parts[0])
+        position = opdefs.output_position(nd, parts[1], int(parts[2])) if nd is not None else None
+        return Tensor(self.node(parts[0]), int(parts[2]) if position is None else position)
 
     def reached_from(self, args):
         """Names of the arguments ``args`` and of the body nodes whose value depends on one."""

@@ -121,6 +121,22 @@ def arg_length(arg, attrs):
     return 1
 
 
+def output_position(node_def, arg_name, index, library=None):
+    """The flat output position of ``arg_name:index`` of a FunctionDef body's NodeDef (a
+    body names an output by its OpDef argument, which may stand for several tensors:
+    Unique's ``idx:0`` is output 1), or None when the op is unknown or has no such
+    argument."""
+    od = op_def(node_def.op, library)
+    if od is None:
+        return None
+    position = 0
+    for arg in od.output_arg:
+        if arg.name == arg_name:
+            return position + index
+        position += arg_length(arg, node_def.attr)
+    return None
+
+
 def _arg_dtypes(arg, attrs):
     if arg.number_attr:
         dt = arg.type if arg.type else attrs[arg.type_attr].type if arg.type_attr in attrs else 0

@@ -209,14 +209,11 @@ def _body_order(fn):
 
 
 def _flat_index(graph, nd, arg_name, index):
-    """The output position of ``arg_name:index`` of a body node (a FunctionDef names an
-    output by its OpDef argument, which may expand to several)."""
-    position = 0
-    for arg in opdefs.op_def(nd.op, graph.library).output_arg:
-        if arg.name == arg_name:
-            return position + index
-        position += opdefs.arg_length(arg, nd.attr)
-    raise KeyError(f"'{nd.name}' ({nd.op}) has no output argument '{arg_name}'")
+    """The output position of ``arg_name:index`` of a body node."""
+    position = opdefs.output_position(nd, arg_name, index, graph.library)
+    if position is None:
+        raise KeyError(f"'{nd.name}' ({nd.op}) has no output argument '{arg_name}'")
+    return position
 
 
 def _bypass_optionals(graph, added):

@@ -154,6 +154,33 @@ def test_a_ctc_loss_over_sparse_transcripts_trains_as_one_device(strategy, repli
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
 
 
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("ps", 4), ("hybrid", 2)])
+def test_a_partitioned_embedding_trains_as_one_device(strategy, replicas):
+    """The deep embedding a PartitionedVariable of 3 parts (fixed_size_partitioner, the
+    lookup's "mod" strategy: ids split by DynamicPartition, rows put back by
+    DynamicStitch), each part a variable with its own sparse gradient."""
+    graph_def = sparse_features_model("placeholder", partitions=3)
+    reads = _variable_reads(graph_def)
+    parts = [f"deep/embedding/part_{k}/Read/ReadVariableOp:0" for k in range(3)]
+    assert set(parts) <= set(reads) and "deep/embedding/Read/ReadVariableOp:0" not in reads
+    feeds = sparse_feature_batches(STEPS, BATCH)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        sess.run("init")
+        want_losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
+        want = sess.run(reads)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    with gr.Session(result) as sess:
+        sess.run("init")
+        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
+        got = sess.run(reads)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for name, a, b in zip(reads, got, want):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+
+
 def test_each_replica_gets_the_entries_of_its_rows_renumbered():
     """Replica k's indices, values and dense shape are what tf.sparse.slice of its rows
     gives (4 replicas: 2 rows each; row 0 and row 5 have no entries)."""

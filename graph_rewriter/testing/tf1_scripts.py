@@ -1051,7 +1051,7 @@ def multi_task_batches(steps, batch, embedding=False, seed=0):
 SPARSE_VOCAB = 12
 
 
-def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, records=None):
+def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, records=None, partitions=None):
     """A Wide & Deep click model over a variable-length sparse feature, as TF1 CTR scripts
     feed one: ``ids``, a SparseTensor [batch, None] of int64 ids (some rows have none),
     ``x`` [batch, 3] dense features, ``y`` [batch, 1] clicks. Wide: the ids' weights
@@ -1066,8 +1066,10 @@ def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, r
     initializable iterator (its initializer runs in "init"); "queue", TF1 queues over
     ``records`` (an input producer in order, tf.parse_single_example, tf.train.batch of
     ``batch`` with one thread: the SparseTensor goes through the batch's queue as a
-    handle into a SparseTensorsMap). Returns the GraphDef (for "queue" the
-    MetaGraphDef, which holds the QueueRunners)."""
+    handle into a SparseTensorsMap). ``partitions``: the deep embedding a
+    PartitionedVariable of that many parts (tf.compat.v1.fixed_size_partitioner, as TF1
+    scripts split a large embedding: deep/embedding/part_0, ...). Returns the GraphDef
+    (for "queue" the MetaGraphDef, which holds the QueueRunners)."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
@@ -1093,9 +1095,11 @@ def sparse_features_model(source="placeholder", batch=8, drop_remainder=False, r
             ids, x, y = features["ids"], features["x"], features["y"]
             iterators = [iterator.initializer]
         wide_w = tf1.get_variable("wide/weights", [SPARSE_VOCAB, 1], initializer=tf1.zeros_initializer())
-        embedding = tf1.get_variable("deep/embedding", [SPARSE_VOCAB, 4])
+        embedding = tf1.get_variable("deep/embedding", [SPARSE_VOCAB, 4], partitioner=partitions and
+                                     tf1.fixed_size_partitioner(partitions))
         wide = tf1.nn.safe_embedding_lookup_sparse([wide_w], ids, combiner="sum")
-        deep = tf1.nn.safe_embedding_lookup_sparse([embedding], ids, combiner="mean")
+        deep = tf1.nn.safe_embedding_lookup_sparse(list(embedding) if partitions else [embedding], ids,
+                                                   combiner="mean")
         h = _dense(tf.concat([deep, x], 1), 8, "deep/hidden", tf.nn.relu)
         logits = _dense(h, 1, "deep/out") + wide
         loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits), name="loss")

@@ -413,12 +413,18 @@ class _Analyzer:
                 else:
                     found.append((Tensor(n, 0), "broadcast", None))
             elif n.op in ITERATOR_GET_NEXT:
-                shapes = n.attr["output_shapes"].list.shape if "output_shapes" in n.attr else []
-                for i, s in enumerate(shapes):
-                    shape = _shape_of(s)
+                shapes = [_shape_of(s) for s in n.attr["output_shapes"].list.shape] if "output_shapes" in n.attr else []
+                types = list(n.attr["output_types"].list.type) if "output_types" in n.attr else []
+                # a batch whose other components have a dynamic first dimension has it in a
+                # component of unknown rank too (a tf.py_func's output): Dataset.batch
+                # gave every component the batch's rows (not a serialized SparseTensor, a
+                # variant: see _sparse_inputs)
+                batched = any(shape and shape[0] == -1 for shape in shapes)
+                for i, shape in enumerate(shapes):
                     if not n.consumers(i):
                         continue
-                    if shape and shape[0] == -1:
+                    if (shape and shape[0] == -1) or (
+                            batched and shape is None and i < len(types) and types[i] != types_pb2.DT_VARIANT):
                         found.append((Tensor(n, i), "dynamic", None))
                     else:
                         found.append((Tensor(n, i), "iterator", shape[0] if shape else None))

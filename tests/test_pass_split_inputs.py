@@ -199,3 +199,49 @@ def test_split_inputs_requires_the_replicas():
     assert SplitInputsPass.requires == {"plan", "replicas"}
     with pytest.raises(GraphRewriteError, match="'split_inputs' requires replicas"):
         run_passes(dense(), context(devices_per_worker=2), PlanPass(), SplitInputsPass())
+
+
+def _py_func_pipeline():
+    """tf.data rows (x [3], y [1]) with x passed through a tf.compat.v1.py_func (its
+    output's shape unknown, as a script decoding images in Python leaves it), batched by 8."""
+    import numpy as np
+    tf1 = tf.compat.v1
+    rng = np.random.RandomState(0)
+    xs, ys = rng.randn(32, 3).astype(np.float32), rng.randn(32, 1).astype(np.float32)
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        ds = tf.data.Dataset.from_tensor_slices((xs, ys)).map(
+            lambda x, y: (tf1.py_func(lambda a: a * 2, [x], tf.float32), y)).batch(8)
+        iterator = tf1.data.make_initializable_iterator(ds)
+        x, y = iterator.get_next()
+        w = tf1.get_variable("w", [3, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(tf.reshape(x, [-1, 3]), w) - y), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.variables_initializer(tf1.global_variables(), name="init_variables"), iterator.initializer,
+                 name="init")
+    return g.as_graph_def()
+
+
+def test_a_batch_component_of_unknown_rank_is_split_with_the_others():
+    """A batched dataset gives every component the batch's rows, also one whose shape a
+    py_func left unknown: it is split like the others (it was read whole by every
+    replica, a shape error against the replica's labels), and 2 replicas train as one
+    device."""
+    import numpy as np
+    import graph_rewriter as gr
+    from graph_rewriter.analysis import analyze
+    graph_def = _py_func_pipeline()
+    assert [t.name for t in analyze(graph_io.load_graph(graph_def)).batch_inputs] == ["IteratorGetNext:0",
+                                                                                     "IteratorGetNext:1"]
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run("init")
+        want = [sess.run(["loss:0", "train_op"])[0] for _ in range(3)] + [sess.run("w/Read/ReadVariableOp:0")]
+    with gr.Session(gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU")) as sess:
+        sess.run("init")
+        got = [sess.run(["loss:0", "train_op"])[0] for _ in range(3)] + [sess.run("w/Read/ReadVariableOp:0")]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -41,27 +41,34 @@ def _feeds(source):
     return sparse_feature_batches(STEPS, BATCH) if source == "placeholder" else [None] * STEPS
 
 
-def _one_device(graph_def, feeds):
+def _one_device(graph_def, feeds, reads=READS):
+    """(losses, {name: value} of ``reads``) after a step per feed on one device."""
     graph = tf.Graph()
     with graph.as_default():
         tf1.import_graph_def(graph_def, name="")
     with tf1.Session(graph=graph) as sess:
         sess.run("init")
         losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        return losses, sess.run(READS)
+        return losses, sess.run(reads)
 
 
-def _rewritten(result, feeds):
+def _rewritten(result, feeds, reads=READS):
     with gr.Session(result) as sess:
         sess.run("init")
         losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        return losses, sess.run(READS)
+        return losses, sess.run(reads)
 
 
 def _assert_equal(what, got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=f"{what}: losses")
-    for name in READS:
+    for name in want[1]:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
+
+
+def _variable_reads(graph_def):
+    """{name: tensor} of every resource variable's read (its optimizer slots' too)."""
+    return {n.name: n.name + ":0" for n in graph_def.node
+            if n.op == "ReadVariableOp" and n.name.endswith("/Read/ReadVariableOp")}
 
 
 def test_the_batches_have_empty_rows_and_rows_of_several_ids():
@@ -100,10 +107,6 @@ def test_replicas_train_as_one_device(source, strategy, replicas):
     _assert_equal(f"{source}, {strategy}, {replicas} replicas", _rewritten(result, feeds), want)
 
 
-def _variable_reads(graph_def):
-    return [n.name + ":0" for n in graph_def.node if n.op == "ReadVariableOp" and n.name.endswith("/Read/ReadVariableOp")]
-
-
 @pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("hybrid", 4), ("ps", 2)])
 def test_a_feature_column_model_trains_as_one_device(strategy, replicas):
     """tf.compat.v1.feature_column as a TF1 Wide & Deep estimator builds it: a hashed and a
@@ -112,22 +115,10 @@ def test_a_feature_column_model_trains_as_one_device(strategy, replicas):
     graph_def = feature_column_model(feature_column_records(STEPS * BATCH), batch=BATCH)
     reads = _variable_reads(graph_def)
     assert len(reads) >= 8
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
-        sess.run("init")
-        want_losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
-        want = sess.run(reads)
+    want = _one_device(graph_def, [None] * STEPS, reads)
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     assert len(result.metadata["plan"]["sparse_inputs"]) == 2   # tags, city: VarLenFeatures
-    with gr.Session(result) as sess:
-        sess.run("init")
-        losses = [sess.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
-        got = sess.run(reads)
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    for name, a, b in zip(reads, got, want):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+    _assert_equal(strategy, _rewritten(result, [None] * STEPS, reads), want)
 
 
 @pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("ps", 4)])
@@ -135,23 +126,11 @@ def test_a_ctc_loss_over_sparse_transcripts_trains_as_one_device(strategy, repli
     """The transcripts are the SparseTensor: each replica's utterances with their own
     labels (renumbered), the dense shape's label axis the batch's longest."""
     feeds = ctc_batches(STEPS, BATCH)
-    reads = ["w/Read/ReadVariableOp:0", "b/Read/ReadVariableOp:0"]
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(ctc_model(), name="")
-    with tf1.Session(graph=graph) as sess:
-        sess.run("init")
-        want_losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        want = sess.run(reads)
+    reads = {"w": "w/Read/ReadVariableOp:0", "b": "b/Read/ReadVariableOp:0"}
+    want = _one_device(ctc_model(), feeds, reads)
     result = gr.rewrite(ctc_model(), devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     assert result.metadata["plan"]["sparse_inputs"] == [["labels/indices:0", "labels/values:0", "labels/shape:0"]]
-    with gr.Session(result) as sess:
-        sess.run("init")
-        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        got = sess.run(reads)
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    for name, a, b in zip(reads, got, want):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+    _assert_equal(strategy, _rewritten(result, feeds, reads), want)
 
 
 @pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("ps", 4), ("hybrid", 2)])
@@ -161,24 +140,12 @@ def test_a_partitioned_embedding_trains_as_one_device(strategy, replicas):
     DynamicStitch), each part a variable with its own sparse gradient."""
     graph_def = sparse_features_model("placeholder", partitions=3)
     reads = _variable_reads(graph_def)
-    parts = [f"deep/embedding/part_{k}/Read/ReadVariableOp:0" for k in range(3)]
-    assert set(parts) <= set(reads) and "deep/embedding/Read/ReadVariableOp:0" not in reads
+    assert {f"deep/embedding/part_{k}/Read/ReadVariableOp" for k in range(3)} <= set(reads)
+    assert "deep/embedding/Read/ReadVariableOp" not in reads
     feeds = sparse_feature_batches(STEPS, BATCH)
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
-        sess.run("init")
-        want_losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        want = sess.run(reads)
+    want = _one_device(graph_def, feeds, reads)
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
-    with gr.Session(result) as sess:
-        sess.run("init")
-        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-        got = sess.run(reads)
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    for name, a, b in zip(reads, got, want):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+    _assert_equal(strategy, _rewritten(result, feeds, reads), want)
 
 
 def test_each_replica_gets_the_entries_of_its_rows_renumbered():

@@ -440,12 +440,8 @@ class _Analyzer:
         self.static_batch = {}
         self.sparse_inputs, self.unpaired_sparse = [], []
         if any(kind == "dynamic" for _, kind, _ in found):
-            self.sparse_inputs = self._sparse_inputs(found)
-            entries = {t for triple in self.sparse_inputs for t in triple}
-            # an iterator's serialized SparseTensor that only its DeserializeSparse reads
-            entries |= {t for t, _, _ in found
-                        if all(c in self.input_pipeline and c.op == "DeserializeSparse"
-                               for c, _ in t.node.consumers(t.index))}
+            self.sparse_inputs, serialized = self._sparse_inputs(found)
+            entries = {t for triple in self.sparse_inputs for t in triple} | serialized
             batch = [t for t, kind, _ in found if kind == "dynamic" and t not in entries]
             broadcast = [t for t, kind, _ in found if kind != "dynamic" and t not in entries]
             return batch + [t for triple in self.sparse_inputs for t in triple], broadcast
@@ -476,8 +472,10 @@ class _Analyzer:
           (it runs once, on the host) and its outputs are the batch input.
 
         Split by rows, these would hand replica k the k-th slice of the entries, whose
-        row numbers and dense shape are the whole batch's."""
-        g, out = self.g, []
+        row numbers and dense shape are the whole batch's. Returns the triples and the
+        iterator outputs that only those DeserializeSparse ops read (no input of the step
+        any more)."""
+        g, out, deserialized = self.g, [], set()
         fed = {t.node.name for t, _, _ in found}
         for t, kind, _ in found:
             n = t.node
@@ -501,9 +499,11 @@ class _Analyzer:
             shape = _shape_of(shapes[source.index]) if source.index < len(shapes) else None
             if shape is None or shape == [3]:   # one SparseTensor (not a batch of serialized ones)
                 self.input_pipeline.add(n)
+                deserialized.add(n)
                 out.append(tuple(Tensor(n, i) for i in range(3)))
         self.unpaired_sparse = self._unpaired_sparse(found, {t for triple in out for t in triple})
-        return out
+        serialized = {n.inputs[0] for n in deserialized}
+        return out, {t for t in serialized if all(c in deserialized for c, _ in t.node.consumers(t.index))}
 
     def _unpaired_sparse(self, found, paired):
         """[(placeholder, reader, argument)]: fed batch inputs that a sparse op reads as a

@@ -158,6 +158,10 @@ def _split_sparse(graph, rm, names):
     node = indices.node.name
     base = node[:-len("/indices")] if node.endswith("/indices") else node
     name = f"{base}/split_for_replicas"
+    # each component's replica readers, taken before the split below reads them too
+    readers = [[(n, pos, k) for n, pos in t.node.consumers(t.index)
+                for k in [rm.replica_of(graph, n.name)] if k is not None]
+               for t in (indices, values, shape)]
     split = make_op(graph, "SparseSplit", name,
                     [const(graph, f"{name}/split_dim", 0, "int64", host), indices, values, shape],
                     attrs={"num_split": r}, device=host, replica=GLOBAL)
@@ -176,17 +180,15 @@ def _split_sparse(graph, rm, names):
                                             f"across {r} replicas; rows:".encode(), "string", host),
                                       rows.output(0)]],
                     attrs={"summarize": 3}, device=host, replica=GLOBAL)
-    for c, t in enumerate((indices, values, shape)):
-        readers = [(n, pos, rm.replica_of(graph, n.name)) for n, pos in t.node.consumers(t.index)]
-        readers = [(n, pos, k) for n, pos, k in readers if k is not None and n is not split and n is not rows]
-        if not readers:
+    for c, component in enumerate(readers):
+        if not component:
             continue   # read by no replica (an embedding lookup never reads the dense shape)
         part = make_op(graph, "IdentityN", f"{name}/{('indices', 'values', 'shape')[c]}",
                        [[split.output(c * r + k) for k in range(r)]], device=host,
                        control_inputs=[check], replica=GLOBAL)
         if rm.template:
             rm.per_replica_outputs.append(part.name)   # replica k reads output k
-        for n, pos, k in readers:
+        for n, pos, k in component:
             n.set_input(pos, part.output(k))
 
 

@@ -520,16 +520,18 @@ def test_between_graph_workers_equal_one_device(strategy, num_ps, optimizer, mod
                         "after": [{name: data[f"after{r}/{t}"] for name, t in ex.variables.items()}
                                   for r in range(runs + 1)]})
     what = f"{model}/{optimizer} {strategy} between-graph k={k}"
-    # Every worker's reads after every run: on a ps a worker's applying run waits for the
-    # chief's update (docs/strategies.md, sync_queues), so no read precedes it. Runs that
-    # only accumulate wait for nobody: after one, another worker may already see the
-    # chief's next applying run under way on the ps (Adam decays its slots before the
-    # gradients arrive), so on a ps only the chief's reads are checked there.
+    # Every worker's reads after every run, except where a ps makes them racy. On a ps only
+    # the chief applies updates, and it may start its next applying run while another
+    # worker is still reading after this one: sparse Adam decays its slots (m *= beta1)
+    # before the gradients arrive, so that read can see the next update half-applied (seen
+    # in CI: 0.9x one device's `embedding/Adam` on the rows of the next micro-batch). So on
+    # a ps the other workers' reads are checked after init and after the last run, when
+    # the chief has no update left to start; the chief's reads are checked after every run.
     for w, g in enumerate(got):
         _assert_state(f"{what}: worker {w} after init", g["after"][0], states[0])
         for r in range(1, runs + 1):
             step, phase = divmod(r, k)
-            if phase and strategy == "ps" and w > 0:
+            if strategy == "ps" and w > 0 and r < runs:
                 continue
             if phase:
                 _assert_state(f"{what}: worker {w} after run {r} (accumulating)", g["after"][r], states[step],

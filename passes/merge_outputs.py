@@ -33,7 +33,15 @@ Summaries: the master's scalar summary of a variant value reads the mean over th
 replicas, so a loss summary shows the global batch's loss. When the value's op was
 merged by a mean it reads that merge node (one mean per tensor); otherwise it reads a
 mean of its own, unnamed (a value merged otherwise, an op with several outputs, a
-non-float value as before). The replicas' own summaries keep their own values.
+non-float value as before). The master's histogram summary of a value whose first
+dimension is the batch and that the forward pass computes (activations, per-example
+losses) reads every replica's rows: each replica's value flattened, concatenated in
+replica order, so its count, range and buckets are the global batch's (a histogram
+ignores the shape). Other values stay replica 0's: one whose first dimension is not the
+batch; one the backward pass computes (a replica's gradient is of its own rows' mean,
+R times one device's share of it, so its rows are not one device's); one that has been
+through a collective or an accumulator (an all-gathered gradient: every replica holds
+the whole of it). The replicas' own summaries keep their own values.
 
 Between-graph, a graph holds its own worker's replicas: the merge is over those (the
 mean of every worker's would need a collective in the fetch). The merge runs on the
@@ -41,14 +49,22 @@ graph's global device (the host CPU), like the batch split.
 """
 
 from graph_rewriter import dtypes
+from graph_rewriter.analysis import in_gradients_scope
 from graph_rewriter import opdefs, shape_probe
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL, Tensor, split_tensor_name
 from graph_rewriter.op_builder import const, dtype_of, make_op
-from graph_rewriter.op_vocabulary import VARIABLE_OPS
+from graph_rewriter.op_vocabulary import COLLECTIVES, VARIABLE_OPS
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.traversal import ancestors
 
 SCALAR_SUMMARIES = frozenset(("ScalarSummary",))
+HISTOGRAM_SUMMARIES = frozenset(("HistogramSummary",))
+# ops through which a replica's value takes in the other replicas' (the exchanges the
+# rewrite emits): a value downstream of one is no longer the replica's own rows
+_EXCHANGES = COLLECTIVES | frozenset((
+    "NcclAllReduce", "NcclReduce", "NcclBroadcast", "AccumulatorTakeGradient",
+    "SparseAccumulatorTakeGradient", "ResourceAccumulatorTakeGradient"))
 LOSSES_COLLECTION = "losses"   # tf.compat.v1.GraphKeys.LOSSES
 
 
@@ -70,9 +86,11 @@ class MergeOutputsPass(Pass):
         variant = set(rm.variant)
         # the master's scalar summaries of a variant value, with the value's original
         # name (the merges below rename replica 0's ops)
-        summaries = [(n, n.inputs[1].name) for n in graph.nodes
-                     if n.op in SCALAR_SUMMARIES and rm.replica_of(graph, n.name) == 0
-                     and n.inputs[1].node.name in variant]
+        summaries, histograms = ([(n, n.inputs[1].name) for n in graph.nodes
+                                  if n.op in ops and rm.replica_of(graph, n.name) == 0
+                                  and n.inputs[1].node.name in variant]
+                                 for ops in (SCALAR_SUMMARIES, HISTOGRAM_SUMMARIES))
+        histograms = _rows_histograms(graph, ctx, histograms)
         wanted = _wanted(graph, ctx, variant, [value for _, value in summaries])
         hows = _decide(graph, ctx, wanted)
         merged = {}   # original tensor name -> the merge node's output
@@ -85,7 +103,14 @@ class MergeOutputsPass(Pass):
                 node.set_input(1, merged[value])
             else:
                 node.set_input(1, _mean(graph, rm, value, f"{node.name}/mean_over_replicas"))
-        return bool(hows or summaries)
+        concats = {}   # one per value, however many histograms show it
+        for node, value in histograms:
+            if hows.get(value) == "concat":
+                concats[value] = merged[value]   # the rows in replica order already, under its name
+            elif value not in concats:
+                concats[value] = _flat_concat(graph, rm, value, f"{node.name}/values_over_replicas")
+            node.set_input(1, concats[value])
+        return bool(hows or summaries or histograms)
 
 
 def _wanted(graph, ctx, variant, summaries):
@@ -140,13 +165,45 @@ def _check_output_name(graph, name):
             hint="name a tensor of the original graph as 'op:index', e.g. 'loss:0'")
 
 
+def _static_batches(ctx):
+    """The first dimensions of static per-replica batches (a replica's batch size)."""
+    return {ip.static_batch for ip in ctx.plan.inputs or []
+            if ip.mode == "per_replica" and ip.static_batch is not None}
+
+
+def _rows_histograms(graph, ctx, histograms):
+    """The (summary, value) pairs whose value is the replica's rows of a forward value:
+    its first dimension is the batch (unknown, or a static per-replica batch), and
+    neither the backward pass nor an exchange between the replicas is among it and its
+    data ancestors; the others are logged and stay replica 0's."""
+    shapes = shape_probe.static_shapes([graph.tensor(value) for _, value in histograms])
+    shapes = {t.name: s for t, s in shapes.items()}
+    static = _static_batches(ctx)
+    out = []
+    for node, value in histograms:
+        shape, why = shapes.get(value), None
+        if not shape or not (shape[0] is None or shape[0] in static):
+            why = "its rank is unknown" if shape is None else "its first dimension is not the batch"
+        else:
+            node_of_value = graph.tensor(value).node
+            upstream = ancestors([node_of_value], data_only=True) | {node_of_value}
+            if any(n.op in _EXCHANGES for n in upstream):
+                why = "it has been through an exchange between the replicas (each holds all of it)"
+            elif any(in_gradients_scope(n.name) for n in upstream):
+                why = "the backward pass computes it (a replica's gradient is of its own rows' mean)"
+        if why is None:
+            out.append((node, value))
+        else:
+            ctx.info(f"merge_outputs: the histogram {node.name} shows replica 0's {value}: {why}")
+    return out
+
+
 def _decide(graph, ctx, wanted):
     """{tensor name: "sum" | "mean" | "concat"} for the wanted outputs the graph merges:
     the merge option's choice, else Session's rule for the tensor's static shape."""
     shapes = shape_probe.static_shapes([graph.tensor(n) for n, how in wanted.items() if how is None])
     shapes = {t.name: s for t, s in shapes.items()}
-    static = {ip.static_batch for ip in ctx.plan.inputs or []
-              if ip.mode == "per_replica" and ip.static_batch is not None}
+    static = _static_batches(ctx)
     out = {}
     for name, how in sorted(wanted.items()):
         floating = dtypes.as_dtype(dtype_of(graph.tensor(name))).is_floating
@@ -207,6 +264,26 @@ def _mean(graph, rm, name, scope):
         total = make_op(graph, "AddN", f"{scope}/sum", [copies], device=device).output(0)
         return make_op(graph, "RealDiv", scope,
                        [total, const(graph, f"{scope}/replicas", rm.num_local, dt.name, device)],
+                       device=device).output(0)
+
+
+def _flat_concat(graph, rm, name, scope):
+    """Every local replica's copy of the original tensor ``name``, each flattened in its
+    replica (their other dimensions may differ), concatenated in replica order on the
+    global device, unnamed. (Each Reshape belongs to its replica, so a template replica's
+    is written once per replica and the Concat's list grows with them.)"""
+    op, index = split_tensor_name(name)
+    parts = []
+    for i in rm.built:
+        copy = rm.node(graph, i, op)
+        with graph.adding_to_replica(i):
+            flat = f"{copy.name}/flat_{index}"
+            parts.append(make_op(graph, "Reshape", flat,
+                                 [Tensor(copy, index), const(graph, f"{flat}/shape", [-1], "int32", rm.devices[i])],
+                                 device=rm.devices[i]).output(0))
+    device = rm.global_device
+    with graph.adding_to_replica(GLOBAL):
+        return make_op(graph, "ConcatV2", scope, [parts, const(graph, f"{scope}/axis", 0, "int32", device)],
                        device=device).output(0)
 
 

@@ -866,22 +866,27 @@ class _Analyzer:
         gradients would weight the shards alike, not by their counts."""
         seed_nodes = {t.node for t in seeds}
         trainable = {v.node for v in self.variables.values() if v.trainable}
-        out, seen = [], set()
+        out, counts = [], {}   # counts: divisor -> whether it is a sum over the batch's values
+
+        def is_count(divisor):
+            if divisor not in counts:
+                total = _the_sum(divisor.node)
+                reached = _value_ancestors(divisor.node)
+                counts[divisor] = (total is not None and _sums_every_axis(total)
+                                   and not reached & trainable and bool(reached & seed_nodes))
+            return counts[divisor]
+
+        # (every division by the sum is looked at, not the first one: the backward pass
+        # divides the loss's gradient by it too, and comes first in some graphs' order,
+        # those with v2 while loops among them)
         for n in self.order:
             if n.op not in _DIVISIONS or n not in variant0 or len(n.inputs) != 2:
                 continue
             divisor = n.inputs[1]
-            if divisor in seen or divisor.node not in variant0 or not dtypes.as_dtype(
+            if divisor in out or divisor.node not in variant0 or not dtypes.as_dtype(
                     dtype_of(divisor)).is_floating:
                 continue
-            seen.add(divisor)
-            total = _the_sum(divisor.node)
-            if total is None or not _sums_every_axis(total):
-                continue
-            reached = _value_ancestors(divisor.node)
-            if reached & trainable or not reached & seed_nodes:
-                continue
-            if _value_ancestors(n.inputs[0].node) & trainable:
+            if is_count(divisor) and _value_ancestors(n.inputs[0].node) & trainable:
                 out.append(divisor)
         return out
 

@@ -1241,3 +1241,104 @@ def ctc_batches(steps, batch, seed=0):
                       "labels/values:0": rng.randint(0, CTC_CLASSES - 1, size=len(indices)).astype(np.int32),
                       "labels/shape:0": np.array([batch, counts.max()], np.int64)})
     return feeds
+
+
+TAG_STEPS, TAG_VOCAB, TAG_EMBED, TAG_HIDDEN, TAG_CLASSES = 7, 13, 6, 5, 4
+TAG_SENTENCES = 48   # the dataset source's sentences
+
+
+class _LSTMCell:
+    """The LSTM cell a TF1 script hands tf.compat.v1.nn.dynamic_rnn
+    (tf.compat.v1.nn.rnn_cell.LSTMCell's arithmetic, forget bias 1.0), written out:
+    under Keras 3 TensorFlow no longer ships the rnn_cell classes, and dynamic_rnn asks
+    only for state_size, output_size, zero_state and a call. Variables "kernel" [inputs
+    + hidden, 4 * hidden] and "bias" under ``scope`` in dynamic_rnn's own scope
+    ("bidirectional_rnn/fw/fw/kernel")."""
+
+    state_size = (TAG_HIDDEN, TAG_HIDDEN)
+    output_size = TAG_HIDDEN
+
+    def __init__(self, scope):
+        self.scope = scope
+
+    def zero_state(self, batch_size, dtype):
+        tf, _ = _tf()
+        zeros = tf.zeros(tf.stack([batch_size, TAG_HIDDEN]), dtype)
+        return zeros, zeros
+
+    def __call__(self, x, state, scope=None):
+        tf, tf1 = _tf()
+        c, h = state
+        with tf1.variable_scope(self.scope, reuse=tf1.AUTO_REUSE):
+            kernel = tf1.get_variable("kernel", [int(x.shape[-1]) + TAG_HIDDEN, 4 * TAG_HIDDEN])
+            bias = tf1.get_variable("bias", [4 * TAG_HIDDEN], initializer=tf1.zeros_initializer())
+        i, j, f, o = tf.split(tf.matmul(tf.concat([x, h], 1), kernel) + bias, 4, 1)
+        c = c * tf.sigmoid(f + 1.0) + tf.sigmoid(i) * tf.tanh(j)
+        h = tf.sigmoid(o) * tf.tanh(c)
+        return h, (c, h)
+
+
+def sequence_tagger(source="placeholder", control_flow=None, batch=8):
+    """A part-of-speech tagger as TF1 scripts write it (a BiLSTM tagger, scaled down):
+    token ids, sentence lengths and tags; an embedding; tf.compat.v1.nn.bidirectional_dynamic_rnn
+    over the lengths (a tf.while_loop per direction that runs to the batch's longest
+    sentence, tf.reverse_sequence for the backward one); a dense layer to the tags at
+    every step; cross-entropy averaged over the real tokens (tf.sequence_mask: the
+    padding is masked out, and the mean divides by the batch's token count); the
+    gradients clipped by their global norm (tf.clip_by_global_norm, 0.1: it fires), Adam
+    with a global step. ``source``: "placeholder" (tokens, tags [None, TAG_STEPS],
+    lengths [None]; feed sequence_tagger_batches) or "dataset" (TAG_SENTENCES seeded
+    sentences of 1 to TAG_STEPS tokens, cut to their lengths, padded_batch(``batch``) to
+    the batch's longest, repeated: the time dimension is dynamic too). ``control_flow``
+    "v1" or "v2" builds the while loops with that control flow. Returns the GraphDef
+    (fetch loss:0 and grad_norm:0, run train_op, init)."""
+    from graph_rewriter.testing.models import ControlFlow
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default(), ControlFlow(control_flow):
+        tf1.set_random_seed(3)
+        if source == "placeholder":
+            tokens = tf1.placeholder(tf.int32, [None, TAG_STEPS], name="tokens")
+            lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+            tags = tf1.placeholder(tf.int32, [None, TAG_STEPS], name="tags")
+        elif source == "dataset":
+            rng = np.random.RandomState(11)
+            sentences = tf.data.Dataset.from_tensor_slices((
+                rng.randint(TAG_VOCAB, size=(TAG_SENTENCES, TAG_STEPS)).astype(np.int32),
+                rng.randint(1, TAG_STEPS + 1, size=TAG_SENTENCES).astype(np.int32),
+                rng.randint(TAG_CLASSES, size=(TAG_SENTENCES, TAG_STEPS)).astype(np.int32)))
+            sentences = sentences.map(lambda t, n, y: (t[:n], n, y[:n]))
+            batches = sentences.padded_batch(batch, padded_shapes=([None], [], [None])).repeat()
+            tokens, lengths, tags = tf1.data.make_one_shot_iterator(batches).get_next()
+        else:
+            raise ValueError(f"source must be 'placeholder' or 'dataset', got {source!r}")
+        embedding = tf1.get_variable("embedding", [TAG_VOCAB, TAG_EMBED])
+        x = tf.nn.embedding_lookup(embedding, tokens)
+        (forward, backward), _ = tf1.nn.bidirectional_dynamic_rnn(
+            _LSTMCell("fw"), _LSTMCell("bw"), x, sequence_length=lengths, dtype=tf.float32)
+        h = tf.concat([forward, backward], 2)
+        w = tf1.get_variable("tags/kernel", [2 * TAG_HIDDEN, TAG_CLASSES])
+        b = tf1.get_variable("tags/bias", [TAG_CLASSES], initializer=tf1.zeros_initializer())
+        logits = tf.einsum("btk,kc->btc", h, w) + b
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tags, logits=logits)
+        mask = tf.sequence_mask(lengths, tf.shape(tokens)[1], dtype=tf.float32)
+        loss = tf.identity(tf.reduce_sum(xent * mask) / tf.reduce_sum(mask), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        optimizer = tf1.train.AdamOptimizer(0.05)
+        grads, variables = zip(*optimizer.compute_gradients(loss))
+        clipped, norm = tf.clip_by_global_norm(grads, 0.1)
+        tf.identity(norm, name="grad_norm")
+        optimizer.apply_gradients(zip(clipped, variables), global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def sequence_tagger_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` sentences for sequence_tagger's placeholders: lengths
+    1 to TAG_STEPS (the batch's longest sets how long the while loops run), tokens and
+    tags past a sentence's length are padding (random: the mask must hide them)."""
+    rng = np.random.RandomState(seed)
+    return [{"tokens:0": rng.randint(TAG_VOCAB, size=(batch, TAG_STEPS)).astype(np.int32),
+             "lengths:0": rng.randint(1, TAG_STEPS + 1, size=batch).astype(np.int32),
+             "tags:0": rng.randint(TAG_CLASSES, size=(batch, TAG_STEPS)).astype(np.int32)}
+            for _ in range(steps)]

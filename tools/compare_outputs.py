@@ -120,6 +120,9 @@ def build_inputs(out_dir, keras=False):
     graphs["script_sparse_dataset"] = tf1_scripts.sparse_features_model("dataset", records=records)
     graphs["script_feature_columns"] = tf1_scripts.feature_column_model(tf1_scripts.feature_column_records(16))
     graphs["script_ctc"] = tf1_scripts.ctc_model()
+    # dynamic_rnn over lengths and a token-mean loss, fed and from a padded_batch, both control flows
+    graphs["script_tagger_v1"] = tf1_scripts.sequence_tagger("placeholder", "v1")
+    graphs["script_tagger_dataset_v2"] = tf1_scripts.sequence_tagger("dataset", "v2")
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

@@ -1475,7 +1475,11 @@ def gradient_scopes(nodes, named):
     ops ``named`` (name -> node), each scope's members among ``nodes``. Nothing but the
     name scope tells which ops are a forward op's backward (with static shapes a Mean's
     broadcast reads only constants), so this reads the names: a ``gradients`` scope,
-    the op's name, ``_grad/``."""
+    the op's name, ``_grad/``. tf.gradients writes the op's whole name there
+    ("model/gradients/model/Sum_grad/" for "model/Sum"); a graph imported under a
+    prefix (import_graph_def(name="import")) has the prefix in front of both
+    ("import/gradients/Sum_grad/" for "import/Sum"), so the scope's prefix is tried
+    too."""
     scopes = {}
     for n in nodes:
         if "_grad/" not in n.name:
@@ -1484,8 +1488,9 @@ def gradient_scopes(nodes, named):
             rest = n.name[m.end():]
             k = rest.find("_grad/")
             while k >= 0:
-                if rest[:k] in named:
-                    scopes.setdefault((rest[:k], n.name[:m.end() + k + len("_grad/")]), []).append(n)
+                forward = rest[:k] if rest[:k] in named else n.name[:m.start()] + rest[:k]
+                if forward in named:
+                    scopes.setdefault((forward, n.name[:m.end() + k + len("_grad/")]), []).append(n)
                 k = rest.find("_grad/", k + 1)
     return scopes
 

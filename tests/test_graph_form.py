@@ -1,0 +1,165 @@
+"""The plan does not depend on how the GraphDef is written: the order of its nodes, or
+a prefix on every name (a graph imported with import_graph_def(name="import") and
+written out again).
+
+A GraphDef's node order means nothing to TensorFlow, but the analysis walks the graph
+in a topological order that breaks ties by it, so a rule that judges only the first
+node it meets of some kind can decide differently for the same graph written in
+another order. One did: the normalizers rule judged only the first division by a sum
+over the batch, and where the backward pass's division came first (as TensorFlow wrote
+the v2 sequence tagger, or any graph with its nodes reversed) the token count went
+unsynchronised. And the rules that find a forward op's backward pass read tf.gradients'
+names, "gradients/<op>_grad/": under an import prefix that is "import/gradients/Sum_grad/"
+for "import/Sum", which they did not match, so loss sums and means over selected rows
+went unscaled.
+
+Each graph here is rewritten as written, with its nodes reversed, with them shuffled
+(seeded) and with every name under "import/", and what the plan decides must be the same:
+which tensors are synchronised and how (the gradient cuts' values, indices, sync and
+role), the batch and broadcast inputs, the sparse inputs, the normalizers, selected
+means, loss sums, random draws and batch statistics, the variables' placement, and the
+notes (as sets: a note lists names in the order it met them). Names the plan makes up
+from the order (a second update's "/update_1", a pack's number, which of two variables a
+gradient updates is named its primary) are not decisions and are left out. A prefixed
+graph also trains as one device.
+"""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graph_rewriter as gr
+from graph_rewriter.protos import graph_pb2
+from graph_rewriter.testing import real_models, tf1_scripts
+
+PREFIX = "import/"
+
+GRAPHS = {
+    "tagger_v2": lambda: tf1_scripts.sequence_tagger("dataset", "v2"),
+    "tagger_v1": lambda: tf1_scripts.sequence_tagger("placeholder", "v1"),
+    "masked_losses": lambda: tf1_scripts.masked_sequence_model("losses"),
+    "transformer_dropout": lambda: tf1_scripts.transformer_block(dropout=0.1)[0],
+    "labelled_rows": lambda: tf1_scripts.rows_meeting_mlp("labelled_rows"),
+    "loss_sum": lambda: tf1_scripts.summed_loss_mlp("sum_plus_decay"),
+    "vae": lambda: real_models.build("vae")[0].graph_def,
+    "multi_task": lambda: tf1_scripts.multi_task("adam", embedding=True, clip=True)[0],
+    "sparse_dataset": lambda: tf1_scripts.sparse_features_model(
+        "dataset", records=tf1_scripts.sparse_feature_records(16)),
+    "bert": lambda: real_models.build("bert")[0].graph_def,
+}
+CONFIGS = {"allreduce": dict(devices_per_worker=2, device_type="CPU"),
+           "ps": dict(devices_per_worker=4, device_type="CPU", strategy="ps")}
+
+
+def _decisions(plan):
+    """What a plan decides, free of the names and numbers it takes from the node order."""
+    def names(field):
+        return sorted(json.dumps(v, sort_keys=True) for v in plan.get(field) or [])
+
+    cuts = sorted(json.dumps({k: c.get(k) for k in ("values", "indices", "sync", "role", "combine",
+                                                    "post_processing", "train_ops")}, sort_keys=True)
+                  for c in plan["cuts"])
+    return {
+        "cuts": cuts,
+        "variables": sorted((v["name"], v["placement"]) for v in plan["variables"]),
+        **{field: names(field) for field in ("batch_inputs", "broadcast_inputs", "sparse_inputs", "normalizers",
+                                             "selected_means", "loss_sums", "random_draws", "batch_statistics")},
+        "notes": sorted(_words(n) for n in plan.get("notes") or []),
+    }
+
+
+def _words(note):
+    """A note's words in sorted order (it lists names in the order it met them)."""
+    return " ".join(sorted(note.replace(",", " ").split()))
+
+
+def _reordered(graph_def, order):
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    del out.node[:]
+    out.node.extend(order)
+    return out.SerializeToString()
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_the_plan_does_not_depend_on_the_node_order(name):
+    graph_def = graph_pb2.GraphDef.FromString(GRAPHS[name]().SerializeToString())
+    nodes = list(graph_def.node)
+    shuffled = nodes[:]
+    random.Random(7).shuffle(shuffled)
+    for config, options in CONFIGS.items():
+        want = _decisions(gr.rewrite(graph_def.SerializeToString(), **options).metadata["plan"])
+        for label, order in (("reversed", nodes[::-1]), ("shuffled", shuffled)):
+            got = _decisions(gr.rewrite(_reordered(graph_def, order), **options).metadata["plan"])
+            differ = [k for k in want if got[k] != want[k]]
+            assert not differ, f"{name}, {config}, nodes {label}: the plan's {differ} differ: " + "; ".join(
+                f"{k}: {want[k]} != {got[k]}" for k in differ)
+
+
+def test_the_regression_is_caught_here():
+    """The tagger's token count is a normalizer in every order (the rule the fix made
+    order-free); the check above compares normalizers, so it would have failed."""
+    graph_def = graph_pb2.GraphDef.FromString(GRAPHS["tagger_v2"]().SerializeToString())
+    nodes = list(graph_def.node)
+    for order in (nodes, nodes[::-1]):
+        plan = gr.rewrite(_reordered(graph_def, order), **CONFIGS["allreduce"]).metadata["plan"]
+        assert plan["normalizers"] == ["Sum_1:0"]
+
+
+def _prefixed(graph_def, prefix=PREFIX):
+    """The GraphDef as import_graph_def(name=prefix[:-1]) writes it back: every node's
+    name, inputs and colocation targets under ``prefix`` (function bodies keep theirs)."""
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    for n in out.node:
+        n.name = prefix + n.name
+        inputs = ["^" + prefix + i[1:] if i.startswith("^") else prefix + i for i in n.input]
+        del n.input[:]
+        n.input.extend(inputs)
+        if "_class" in n.attr:
+            targets = [v.replace(b"loc:@", b"loc:@" + prefix.encode()) for v in n.attr["_class"].list.s]
+            del n.attr["_class"].list.s[:]
+            n.attr["_class"].list.s.extend(targets)
+    return out
+
+
+def _unprefixed(decisions):
+    return json.loads(json.dumps(decisions).replace(PREFIX, ""))
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_the_plan_does_not_depend_on_an_import_prefix(name):
+    graph_def = graph_pb2.GraphDef.FromString(GRAPHS[name]().SerializeToString())
+    for config, options in CONFIGS.items():
+        want = _decisions(gr.rewrite(graph_def.SerializeToString(), **options).metadata["plan"])
+        got = _unprefixed(_decisions(gr.rewrite(_prefixed(graph_def).SerializeToString(), **options).metadata["plan"]))
+        want = json.loads(json.dumps(want))
+        differ = [k for k in want if sorted(map(json.dumps, got[k])) != sorted(map(json.dumps, want[k]))]
+        assert not differ, f"{name}, {config}, under '{PREFIX}': the plan's {differ} differ: " + "; ".join(
+            f"{k}: {want[k]} != {got[k]}" for k in differ)
+
+
+@pytest.mark.parametrize("kind,strategy", [("sum_plus_decay", "allreduce"), ("sum", "ps")])
+def test_a_prefixed_summed_loss_trains_as_one_device(kind, strategy):
+    """The loss summed over the batch, under "import/": each replica's sum counts R times
+    (without it the step would be 1/R of one device's), as for the graph as written."""
+    graph_def = _prefixed(tf1_scripts.summed_loss_mlp(kind))
+    feeds = [{PREFIX + k: v for k, v in f.items()} for f in tf1_scripts.dropout_batches(3, 8)]
+    reads = [f"{PREFIX}{v}/Read/ReadVariableOp:0" for v in ("w1", "w2")]
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(PREFIX + "init")
+        want = [sess.run([PREFIX + "loss:0", PREFIX + "train_op"], f)[0] for f in feeds], sess.run(reads)
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=strategy)
+    assert result.metadata["plan"]["loss_sums"] == [PREFIX + "Sum"]
+    with gr.Session(result) as sess:
+        sess.run(PREFIX + "init")
+        got = [sess.run([PREFIX + "loss:0", PREFIX + "train_op"], f)[0] for f in feeds], sess.run(reads)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for g, w, name in zip(got[1], want[1], reads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -1,9 +1,12 @@
 """What a data-parallel rewrite must know about a plain single-device training GraphDef.
 
-Found from op types, OpDef argument names and graph structure, never from node names
-(two exceptions: the backward pass of a loss summed over the batch is found by the name
-scope tf.gradients gives it, ``gradients/<op>_grad/``, see gradient_entries; and a
-sparse_placeholder's three placeholders by the names it gives them, see _sparse_inputs):
+Found from op types, OpDef argument names and graph structure, never from node names,
+with two exceptions. The backward pass, and a forward op's part of it, are found by the
+name scopes tf.gradients gives them, ``<scope>/<op>_grad/`` with ``<scope>`` its own
+("gradients", "gradients_1", or what its ``name`` says; see in_gradients_scope,
+named_gradient_scopes and gradient_scopes). A sparse_placeholder's three placeholders
+are found by the names it gives them (see _sparse_inputs). Neither depends on the order
+of the GraphDef's nodes or on a prefix on every name (tests/test_graph_form.py):
 
 - variables (resource and ref) and every op that writes one;
 - batch inputs: placeholders with an unknown first dimension, tf.data iterator outputs,
@@ -265,6 +268,7 @@ class _Analyzer:
         g = self.g
         self.order = topological_order(g)
         self.position = {n: i for i, n in enumerate(self.order)}
+        self.gradient_scopes = named_gradient_scopes(self.order)
         self.variables = self._find_variables()
         self._find_writers()
         self.saver_nodes = self._find_saver_nodes()
@@ -979,7 +983,7 @@ class _Analyzer:
         out = []
         for n in self.order:
             if n.op == "MatMul" and n in variant0 and n.attr["transpose_b"].b and not n.attr["transpose_a"].b \
-                    and not in_gradients_scope(n.name) \
+                    and not in_gradients_scope(n.name, self.gradient_scopes) \
                     and all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs):
                 out.append(n.name)
         return out
@@ -996,7 +1000,7 @@ class _Analyzer:
         seed_nodes = {t.node for t in seeds}
         out = []
         for n in self.order:
-            if n.op not in _ROW_MOVES or n not in variant0 or in_gradients_scope(n.name):
+            if n.op not in _ROW_MOVES or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
             if n.op in ("ReverseV2", "Roll"):
                 moves = _const_axes_hold_rows(n.inputs[2 if n.op == "Roll" else 1], n.inputs[0])
@@ -1037,7 +1041,7 @@ class _Analyzer:
         functions = {f.signature.name: f for f in self.g.library.function} if self.g.library is not None else {}
         out = []
         for n in self.order:
-            if n.name in handled or n not in variant0 or in_gradients_scope(n.name):
+            if n.name in handled or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
             if n.op in _FUNCTIONAL:
                 if n in training.value:   # (a Keras model's first call, on its Input, may train nothing)
@@ -1051,12 +1055,12 @@ class _Analyzer:
                 found = _const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
                     n.inputs[0], seed_nodes, strict=True) and (
                     n in training.value if n.op in _NON_LINEAR_STATISTICS
-                    else _used_non_linearly(n, seed_nodes, divisors, training))
+                    else _used_non_linearly(n, seed_nodes, divisors, training, self.gradient_scopes))
             elif n.op == "MatMul" and n.attr["transpose_a"].b and not n.attr["transpose_b"].b:
                 # a sum over the rows of products of their features: a covariance or
                 # cross-correlation of the batch (Barlow Twins' C = z_a^T z_b / n)
                 found = all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs) and _used_non_linearly(
-                    n, seed_nodes, divisors, training)
+                    n, seed_nodes, divisors, training, self.gradient_scopes)
             else:
                 continue
             if found:
@@ -1073,7 +1077,7 @@ class _Analyzer:
         instead). Only means whose backward pass tf.gradients built (gradient_entries)."""
         found = {}
         for n in self.order:
-            if n.op == "Mean" and n in variant0 and not in_gradients_scope(n.name) \
+            if n.op == "Mean" and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes) \
                     and dtypes.as_dtype(n.attr["T"].type).is_floating:
                 select = _row_selection(n.inputs[0], variant0)
                 if select is not None and select in training.value:
@@ -1127,7 +1131,7 @@ class _Analyzer:
         below, stack = {stat}, [stat]
         while stack and len(below) < limit:
             for c, _ in stack.pop().consumers():
-                if c not in below and not in_gradients_scope(c.name) and c.op not in _SHAPE_ONLY:
+                if c not in below and not in_gradients_scope(c.name, self.gradient_scopes) and c.op not in _SHAPE_ONLY:
                     below.add(c)
                     stack.append(c)
         counts = {}
@@ -1191,7 +1195,8 @@ class _Analyzer:
                 cut.role = "state"
                 # a state fed from the backward pass accumulates gradients (NVIDIA BERT's
                 # accumulators): averaged like them, even a bias's (a Sum over the rows)
-                cut.combine = None if in_gradients_scope(cut.values.node.name) else batch_combine(cut.values)
+                cut.combine = (None if in_gradients_scope(cut.values.node.name, self.gradient_scopes)
+                               else batch_combine(cut.values))
             else:
                 primary.role, primary.trainable = "trainable", True
                 cut.role = "gradient"
@@ -1444,9 +1449,35 @@ def _value_ancestors_of(nodes):
 _GRADIENTS_SCOPE = re.compile(r"(?:^|(?<=/))gradients(?:_\d+)?/")
 
 
-def in_gradients_scope(name):
-    """True if a node's name puts it in a backward pass tf.gradients built."""
-    return "_grad/" in name and _GRADIENTS_SCOPE.search(name) is not None
+def in_gradients_scope(name, scopes=()):
+    """True if a node's name puts it in a backward pass tf.gradients built: under its
+    default scope ("gradients", "gradients_1", ...) or under one of ``scopes``, the
+    other scopes the graph's tf.gradients calls opened (named_gradient_scopes)."""
+    if "_grad/" not in name:
+        return False
+    return _GRADIENTS_SCOPE.search(name) is not None or any(
+        name.startswith(s) or "/" + s in name for s in scopes)
+
+
+def named_gradient_scopes(nodes):
+    """The scopes tf.gradients opened under a name of the script's choosing
+    (``tf.gradients(loss, params, name="grads")`` gives "grads/"), as a tuple of
+    "<scope>/" strings; the default ones ("gradients/", "gradients_1/", ...) are left
+    to in_gradients_scope's pattern. A scope counts when a node in it is named
+    "<scope>/<op>_grad/..." for an op of the graph, as tf.gradients names every
+    op's backward (or "<prefix><scope>/<op>_grad/" for "<prefix><op>": a graph imported
+    under a prefix)."""
+    nodes = list(nodes)
+    names = {n.name for n in nodes}
+    scopes = set()
+    for n in nodes:
+        k = n.name.find("_grad/")
+        if k < 0 or _GRADIENTS_SCOPE.search(n.name[:k + 1]) is not None:
+            continue
+        found = _forward_of_scope(n.name[:k], names)
+        if found is not None:
+            scopes.add(n.name[:found[1] + 1])
+    return tuple(sorted(scopes))
 
 
 def gradient_entries(nodes, sums):
@@ -1474,25 +1505,38 @@ def gradient_scopes(nodes, named):
     """{(name, scope): [node]}: the backward passes tf.gradients built for the forward
     ops ``named`` (name -> node), each scope's members among ``nodes``. Nothing but the
     name scope tells which ops are a forward op's backward (with static shapes a Mean's
-    broadcast reads only constants), so this reads the names: a ``gradients`` scope,
-    the op's name, ``_grad/``. tf.gradients writes the op's whole name there
-    ("model/gradients/model/Sum_grad/" for "model/Sum"); a graph imported under a
-    prefix (import_graph_def(name="import")) has the prefix in front of both
-    ("import/gradients/Sum_grad/" for "import/Sum"), so the scope's prefix is tried
-    too."""
+    broadcast reads only constants), so this reads the names: tf.gradients opens a
+    scope of its own ("gradients", "gradients_1", or what its ``name`` says) and in it
+    one per forward op, the op's whole name and "_grad/" ("gradients/model/Sum_grad/"
+    for "model/Sum"). A graph imported under a prefix (import_graph_def(name="import"))
+    has the prefix in front of both ("import/gradients/Sum_grad/" for "import/Sum")."""
     scopes = {}
     for n in nodes:
-        if "_grad/" not in n.name:
-            continue
-        for m in _GRADIENTS_SCOPE.finditer(n.name):
-            rest = n.name[m.end():]
-            k = rest.find("_grad/")
-            while k >= 0:
-                forward = rest[:k] if rest[:k] in named else n.name[:m.start()] + rest[:k]
-                if forward in named:
-                    scopes.setdefault((forward, n.name[:m.end() + k + len("_grad/")]), []).append(n)
-                k = rest.find("_grad/", k + 1)
+        k = n.name.find("_grad/")
+        while k >= 0:
+            found = _forward_of_scope(n.name[:k], named)
+            if found is not None:
+                scopes.setdefault((found[0], n.name[:k + len("_grad/")]), []).append(n)
+            k = n.name.find("_grad/", k + 1)
     return scopes
+
+
+def _forward_of_scope(head, named):
+    """(op, j): the op of ``named`` whose backward scope is ``head + "_grad/"``, and
+    where the scope tf.gradients opened ends (``head[j]`` is its "/"): head is
+    "<scope>/<op>", or "<prefix><scope>/<op>" for the op "<prefix><op>"; the longest
+    op name that fits wins. None if no op of ``named`` fits."""
+    slashes = [j for j, ch in enumerate(head) if ch == "/"]
+    for j in slashes:
+        op = head[j + 1:]
+        if op in named:
+            return op, j
+        for i in slashes:
+            if i >= j:
+                break
+            if head[:i + 1] + op in named:
+                return head[:i + 1] + op, j
+    return None
 
 
 FUSED_BATCH_NORM_GRADS = frozenset(("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"))
@@ -1661,7 +1705,7 @@ def _sums_rows(n):
     return n.op == "MatMul" and n.attr["transpose_a"].b
 
 
-def _used_non_linearly(stat, seed_nodes, divisors, training, limit=256):
+def _used_non_linearly(stat, seed_nodes, divisors, training, gradient_scopes=(), limit=256):
     """True if training uses a value computed from the statistic ``stat`` other than
     linearly: in an op with a value computed from the batch's rows one by one, an op
     not in _LINEAR, or a product or quotient with another value of the batch (other
@@ -1672,7 +1716,7 @@ def _used_non_linearly(stat, seed_nodes, divisors, training, limit=256):
     while stack and len(seen) < limit:
         n = stack.pop()
         for c, pos in n.consumers():
-            if c in seen or in_gradients_scope(c.name) or c.op in _SHAPE_ONLY:
+            if c in seen or in_gradients_scope(c.name, gradient_scopes) or c.op in _SHAPE_ONLY:
                 continue
             seen.add(c)
             others = [t for i, t in enumerate(c.inputs) if i != pos]

@@ -27,7 +27,7 @@ communication passes run after this one, so they reduce the scaled value.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.analysis import gradient_entries, in_gradients_scope, loop_frames
+from graph_rewriter.analysis import gradient_entries, in_gradients_scope, loop_frames, named_gradient_scopes
 from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
 
@@ -48,6 +48,7 @@ class LossSumsPass(Pass):
         backward_factor = plan.num_replicas * plan.accumulation_steps
         sums = {name: rm.node(graph, 0, name) for name in plan.loss_sums}
         mine = [n for n in graph.nodes if "_grad/" in n.name and rm.replica_of(graph, n.name) == 0]
+        scopes = named_gradient_scopes(graph.nodes)   # tf.gradients(name=...)'s, before the products below
         entries = gradient_entries(mine, sums)
         moved, taken = {}, {}   # sum -> its new name; the product -> the sum's name
         for i in rm.built:
@@ -56,7 +57,7 @@ class LossSumsPass(Pass):
                 with graph.adding_to_replica(i):
                     scaled = {}
                     for c, pos in total.consumers(0):
-                        factor = backward_factor if in_gradients_scope(c.name) else forward_factor
+                        factor = backward_factor if in_gradients_scope(c.name, scopes) else forward_factor
                         if factor not in scaled:
                             scaled[factor] = _times(graph, total.output(0), factor, f"{total.name}/times_{factor}",
                                                     rm.devices[i])

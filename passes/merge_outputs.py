@@ -49,7 +49,7 @@ graph's global device (the host CPU), like the batch split.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.analysis import in_gradients_scope
+from graph_rewriter.analysis import in_gradients_scope, named_gradient_scopes
 from graph_rewriter import opdefs, shape_probe
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import GLOBAL, Tensor, split_tensor_name
@@ -179,6 +179,7 @@ def _rows_histograms(graph, ctx, histograms):
     shapes = shape_probe.static_shapes([graph.tensor(value) for _, value in histograms])
     shapes = {t.name: s for t, s in shapes.items()}
     static = _static_batches(ctx)
+    scopes = named_gradient_scopes(graph.nodes) if histograms else ()
     out = []
     for node, value in histograms:
         shape, why = shapes.get(value), None
@@ -189,7 +190,7 @@ def _rows_histograms(graph, ctx, histograms):
             upstream = ancestors([node_of_value], data_only=True) | {node_of_value}
             if any(n.op in _EXCHANGES for n in upstream):
                 why = "it has been through an exchange between the replicas (each holds all of it)"
-            elif any(in_gradients_scope(n.name) for n in upstream):
+            elif any(in_gradients_scope(n.name, scopes) for n in upstream):
                 why = "the backward pass computes it (a replica's gradient is of its own rows' mean)"
         if why is None:
             out.append((node, value))

@@ -1,6 +1,6 @@
-"""The plan does not depend on how the GraphDef is written: the order of its nodes, or
-a prefix on every name (a graph imported with import_graph_def(name="import") and
-written out again).
+"""The plan does not depend on how the GraphDef is written: the order of its nodes, a
+prefix on every name (a graph imported with import_graph_def(name="import") and
+written out again), or the name of tf.gradients' scope (tf.gradients(..., name="grads")).
 
 A GraphDef's node order means nothing to TensorFlow, but the analysis walks the graph
 in a topological order that breaks ties by it, so a rule that judges only the first
@@ -11,21 +11,27 @@ the v2 sequence tagger, or any graph with its nodes reversed) the token count we
 unsynchronised. And the rules that find a forward op's backward pass read tf.gradients'
 names, "gradients/<op>_grad/": under an import prefix that is "import/gradients/Sum_grad/"
 for "import/Sum", which they did not match, so loss sums and means over selected rows
-went unscaled.
+went unscaled. Under a scope tf.gradients' ``name`` chose ("grads/Sum_grad/") the rules
+that tell the backward pass from the forward did not see it at all: loss sums went
+unscaled, NVIDIA-style gradient accumulators were summed over the replicas as batch
+counts, and backward reductions were listed as statistics over the batch's rows.
 
 Each graph here is rewritten as written, with its nodes reversed, with them shuffled
-(seeded) and with every name under "import/", and what the plan decides must be the same:
+(seeded), with every name under "import/" and with tf.gradients' scopes renamed
+("gradients" to "grads", "gradients_1" to "grads_1"), and what the plan decides must be the same:
 which tensors are synchronised and how (the gradient cuts' values, indices, sync and
 role), the batch and broadcast inputs, the sparse inputs, the normalizers, selected
 means, loss sums, random draws and batch statistics, the variables' placement, and the
 notes (as sets: a note lists names in the order it met them). Names the plan makes up
 from the order (a second update's "/update_1", a pack's number, which of two variables a
-gradient updates is named its primary) are not decisions and are left out. A prefixed
-graph also trains as one device.
+gradient updates is named its primary) are not decisions and are left out. Prefixed
+and renamed graphs also train as one device.
 """
 
+import dataclasses
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -33,7 +39,7 @@ import tensorflow as tf
 
 import graph_rewriter as gr
 from graph_rewriter.protos import graph_pb2
-from graph_rewriter.testing import real_models, tf1_scripts
+from graph_rewriter.testing import harness, real_models, tf1_scripts
 
 PREFIX = "import/"
 
@@ -49,6 +55,8 @@ GRAPHS = {
     "sparse_dataset": lambda: tf1_scripts.sparse_features_model(
         "dataset", records=tf1_scripts.sparse_feature_records(16)),
     "bert": lambda: real_models.build("bert")[0].graph_def,
+    "bert_accumulate": lambda: real_models.build("bert_accumulate")[0].graph_def,
+    "batch_norm": lambda: tf1_scripts.batch_norm_cnn("layers_cond")[0],
 }
 CONFIGS = {"allreduce": dict(devices_per_worker=2, device_type="CPU"),
            "ps": dict(devices_per_worker=4, device_type="CPU", strategy="ps")}
@@ -163,3 +171,59 @@ def test_a_prefixed_summed_loss_trains_as_one_device(kind, strategy):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     for g, w, name in zip(got[1], want[1], reads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+_DEFAULT_SCOPE = re.compile(r"(^|/)gradients(_\d+)?/")
+
+
+def _named_gradients(graph_def):
+    """The GraphDef as if every tf.gradients call had been given a name: "gradients/..."
+    becomes "grads/...", "gradients_1/..." "grads_1/..." (inputs and colocations too)."""
+    def rename(name):
+        return _DEFAULT_SCOPE.sub(lambda m: m.group(1) + "grads" + (m.group(2) or "") + "/", name)
+
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    for n in out.node:
+        n.name = rename(n.name)
+        inputs = ["^" + rename(i[1:]) if i.startswith("^") else rename(i) for i in n.input]
+        del n.input[:]
+        n.input.extend(inputs)
+        if "_class" in n.attr:
+            targets = [b"loc:@" + rename(v[len(b"loc:@"):].decode()).encode() for v in n.attr["_class"].list.s]
+            del n.attr["_class"].list.s[:]
+            n.attr["_class"].list.s.extend(targets)
+    return out
+
+
+def _default_names(decisions):
+    return json.loads(re.sub(r'(^|/|")grads(_\d+)?/', lambda m: m.group(1) + "gradients" + (m.group(2) or "") + "/",
+                             json.dumps(decisions)))
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_the_plan_does_not_depend_on_the_name_of_tf_gradients_scope(name):
+    graph_def = graph_pb2.GraphDef.FromString(GRAPHS[name]().SerializeToString())
+    renamed = _named_gradients(graph_def)
+    assert not any(_DEFAULT_SCOPE.search(n.name) for n in renamed.node)
+    for config, options in CONFIGS.items():
+        want = json.loads(json.dumps(_decisions(gr.rewrite(graph_def.SerializeToString(), **options).metadata["plan"])))
+        got = _default_names(_decisions(gr.rewrite(renamed.SerializeToString(), **options).metadata["plan"]))
+        differ = [k for k in want if sorted(map(json.dumps, got[k])) != sorted(map(json.dumps, want[k]))]
+        assert not differ, f"{name}, {config}, tf.gradients(name='grads'): the plan's {differ} differ: " + "; ".join(
+            f"{k}: {want[k]} != {got[k]}" for k in differ)
+
+
+def test_named_gradients_accumulated_by_hand_train_as_one_device():
+    """NVIDIA's BERT gradient accumulation (accumulators in v1 conds, applied every 2nd
+    step) with tf.gradients' scope renamed: the accumulators' cuts are gradients,
+    averaged, not batch counts summed over the replicas (0.13 from one device in the
+    variables after 4 steps before)."""
+    ex, feed = real_models.build("bert_accumulate")
+    ex = dataclasses.replace(ex, graph_def=_named_gradients(ex.graph_def))
+    want_losses, want = harness.run_single(ex, steps=4, feeds=feed)
+    result = gr.rewrite(ex.graph_def, devices_per_worker=2, device_type="CPU")
+    losses, values = harness.run_rewritten(result, ex, steps=4, feeds=feed)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-5)
+    for name in want:
+        np.testing.assert_allclose(values[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -329,22 +329,36 @@ def test_what_cannot_be_synced_is_refused_by_name(graph_def, sync, message):
     assert e.value.hint
 
 
-def test_a_backward_pass_under_another_name_is_refused():
-    """tf.gradients(..., name="my_grads"): the analysis reads backward passes by their
-    "gradients" scope, so it would sync the moments' forward pass alone; it refuses,
-    naming the backward op it cannot read."""
+def _moments_model(gradients_name):
+    """x -> MatMul(w) -> normalised by its batch moments -> a summed square; its
+    gradient by tf.gradients(..., name=gradients_name), SGD."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        w = tf1.get_variable("w", [4, 3], initializer=tf1.ones_initializer())
+        w = tf1.get_variable("w", [4, 3], initializer=tf1.glorot_uniform_initializer(seed=1))
         h = tf.matmul(x, w)
         mean, var = tf.nn.moments(h, [0], name="moments")
-        loss = tf.reduce_sum(tf.square((h - mean) / tf.sqrt(var + 1e-3)), name="loss")
-        grads = tf.gradients(loss, [w], name="my_grads")
+        loss = tf.reduce_mean(tf.square((h - mean) / tf.sqrt(var + 1e-3) - 0.5), name="loss")
+        grads = tf.gradients(loss, [w], name=gradients_name)
         tf1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, [w]), name="train_op")
-    with pytest.raises(gr.GraphRewriteError, match="the batch statistic 'moments/mean' cannot be synchronised: its "
-                                                  r"backward pass \('my_grads/moments/mean_grad/"):
-        _rewrite(g.as_graph_def(), sync_batch_statistics=True)
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("gradients_name", ["gradients", "my_grads"])
+def test_a_backward_pass_under_another_name_is_synchronised_too(gradients_name):
+    """tf.gradients(..., name="my_grads"): its backward pass is found under that scope
+    as under the default one (analysis.named_gradient_scopes), so the moments are
+    synchronised forward and backward and 2 replicas train as one device. (It was
+    refused before: the analysis read backward passes by their "gradients" scope only.)"""
+    graph_def = _moments_model(gradients_name)
+    rng = np.random.RandomState(3)
+    feeds = [{"x:0": rng.randn(8, 4).astype(np.float32)} for _ in range(3)]
+    reads = {"w": "w/Read/ReadVariableOp:0"}
+    want = _one_device(graph_def, feeds, reads)
+    result = _rewrite(graph_def, sync_batch_statistics=True)
+    assert result.plan.sync_batch_statistics == ["moments/mean", "moments/variance"]
+    _assert_one_device(_train(gr.Session(result), feeds, reads), want)
 
 
 def test_a_parameter_server_plan_across_machines_is_refused():

@@ -161,6 +161,9 @@ class Analysis:
     # names of forward statistics over the batch's rows that training uses other than
     # linearly (BatchNorm in training mode, a center loss): each replica's is its shard's
     batch_statistics: list = dataclasses.field(default_factory=list)
+    # maxima and minima over the batch's rows that only bound while loops (dynamic_rnn's
+    # longest sequence): each replica's loops run to its own rows' bound (a plan note)
+    loop_bounds: list = dataclasses.field(default_factory=list)
     # names of forward means over rows that a condition on the batch's values selects
     # (tf.boolean_mask): each replica divides by its own count of them
     selected_means: list = dataclasses.field(default_factory=list)
@@ -302,6 +305,9 @@ class _Analyzer:
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
+        loop_bounds = [name for name in batch_statistics   # (not "call:function:node", one in a function)
+                       if ":" not in name and self._only_bounds_loops(self.g.node(name))]
+        batch_statistics = [name for name in batch_statistics if name not in loop_bounds]
         selected_means = self._find_selected_means(variant0, training)
         obstacles = {name: reason for name in batch_statistics
                      for reason in [self._sync_obstacle(name, selected_means)] if reason is not None}
@@ -321,6 +327,7 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
+            loop_bounds=loop_bounds,
             selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
             variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs, unpaired_sparse=self.unpaired_sparse,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
@@ -1067,6 +1074,65 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
+    def _only_bounds_loops(self, stat):
+        """True if ``stat``, a Max or Min over the batch's rows, reaches nothing but while
+        loops' conditions: through scalar arithmetic and comparisons into a v1 LoopCond,
+        or into a v2 While's argument that its cond compares and its body hands back
+        unchanged. tf.nn.dynamic_rnn bounds its loop by the batch's longest sequence so:
+        the statistic decides how many steps the loop runs, not what a step computes."""
+        if stat.op not in ("Max", "Min"):
+            return False
+        stack, seen, loops = [stat], {stat}, 0
+        while stack:
+            for c, pos in stack.pop().consumers():
+                if c.op == "LoopCond":
+                    loops += 1
+                elif c.op in _WHILES:
+                    if not self._while_bound(c, pos):
+                        return False
+                    loops += 1
+                elif c.op not in _BOUND_ARITHMETIC:
+                    return False
+                elif c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+        return loops > 0
+
+    def _while_bound(self, loop, pos):
+        """True if input ``pos`` of the v2 While ``loop`` only bounds it: its cond reads
+        the argument through comparisons and logic into its result, its body returns it
+        unchanged and reads it nowhere else, and only the backward pass reads the loop's
+        output of it."""
+        functions = {f.signature.name: f for f in self.g.library.function} if self.g.library is not None else {}
+        cond, body = (functions.get(loop.attr[key].func.name) for key in ("cond", "body"))
+        if cond is None or body is None or pos >= len(body.signature.input_arg):
+            return False
+        arg = body.signature.input_arg[pos].name
+        if body.ret.get(body.signature.output_arg[pos].name) != arg or any(
+                i.split(":")[0] == arg for nd in body.node_def for i in nd.input):
+            return False
+        reading, stack = {}, [cond.signature.input_arg[pos].name]
+        for nd in cond.node_def:
+            for i in nd.input:
+                reading.setdefault(i.split(":")[0], []).append(nd)
+        seen = set()
+        while stack:
+            for nd in reading.get(stack.pop(), []):
+                if nd.op not in _BOUND_ARITHMETIC:
+                    return False
+                if nd.name not in seen:
+                    seen.add(nd.name)
+                    stack.append(nd.name)
+        # (TensorFlow hands each of the loop's outputs on through an Identity)
+        readers, stack = [], list(loop.consumers(pos))
+        while stack:
+            c, _ = stack.pop()
+            if c.op == "Identity" and not in_gradients_scope(c.name, self.gradient_scopes):
+                stack.extend(c.consumers(0))
+            else:
+                readers.append(c)
+        return all(in_gradients_scope(c.name, self.gradient_scopes) for c in readers)
+
     def _find_selected_means(self, variant0, training):
         """Forward means over rows that a condition on the batch's values selects: the
         loss of the labelled rows only, ``reduce_mean(tf.boolean_mask(xent, labels >= 0))``
@@ -1643,6 +1709,10 @@ _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gathe
                         "TopK"))
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
+# what a loop bound may pass through on its way to a loop's condition (_only_bounds_loops)
+_BOUND_ARITHMETIC = frozenset(("Maximum", "Minimum", "Cast", "Identity", "Enter", "Less", "LessEqual", "Greater",
+                               "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot"))
+_WHILES = frozenset(("While", "StatelessWhile"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
 # statistics the replicas sync by summing theirs: a sum over the rows, a product contracting them
 _SUMMED_STATISTICS = frozenset(("Sum", "MatMul"))

@@ -287,6 +287,11 @@ BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's 
                     "data-parallel training without synchronised batch statistics does, and the step differs "
                     "from one device's; moving averages of them are averaged across the replicas "
                     "(sync_batch_statistics all-reduces them over every replica's rows)")
+LOOP_BOUNDS_START = "while loops run to a bound over the batch's rows"
+LOOP_BOUNDS = (LOOP_BOUNDS_START + " ({names}: the longest sequence, as tf.nn.dynamic_rnn's sequence_length "
+               "gives): each replica runs them to its own rows' bound. A loop that leaves its finished rows "
+               "unchanged, as dynamic_rnn does, computes one device's values; a stateful random op in it (a "
+               "dropout per step) draws once per step it runs, so from then on its draws are not one device's")
 SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
                   "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
                   "rows and the replicas' means are averaged alike, so unless every replica selects as many "
@@ -298,7 +303,10 @@ def _note_rows_meeting(plan, analysis, log):
     mixup, batch statistics, a mean over selected rows left unsynced), each replica
     computes with its own rows: the plan's notes and the log say so (docs/semantics.md,
     "Rows that meet other rows")."""
-    notes = [n for n in plan.notes or [] if not n.startswith(ROWS_MEET_START)]
+    notes = [n for n in plan.notes or [] if not n.startswith((ROWS_MEET_START, LOOP_BOUNDS_START))]
+    if plan.num_replicas > 1 and analysis.loop_bounds:
+        notes.append(LOOP_BOUNDS.format(names=_listed(analysis.loop_bounds)))
+        log(f"plan: {notes[-1]}")
     if plan.num_replicas > 1:
         for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics

@@ -166,3 +166,50 @@ def test_between_graph_on_servers(strategy, pool, procs, tmp_path):  # noqa: F81
                               _feeds("placeholder"), dpw=2)
     for name, tensor in reads.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")
+
+
+@pytest.mark.parametrize("source,control_flow", [("placeholder", "v1"), ("placeholder", "v2"), ("dataset", "v2")])
+def test_the_longest_sentence_is_a_loop_bound_not_a_batch_statistic(source, control_flow):
+    """dynamic_rnn runs its loop to the batch's longest sentence (a Max over the lengths,
+    into the loop's condition only): the plan notes that each replica's loops run to
+    its own rows' bound, not that the step differs from one device's (which the
+    equivalence above shows it does not)."""
+    from graph_rewriter import graph_io
+    from graph_rewriter.analysis import analyze
+    from graph_rewriter.planner import LOOP_BOUNDS_START, ROWS_MEET_START
+    graph_def = sequence_tagger(source, control_flow, batch=BATCH)
+    a = analyze(graph_io.load_graph(graph_def))
+    assert a.loop_bounds == ["bidirectional_rnn/fw/fw/Max", "bidirectional_rnn/bw/bw/Max"]
+    assert a.batch_statistics == []
+    notes = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan.notes or []
+    assert [n for n in notes if n.startswith(LOOP_BOUNDS_START)] and not [
+        n for n in notes if n.startswith(ROWS_MEET_START)], notes
+
+
+@pytest.mark.parametrize("control_flow", ["v1", "v2"])
+@pytest.mark.parametrize("use", ["body", "loss"])
+def test_a_maximum_over_the_rows_used_otherwise_stays_a_batch_statistic(control_flow, use):
+    """The control: the same Max over the lengths, but read inside the loop's body
+    (each step scaled by it) or by the loss as a value, changes what a step computes:
+    it stays a statistic over the batch's rows, with the note that the step differs."""
+    from graph_rewriter import graph_io
+    from graph_rewriter.analysis import analyze
+    from graph_rewriter.testing.models import ControlFlow
+    g = tf.Graph()
+    with g.as_default(), ControlFlow(control_flow):
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        w = tf1.get_variable("w", [3, 3])
+        longest = tf.reduce_max(lengths, name="longest")
+        if use == "body":
+            _, h = tf1.while_loop(lambda i, h: i < longest,
+                                  lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w)) / tf.cast(longest, tf.float32)),
+                                  [tf.constant(0), x])
+            loss = tf.reduce_mean(tf.square(h), name="loss")
+        else:
+            _, h = tf1.while_loop(lambda i, h: i < longest, lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))),
+                                  [tf.constant(0), x])
+            loss = tf.reduce_mean(tf.square(h) * tf.cast(longest, tf.float32), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+    a = analyze(graph_io.load_graph(g.as_graph_def()))
+    assert a.loop_bounds == [] and a.batch_statistics == ["longest"], (a.loop_bounds, a.batch_statistics)

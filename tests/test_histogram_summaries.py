@@ -21,6 +21,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 import graph_rewriter as gr
+from graph_rewriter.testing import harness
 
 tf1 = tf.compat.v1
 
@@ -79,10 +80,7 @@ def _parse(serialized):
 
 
 def _one_device(graph_def, merged):
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
+    with harness.one_device_session(graph_def) as sess:
         sess.run("init")
         return [_parse(sess.run([merged, "train_op"], feed)[0]) for feed in _feeds()]
 
@@ -149,10 +147,7 @@ def test_a_histogram_of_an_embedding_gradients_values_shows_replica_0s(reference
     with gr.Session(result) as sess:
         sess.run("init")
         got = _parse(sess.run(merged, feed))["emb/gradient"]
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
+    with harness.one_device_session(graph_def) as sess:
         sess.run("init")
         want = _parse(sess.run(merged, {k: v[: BATCH // 2] for k, v in feed.items()}))["emb/gradient"]
     assert got["num"] == want["num"] == BATCH // 2 * 3

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import graph_rewriter as gr
+from graph_rewriter.testing import harness
 from graph_rewriter.testing.tf1_scripts import sequence_tagger, sequence_tagger_batches
 
 import test_cluster as tc
@@ -43,10 +44,7 @@ def _feeds(source):
 
 def _one_device(graph_def, feeds):
     """([(loss, grad_norm)] per step, {variable: value}) on one device."""
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
+    with harness.one_device_session(graph_def) as sess:
         sess.run("init")
         steps = [sess.run(["loss:0", "grad_norm:0", "train_op"], feed)[:2] for feed in feeds]
         return steps, sess.run(_reads(graph_def))
@@ -87,10 +85,7 @@ def test_the_reference_trains_and_exercises_what_it_is_for(source):
     assert min(norms) > 0.1, norms
     again = _one_device(graph_def, _feeds(source))
     np.testing.assert_allclose(again[0], steps, rtol=1e-6)
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
+    with harness.one_device_session(graph_def) as sess:
         sess.run("init")
         initial = sess.run({v: f"{v}/Read/ReadVariableOp:0" for v in VARIABLES})
     for v in VARIABLES:
@@ -124,10 +119,7 @@ def test_a_replica_mean_of_token_means_would_be_caught():
     batch's token mean by more than the tolerance, so the test above can fail."""
     graph_def, _ = _reference("placeholder", "v1")
     feed = _feeds("placeholder")[0]
-    graph = tf.Graph()
-    with graph.as_default():
-        tf1.import_graph_def(graph_def, name="")
-    with tf1.Session(graph=graph) as sess:
+    with harness.one_device_session(graph_def) as sess:
         sess.run("init")
         whole = sess.run("loss:0", feed)
         quarters = [sess.run("loss:0", {k: v[q * 2:(q + 1) * 2] for k, v in feed.items()}) for q in range(4)]
@@ -184,6 +176,10 @@ def test_the_longest_sentence_is_a_loop_bound_not_a_batch_statistic(source, cont
     notes = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan.notes or []
     assert [n for n in notes if n.startswith(LOOP_BOUNDS_START)] and not [
         n for n in notes if n.startswith(ROWS_MEET_START)], notes
+    # nothing to synchronise, and nothing refused (it was: "a Max over the rows ... cannot
+    # be synchronised"), so a CNN with BatchNorm under a dynamic_rnn can sync its statistics
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", sync_batch_statistics=True)
+    assert result.plan.sync_batch_statistics is None
 
 
 @pytest.mark.parametrize("control_flow", ["v1", "v2"])

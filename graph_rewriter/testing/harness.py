@@ -107,6 +107,16 @@ class ReplicaCopies:
         return {name: np.asarray(v) for name, v in values.items()}
 
 
+def one_device_session(graph_def):
+    """A plain tf.compat.v1.Session on ``graph_def`` imported as it is (no name prefix):
+    the one-device run a rewritten graph is compared with."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(graph_def, name="")
+    return tf.compat.v1.Session(graph=graph)
+
+
 def assign_ops(graph, values):
     """Ops that set each variable named in ``values`` ({variable node: value}) of ``graph``
     (imported from an example) to its value: to start a run from given weights."""

@@ -272,6 +272,7 @@ class _Analyzer:
         self.order = topological_order(g)
         self.position = {n: i for i, n in enumerate(self.order)}
         self.gradient_scopes = named_gradient_scopes(self.order)
+        self.functions = {f.signature.name: f for f in g.library.function} if g.library is not None else {}
         self.variables = self._find_variables()
         self._find_writers()
         self.saver_nodes = self._find_saver_nodes()
@@ -1045,14 +1046,13 @@ class _Analyzer:
         sums = (_the_sum(t.node) for t in normalizers)   # the normalizers' own, synced
         handled = {total.name for total in sums if total is not None} | set(loss_sums)
         divisors = set(normalizers)
-        functions = {f.signature.name: f for f in self.g.library.function} if self.g.library is not None else {}
         out = []
         for n in self.order:
             if n.name in handled or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
             if n.op in _FUNCTIONAL:
                 if n in training.value:   # (a Keras model's first call, on its Input, may train nothing)
-                    out += _called_batch_norms(n, functions, variant0)
+                    out += _called_batch_norms(n, self.functions, variant0)
                 continue
             if n.op in _FUSED_BATCH_NORMS:
                 # normalises its input, computed from the batch, over every axis but the
@@ -1103,8 +1103,7 @@ class _Analyzer:
         the argument through comparisons and logic into its result, its body returns it
         unchanged and reads it nowhere else, and only the backward pass reads the loop's
         output of it."""
-        functions = {f.signature.name: f for f in self.g.library.function} if self.g.library is not None else {}
-        cond, body = (functions.get(loop.attr[key].func.name) for key in ("cond", "body"))
+        cond, body = (self.functions.get(loop.attr[key].func.name) for key in ("cond", "body"))
         if cond is None or body is None or pos >= len(body.signature.input_arg):
             return False
         arg = body.signature.input_arg[pos].name

@@ -56,15 +56,16 @@ from graph_rewriter.ir import GLOBAL, Tensor, split_tensor_name
 from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.op_vocabulary import COLLECTIVES, VARIABLE_OPS
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.ps_state import TAKES
 from graph_rewriter.traversal import ancestors
 
 SCALAR_SUMMARIES = frozenset(("ScalarSummary",))
 HISTOGRAM_SUMMARIES = frozenset(("HistogramSummary",))
 # ops through which a replica's value takes in the other replicas' (the exchanges the
-# rewrite emits): a value downstream of one is no longer the replica's own rows
-_EXCHANGES = COLLECTIVES | frozenset((
-    "NcclAllReduce", "NcclReduce", "NcclBroadcast", "AccumulatorTakeGradient",
-    "SparseAccumulatorTakeGradient", "ResourceAccumulatorTakeGradient"))
+# rewrite emits, and NCCL's and the resource accumulator's a graph may hold): a value
+# downstream of one is no longer the replica's own rows
+_EXCHANGES = COLLECTIVES | frozenset(TAKES) | frozenset((
+    "NcclAllReduce", "NcclReduce", "NcclBroadcast", "ResourceAccumulatorTakeGradient"))
 LOSSES_COLLECTION = "losses"   # tf.compat.v1.GraphKeys.LOSSES
 
 
@@ -171,6 +172,12 @@ def _static_batches(ctx):
             if ip.mode == "per_replica" and ip.static_batch is not None}
 
 
+def _first_is_batch(shape, static):
+    """True if a static shape's first dimension is the batch's: unknown (split), or a
+    static per-replica batch size (``static``)."""
+    return bool(shape) and (shape[0] is None or shape[0] in static)
+
+
 def _rows_histograms(graph, ctx, histograms):
     """The (summary, value) pairs whose value is the replica's rows of a forward value:
     its first dimension is the batch (unknown, or a static per-replica batch), and
@@ -183,7 +190,7 @@ def _rows_histograms(graph, ctx, histograms):
     out = []
     for node, value in histograms:
         shape, why = shapes.get(value), None
-        if not shape or not (shape[0] is None or shape[0] in static):
+        if not _first_is_batch(shape, static):
             why = "its rank is unknown" if shape is None else "its first dimension is not the batch"
         else:
             node_of_value = graph.tensor(value).node
@@ -212,7 +219,7 @@ def _decide(graph, ctx, wanted):
             shape = shapes.get(name)
             if shape == () and floating:
                 how = "mean"
-            elif shape and (shape[0] is None or shape[0] in static):
+            elif _first_is_batch(shape, static):
                 how = "concat"
             else:
                 why = "its rank is unknown" if shape is None else (

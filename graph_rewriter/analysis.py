@@ -164,6 +164,13 @@ class Analysis:
     # maxima and minima over the batch's rows that only bound while loops (dynamic_rnn's
     # longest sequence): each replica's loops run to its own rows' bound (a plan note)
     loop_bounds: list = dataclasses.field(default_factory=list)
+    # the loop bounds computed outside every loop (dynamic_rnn's): those the replicas can
+    # reduce to the batch's
+    outer_loop_bounds: list = dataclasses.field(default_factory=list)
+    # the outer loop bounds whose loops run a seeded stateful random op (a dropout per time
+    # step): it draws once per step, so its stream follows one device's only when every
+    # replica runs the batch's bound (passes/loop_bounds.py)
+    drawing_loop_bounds: list = dataclasses.field(default_factory=list)
     # names of forward means over rows that a condition on the batch's values selects
     # (tf.boolean_mask): each replica divides by its own count of them
     selected_means: list = dataclasses.field(default_factory=list)
@@ -306,9 +313,14 @@ class _Analyzer:
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
-        loop_bounds = [name for name in batch_statistics   # (not "call:function:node", one in a function)
-                       if ":" not in name and self._only_bounds_loops(self.g.node(name))]
+        bounded = {name: self._bounded_loops(self.g.node(name)) for name in batch_statistics
+                   if ":" not in name}   # (not "call:function:node", one in a function)
+        loop_bounds = [name for name in batch_statistics if bounded.get(name)]
         batch_statistics = [name for name in batch_statistics if name not in loop_bounds]
+        # (a bound computed inside a v1 loop, once per step, is left to the replica: an
+        # all-reduce of it would run in the loop's frame)
+        outer_loop_bounds = [name for name in loop_bounds if not loop_frames(self.g.node(name))]
+        drawing_loop_bounds = [name for name in outer_loop_bounds if self._loops_draw(bounded[name])]
         selected_means = self._find_selected_means(variant0, training)
         obstacles = {name: reason for name in batch_statistics
                      for reason in [self._sync_obstacle(name, selected_means)] if reason is not None}
@@ -328,7 +340,7 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
-            loop_bounds=loop_bounds,
+            loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
             variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs, unpaired_sparse=self.unpaired_sparse,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
@@ -1074,29 +1086,57 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
-    def _only_bounds_loops(self, stat):
-        """True if ``stat``, a Max or Min over the batch's rows, reaches nothing but while
-        loops' conditions: through scalar arithmetic and comparisons into a v1 LoopCond,
-        or into a v2 While's argument that its cond compares and its body hands back
-        unchanged. tf.nn.dynamic_rnn bounds its loop by the batch's longest sequence so:
-        the statistic decides how many steps the loop runs, not what a step computes."""
+    def _bounded_loops(self, stat):
+        """The loops ``stat``, a Max or Min over the batch's rows, bounds, when it reaches
+        nothing but their conditions: through scalar arithmetic and comparisons into a v1
+        LoopCond (the loop's frame name), or into a v2 While's argument that its cond
+        compares and its body hands back unchanged (the While node); [] otherwise.
+        tf.nn.dynamic_rnn bounds its loop by the batch's longest sequence so: the
+        statistic decides how many steps the loop runs, not what a step computes."""
         if stat.op not in ("Max", "Min"):
-            return False
-        stack, seen, loops = [stat], {stat}, 0
+            return []
+        stack, seen, loops = [stat], {stat}, []
         while stack:
             for c, pos in stack.pop().consumers():
                 if c.op == "LoopCond":
-                    loops += 1
+                    loops.append(loop_frames(c)[-1].attr["frame_name"].s.decode())
                 elif c.op in _WHILES:
                     if not self._while_bound(c, pos):
-                        return False
-                    loops += 1
+                        return []
+                    loops.append(c)
                 elif c.op not in _BOUND_ARITHMETIC:
-                    return False
+                    return []
                 elif c not in seen:
                     seen.add(c)
                     stack.append(c)
-        return loops > 0
+        return loops
+
+    def _loops_draw(self, loops):
+        """True if one of ``loops`` (v1 frame names, v2 While nodes) runs a seeded
+        stateful random op: it draws once per step the loop runs, from a state that the
+        next step and the next run go on from (a DropoutWrapper's mask per time step)."""
+        frames = {loop for loop in loops if isinstance(loop, str)}
+        if frames and any(_is_stateful_draw(n) and frames & {e.attr["frame_name"].s.decode() for e in loop_frames(n)}
+                          for n in self.order):
+            return True
+        return any(self._function_draws(loop.attr[key].func.name, set())
+                   for loop in loops if not isinstance(loop, str) for key in ("cond", "body"))
+
+    def _function_draws(self, name, seen):
+        """True if the function ``name``, or one it calls, runs a seeded stateful random op."""
+        fn = self.functions.get(name)
+        if fn is None or name in seen:
+            return False
+        seen.add(name)
+        for nd in fn.node_def:
+            if _is_stateful_draw(_BodyNode(None, nd.name, nd)):
+                return True
+            for value in nd.attr.values():
+                called = [f.name for f in value.list.func] if value.HasField("list") else (
+                    [value.func.name] if value.HasField("func") else [])
+                if any(self._function_draws(f, seen) for f in called):
+                    return True
+        return False
 
     def _while_bound(self, loop, pos):
         """True if input ``pos`` of the v2 While ``loop`` only bounds it: its cond reads
@@ -1708,7 +1748,7 @@ _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gathe
                         "TopK"))
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
-# what a loop bound may pass through on its way to a loop's condition (_only_bounds_loops)
+# what a loop bound may pass through on its way to a loop's condition (_bounded_loops)
 _BOUND_ARITHMETIC = frozenset(("Maximum", "Minimum", "Cast", "Identity", "Enter", "Less", "LessEqual", "Greater",
                                "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot"))
 _WHILES = frozenset(("While", "StatelessWhile"))
@@ -1853,6 +1893,13 @@ def _counts_rows(node, static):
                 multiple(v) for v in dtypes.int_values(proto)[:8]):
             return True
     return False
+
+
+def _is_stateful_draw(node):
+    """A random op that draws from its kernel's state with fixed seeds: each run of it
+    goes on from where the last left off."""
+    return node.op in RANDOM_DRAWS and node.op not in STATELESS_RANDOM_DRAWS and any(
+        key in node.attr and node.attr[key].i != 0 for key in ("seed", "seed2"))
 
 
 def _is_seeded_draw(node):

@@ -173,7 +173,8 @@ def pipeline():
     must run after (the pass manager refuses an order that breaks one) and whether a
     given plan needs it (the pass manager skips it when not)."""
     return [passes.SaverPass(), passes.LowerCondsPass(), passes.PlanPass(), passes.ReplicatePass(),
-            passes.SplitInputsPass(), passes.NormalizersPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
+            passes.SplitInputsPass(), passes.NormalizersPass(), passes.LoopBoundsPass(),
+            passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
             passes.LossSumsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
             passes.AllGatherPass(), passes.CommunicationPass(), passes.AccumulatePass(), passes.SyncQueuesPass(),
             passes.ShardVariablesPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),

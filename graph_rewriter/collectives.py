@@ -100,10 +100,11 @@ def init_instance_key(plan, pack_index):
 
 def normalizer_instance_key(plan, index):
     """Instance key of the all-reduce of the index-th loss normalizer (a sum over the
-    batch a loss divides by: passes/normalizers.py). They count down below the keys the
-    hierarchical all-reduce reserves (two per pack), and must not reach the keys counting
-    up from the start (packs, gathers, then two initial-value broadcasts per dtype of the
-    mirrored variables)."""
+    batch a loss divides by: passes/normalizers.py), then of the selected means' counts,
+    the loop bounds (passes/loop_bounds.py) and the synced batch statistics, in that
+    order. They count down below the keys the hierarchical all-reduce reserves (two per
+    pack), and must not reach the keys counting up from the start (packs, gathers, then
+    two initial-value broadcasts per dtype of the mirrored variables)."""
     key = instance_base(plan) + _INSTANCE_SLOTS - 1 - 2 * _BARRIERS - 2 * len(plan.packs) - index
     dtypes_mirrored = len({v.dtype for v in plan.variables if v.placement == "mirrored"})
     if key <= init_instance_key(plan, 2 * dtypes_mirrored):
@@ -166,9 +167,15 @@ def _key_inputs(graph, scope, group_size, gkey, ikey, device):
 def all_reduce_mean(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=(), final_op="Div"):
     """CollectiveReduceV2 summing ``tensor`` over the group and dividing by its size
     (``final_op="Id"``: the sum, for an integer count)."""
+    return all_reduce(graph, scope, tensor, group_size, gkey, ikey, device, "Add", final_op, control_inputs)
+
+
+def all_reduce(graph, scope, tensor, group_size, gkey, ikey, device, merge_op, final_op="Id", control_inputs=()):
+    """CollectiveReduceV2 merging ``tensor`` over the group with ``merge_op`` ("Add",
+    "Max", "Min", "Mul"), then ``final_op`` ("Div": divided by the group's size)."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
     return make_op(graph, "CollectiveReduceV2", f"{scope}/all_reduce", inputs,
-                   attrs={"merge_op": "Add", "final_op": final_op, "communication_hint": "auto",
+                   attrs={"merge_op": merge_op, "final_op": final_op, "communication_hint": "auto",
                           "timeout_seconds": 0.0},
                    device=device, control_inputs=control_inputs)
 

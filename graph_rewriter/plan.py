@@ -202,6 +202,13 @@ class Plan:
     # (passes/random_draws.py); None: none, and absent from the JSON; an empty list in a
     # given plan leaves every replica drawing its clone's rows
     random_draws: list = None
+    # maxima (minima) over the batch's rows that bound while loops whose steps draw
+    # random numbers (dynamic_rnn's longest sequence, a dropout per time step): every
+    # replica reads the replicas' maximum (minimum), the batch's, so its loops run the
+    # steps one device's run and its draws follow one device's (passes/loop_bounds.py);
+    # None: none, and absent from the JSON; an empty list in a given plan leaves each
+    # replica's loops at its own rows' bound
+    loop_bounds: list = None
     # sums over the batch's rows a loss adds up undivided (tf.reduce_sum of squared
     # errors, tf.nn.l2_loss): each replica's sum, and the gradient into it, is scaled by
     # the replica count (passes/loss_sums.py); None: none, and absent from the JSON; an
@@ -274,6 +281,8 @@ class Plan:
             del d["selected_means"]
         if d["random_draws"] is None:
             del d["random_draws"]
+        if d["loop_bounds"] is None:
+            del d["loop_bounds"]
         if d["loss_sums"] is None:
             del d["loss_sums"]
         if d["sync_batch_statistics"] is None:
@@ -326,7 +335,7 @@ class Plan:
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
                 notes=list(d["notes"]) if d.get("notes") else None,
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
-                random_draws=d.get("random_draws"),
+                random_draws=d.get("random_draws"), loop_bounds=d.get("loop_bounds"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
                 synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"))
         except (KeyError, TypeError) as e:

@@ -59,6 +59,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _note_queues_without_runners(result, graph, info)
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
+    _plan_loop_bounds(result, analysis, cluster, info)
     _plan_loss_sums(result, analysis, info)
     _plan_batch_statistics(result, analysis, options, cluster, info, aliases or {})
     _note_rows_meeting(result, analysis, info)
@@ -201,6 +202,27 @@ def _plan_random_draws(plan, analysis, log):
         log(f"plan: random draws of the batch's rows, each replica keeping its own: {', '.join(names)}")
 
 
+def _plan_loop_bounds(plan, analysis, cluster, log):
+    """The loop bounds (a Max over the batch's rows that only bounds while loops, as
+    dynamic_rnn's longest sequence does) whose loops draw random numbers at every step:
+    every replica reads the replicas' maximum, the batch's, so each runs one device's
+    steps and its stateful draws advance as one device's do (the analysis finds them;
+    a bound without draws leaves the values alike whatever the steps, and stays the
+    replica's). A collective needs every replica in one group, as the normalizers do. A
+    given plan keeps its own choice (an empty list: each replica's own bound)."""
+    _check_given(plan.loop_bounds, analysis.outer_loop_bounds, "loop_bounds",
+                 "a maximum or minimum over this graph's batch, computed outside loops, that only bounds while "
+                 "loops")
+    collectives = len(cluster.compute_tasks) == 1 or plan.uses_collectives()
+    if plan.num_replicas < 2 or not analysis.outer_loop_bounds or not collectives:
+        plan.loop_bounds = None
+    elif plan.loop_bounds is None:
+        plan.loop_bounds = list(analysis.drawing_loop_bounds) or None
+        if plan.loop_bounds:
+            log("plan: while loops that draw random numbers at every step run to the batch's bound (the "
+                f"replicas' maximum or minimum of theirs): {', '.join(plan.loop_bounds)}")
+
+
 def _plan_loss_sums(plan, analysis, log):
     """The sums over the batch's rows a loss adds up without dividing by a count (the
     analysis finds them): one device's gradient is the sum of the replicas', so each
@@ -304,8 +326,9 @@ def _note_rows_meeting(plan, analysis, log):
     computes with its own rows: the plan's notes and the log say so (docs/semantics.md,
     "Rows that meet other rows")."""
     notes = [n for n in plan.notes or [] if not n.startswith((ROWS_MEET_START, LOOP_BOUNDS_START))]
-    if plan.num_replicas > 1 and analysis.loop_bounds:
-        notes.append(LOOP_BOUNDS.format(names=_listed(analysis.loop_bounds)))
+    unsynced = [n for n in analysis.loop_bounds if n not in (plan.loop_bounds or ())]
+    if plan.num_replicas > 1 and unsynced:
+        notes.append(LOOP_BOUNDS.format(names=_listed(unsynced)))
         log(f"plan: {notes[-1]}")
     if plan.num_replicas > 1:
         for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),

@@ -73,7 +73,8 @@ def _decisions(plan):
         "cuts": cuts,
         "variables": sorted((v["name"], v["placement"]) for v in plan["variables"]),
         **{field: names(field) for field in ("batch_inputs", "broadcast_inputs", "sparse_inputs", "normalizers",
-                                             "selected_means", "loss_sums", "random_draws", "batch_statistics")},
+                                             "selected_means", "loss_sums", "random_draws", "loop_bounds",
+                                             "batch_statistics")},
         "notes": sorted(_words(n) for n in plan.get("notes") or []),
     }
 

@@ -123,6 +123,7 @@ def build_inputs(out_dir, keras=False):
     # dynamic_rnn over lengths and a token-mean loss, fed and from a padded_batch, both control flows
     graphs["script_tagger_v1"] = tf1_scripts.sequence_tagger("placeholder", "v1")
     graphs["script_tagger_dataset_v2"] = tf1_scripts.sequence_tagger("dataset", "v2")
+    graphs["script_tagger_dropout_v2"] = tf1_scripts.sequence_tagger("placeholder", "v2", dropout=0.3)
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

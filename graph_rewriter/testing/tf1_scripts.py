@@ -1253,13 +1253,14 @@ class _LSTMCell:
     under Keras 3 TensorFlow no longer ships the rnn_cell classes, and dynamic_rnn asks
     only for state_size, output_size, zero_state and a call. Variables "kernel" [inputs
     + hidden, 4 * hidden] and "bias" under ``scope`` in dynamic_rnn's own scope
-    ("bidirectional_rnn/fw/fw/kernel")."""
+    ("bidirectional_rnn/fw/fw/kernel"). ``dropout``: the rate of a dropout on the step's
+    input (what a DropoutWrapper's input_keep_prob does), seeded, drawn at every step."""
 
     state_size = (TAG_HIDDEN, TAG_HIDDEN)
     output_size = TAG_HIDDEN
 
-    def __init__(self, scope):
-        self.scope = scope
+    def __init__(self, scope, dropout=0.0):
+        self.scope, self.dropout = scope, dropout
 
     def zero_state(self, batch_size, dtype):
         tf, _ = _tf()
@@ -1269,6 +1270,8 @@ class _LSTMCell:
     def __call__(self, x, state, scope=None):
         tf, tf1 = _tf()
         c, h = state
+        if self.dropout:
+            x = tf.nn.dropout(x, rate=self.dropout, seed=5)
         with tf1.variable_scope(self.scope, reuse=tf1.AUTO_REUSE):
             kernel = tf1.get_variable("kernel", [int(x.shape[-1]) + TAG_HIDDEN, 4 * TAG_HIDDEN])
             bias = tf1.get_variable("bias", [4 * TAG_HIDDEN], initializer=tf1.zeros_initializer())
@@ -1278,7 +1281,7 @@ class _LSTMCell:
         return h, (c, h)
 
 
-def sequence_tagger(source="placeholder", control_flow=None, batch=8):
+def sequence_tagger(source="placeholder", control_flow=None, batch=8, dropout=0.0):
     """A part-of-speech tagger as TF1 scripts write it (a BiLSTM tagger, scaled down):
     token ids, sentence lengths and tags; an embedding; tf.compat.v1.nn.bidirectional_dynamic_rnn
     over the lengths (a tf.while_loop per direction that runs to the batch's longest
@@ -1290,8 +1293,11 @@ def sequence_tagger(source="placeholder", control_flow=None, batch=8):
     lengths [None]; feed sequence_tagger_batches) or "dataset" (TAG_SENTENCES seeded
     sentences of 1 to TAG_STEPS tokens, cut to their lengths, padded_batch(``batch``) to
     the batch's longest, repeated: the time dimension is dynamic too). ``control_flow``
-    "v1" or "v2" builds the while loops with that control flow. Returns the GraphDef
-    (fetch loss:0 and grad_norm:0, run train_op, init)."""
+    "v1" or "v2" builds the while loops with that control flow. ``dropout``: the rate
+    of a seeded dropout on every step's input, inside the loops (a DropoutWrapper's);
+    its loops then run one step at a time (parallel_iterations=1), as a stateful draw
+    in a loop is deterministic only so: steps running at once take their draws in any
+    order. Returns the GraphDef (fetch loss:0 and grad_norm:0, run train_op, init)."""
     from graph_rewriter.testing.models import ControlFlow
     tf, tf1 = _tf()
     g = tf.Graph()
@@ -1315,7 +1321,8 @@ def sequence_tagger(source="placeholder", control_flow=None, batch=8):
         embedding = tf1.get_variable("embedding", [TAG_VOCAB, TAG_EMBED])
         x = tf.nn.embedding_lookup(embedding, tokens)
         (forward, backward), _ = tf1.nn.bidirectional_dynamic_rnn(
-            _LSTMCell("fw"), _LSTMCell("bw"), x, sequence_length=lengths, dtype=tf.float32)
+            _LSTMCell("fw", dropout), _LSTMCell("bw", dropout), x, sequence_length=lengths, dtype=tf.float32,
+            **({"parallel_iterations": 1} if dropout else {}))
         h = tf.concat([forward, backward], 2)
         w = tf1.get_variable("tags/kernel", [2 * TAG_HIDDEN, TAG_CLASSES])
         b = tf1.get_variable("tags/bias", [TAG_CLASSES], initializer=tf1.zeros_initializer())

@@ -238,13 +238,14 @@ def test_a_given_plan_names_only_loop_bounds():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_between_graph_on_servers(pool, procs, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("strategy,control_flow", [("allreduce", "v1"), ("ps", "v2")])
+def test_between_graph_on_servers(strategy, control_flow, pool, procs, tmp_path):  # noqa: F811
     """2 workers x 2 replicas on loopback TensorFlow servers, each worker's client fed its
     half of every batch: the bound is reduced across the workers' processes, and the
     variables equal one device's after STEPS steps."""
-    graph_def, (_, want) = _reference("placeholder", "v1")
+    graph_def, (_, want) = _reference("placeholder", control_flow)
     reads = _reads(graph_def)
-    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(),
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, reads.values(),
                               _feeds("placeholder"), dpw=2)
     for name, tensor in reads.items():
-        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{strategy}: {name}")

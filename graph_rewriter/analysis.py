@@ -171,6 +171,17 @@ class Analysis:
     # step): it draws once per step, so its stream follows one device's only when every
     # replica runs the batch's bound (passes/loop_bounds.py)
     drawing_loop_bounds: list = dataclasses.field(default_factory=list)
+    # [(tensor, [(reader, input position)])]: forward tensors holding the replica's rows
+    # that updates of state variables write into them (MoCo's queue of keys, a cache of
+    # the last batch), and the update ops that read them: every replica gathers every
+    # replica's rows for those readers (passes/gather_rows.py), so its update is one
+    # device's, the same on every replica
+    gathered_rows: list = dataclasses.field(default_factory=list)
+    # the variables those updates write (the queue, its pointer): mirrored
+    row_state_variables: list = dataclasses.field(default_factory=list)
+    # (variable, new value) of the variables assigned rows of the batch that the rewrite
+    # cannot gather (an update that also reads a statistic over the rows): refused
+    rows_into_state: list = dataclasses.field(default_factory=list)
     # names of forward means over rows that a condition on the batch's values selects
     # (tf.boolean_mask): each replica divides by its own count of them
     selected_means: list = dataclasses.field(default_factory=list)
@@ -290,12 +301,16 @@ class _Analyzer:
         seeds = batch or [t for t in broadcast if _rank(t) != 0]
         variant0 = variant_nodes(seeds, set())
         cuts = self._find_cuts(seeds, variant0)
+        gathered_rows, regions, rows_into_state = self._find_row_gathers(seeds, variant0, cuts)
+        explained = {var for var, _ in regions}
+        cuts = [c for c in cuts if c.variable not in explained]   # (a queue's assign-walk "statistic")
         cut_tensors = set()
         for c in cuts:
             cut_tensors.add(c.values)
             if c.indices is not None:
                 cut_tensors.add(c.indices)
         variant = variant_nodes(seeds, cut_tensors)
+        variant -= {n for _, region in regions for n in region}   # the same on every replica, gathered
         self._check_updates_invariant(variant)
         self._assign_roles(cuts, variant)
         variant |= _read_per_replica(cuts, cut_tensors, variant)
@@ -341,6 +356,8 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
+            rows_into_state=rows_into_state, gathered_rows=gathered_rows,
+            row_state_variables=sorted({var for var, _ in regions}),
             selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
             variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs, unpaired_sparse=self.unpaired_sparse,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
@@ -857,6 +874,73 @@ class _Analyzer:
             groups.setdefault(root(i), []).append(c.variable)
         return [g for g in groups.values() if len(g) > 1]
 
+    def _find_row_gathers(self, seeds, variant0, cuts):
+        """Updates that write rows of the batch into a variable that is no gradient's:
+        MoCo's queue of keys, ``assign(queue, tf.concat([keys, queue], 0)[:K])`` or
+        ``scatter_update(queue, ptr + tf.range(n), keys)`` with ``ptr += n``, a cache of
+        the last batch. One device's variable then holds every row of the batch, which
+        no average of the replicas' values gives (a queue's "statistic" is no mean).
+        Each such update's region (the ops between the forward pass, or the batch
+        inputs, and the write) reads forward tensors, its frontier; when every one holds
+        the replica's rows, gathering every replica's rows for the region makes the
+        update one device's, the same on every replica. Other updates whose frontier is
+        among those tensors (the queue's pointer, advanced by the gathered row count)
+        are explained alike. Returns (gathered_rows, [(variable, region)],
+        rows_into_state: the writes of rows whose frontier also holds other values)."""
+        seed_nodes = {t.node for t in seeds}
+        gradient_cuts = [c for c in cuts if not self._state_like(c)]
+        cut_variables = {v for c in gradient_cuts for v in c.variables}
+        candidates = [(n, var) for n, var, _ in self.writes
+                      if n in variant0 and var.name not in cut_variables and var.node not in self.saver_nodes
+                      and not in_gradients_scope(n.name, self.gradient_scopes)]
+        rows = [(n, var) for n, var in candidates if _holds_rows(_written_value(n), seed_nodes)]
+        if not rows:
+            return [], [], []
+        training = _value_ancestors_of(c.values.node for c in gradient_cuts)
+
+        def region_of(write):
+            region, frontier, stack = {write}, set(), list(write.inputs)
+            while stack:
+                t = stack.pop()
+                m = t.node
+                if m not in variant0:
+                    continue
+                if m in seed_nodes or m in training:
+                    frontier.add(t)
+                elif m not in region:
+                    region.add(m)
+                    stack.extend(m.inputs)
+            return region, frontier
+
+        gathered, regions, refused = set(), [], []
+        for n, var in rows:
+            region, frontier = region_of(n)
+            odd = [t for t in frontier if not _holds_rows(t, seed_nodes)]
+            if odd:
+                refused.append((var.name, _written_value(n).name))
+                continue
+            gathered |= frontier
+            regions.append((var.name, region))
+        if regions:
+            for n, var in candidates:
+                if (n, var) in rows:
+                    continue
+                region, frontier = region_of(n)
+                if frontier and frontier <= gathered:
+                    regions.append((var.name, region))
+        members = {m for _, region in regions for m in region}
+        out = []
+        for t in sorted(gathered, key=lambda t: (self.position[t.node], t.index)):
+            readers = sorted({(c.name, pos) for c, pos in t.node.consumers(t.index) if c in members})
+            out.append((t.name, readers))
+        return out, regions, refused
+
+    def _state_like(self, cut):
+        """True if ``cut`` is what _assign_roles makes a state (a plain assign of one
+        variable from batch data)."""
+        return cut.source == "assign-walk" and len(cut.variables) == 1 and (
+            self.declared_trainable is None or cut.variable not in self.declared_trainable)
+
     def _check_updates_invariant(self, variant):
         """Every write to a variable must now be the same on every replica."""
         for n, var, pos in self.writes:
@@ -1294,8 +1378,7 @@ class _Analyzer:
             # state (BatchNorm's moving statistics), even when the forward pass reads it
             # (Keras BatchNorm behind a learning-phase cond reads it in inference mode).
             # An optimizer written in plain ops (Keras Nadam) updates slots from the same cut.
-            if cut.source == "assign-walk" and len(cut.variables) == 1 and (
-                    self.declared_trainable is None or cut.variable not in self.declared_trainable):
+            if self._state_like(cut):
                 primary.role = "state"
                 cut.role = "state"
                 # a state fed from the backward pass accumulates gradients (NVIDIA BERT's
@@ -1684,6 +1767,47 @@ _REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod", "ArgMax", "ArgMin"
 # a value they give need not have the batch's rows as its own first axis.
 _MOVES_ROWS = frozenset(("ConcatV2", "Pack", "Unpack", "StridedSlice", "Slice", "Pad", "PadV2", "Tile",
                          "Transpose", "Reshape", "Squeeze", "ExpandDims"))
+
+
+def _written_value(write):
+    """The tensor a variable's write stores: an assign's value, a scatter's updates."""
+    slices = opdefs.input_arg_slices(write)
+    for arg in ("value", "updates", "delta"):
+        if arg in slices:
+            return write.inputs[slices[arg][0]]
+    return write.inputs[-1]
+
+
+def _holds_rows(tensor, batch_nodes, limit=4096):
+    """True if ``tensor`` holds rows of a batch input, each computed from its own row
+    (through ops that keep rows apart, concatenations and slices of them, a MatMul's left
+    operand, a reduction whose constant axes leave the first, a gather's indices): a
+    queue of keys, ``tf.concat([keys, queue], 0)[:K]``, does; a statistic over the rows
+    (a mean, a sum, a FusedBatchNorm's batch mean and variance) does not. Walks tensors,
+    not nodes: of a FusedBatchNorm's outputs only ``y`` holds the rows."""
+    seen, stack = set(), [tensor]
+    while stack and len(seen) < limit:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        n = t.node
+        if n in batch_nodes:
+            return True
+        if n.op in _FUSED_BATCH_NORMS:
+            stack.extend(n.inputs[:1] if t.index == 0 else [])
+        elif n.op in _REDUCTIONS:
+            axes = n.inputs[1].node if len(n.inputs) > 1 else None
+            if axes is not None and axes.op == "Const" and all(
+                    v > 0 for v in dtypes.int_values(axes.attr["value"].tensor)):
+                stack.append(n.inputs[0])
+        elif n.op == "MatMul":
+            stack.extend(n.inputs[:1] if not n.attr["transpose_a"].b else [])
+        elif n.op in ("GatherV2", "Gather", "ResourceGather"):
+            stack.append(n.inputs[1])
+        elif n.op in _ROW_LOCAL:
+            stack.extend(n.inputs)
+    return False
 
 
 def _search_back(node, found, follow, limit):

@@ -173,7 +173,7 @@ def pipeline():
     must run after (the pass manager refuses an order that breaks one) and whether a
     given plan needs it (the pass manager skips it when not)."""
     return [passes.SaverPass(), passes.LowerCondsPass(), passes.PlanPass(), passes.ReplicatePass(),
-            passes.SplitInputsPass(), passes.NormalizersPass(), passes.LoopBoundsPass(),
+            passes.SplitInputsPass(), passes.NormalizersPass(), passes.LoopBoundsPass(), passes.GatherRowsPass(),
             passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
             passes.LossSumsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
             passes.AllGatherPass(), passes.CommunicationPass(), passes.AccumulatePass(), passes.SyncQueuesPass(),

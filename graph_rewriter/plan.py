@@ -209,6 +209,11 @@ class Plan:
     # None: none, and absent from the JSON; an empty list in a given plan leaves each
     # replica's loops at its own rows' bound
     loop_bounds: list = None
+    # [tensor, [[reader, input position], ...]]: forward tensors holding the replica's rows
+    # that updates write into state variables (MoCo's queue of keys), and the update ops
+    # reading them: each replica's readers read every replica's rows, gathered in replica
+    # order (passes/gather_rows.py); None: none, and absent from the JSON
+    gathered_rows: list = None
     # sums over the batch's rows a loss adds up undivided (tf.reduce_sum of squared
     # errors, tf.nn.l2_loss): each replica's sum, and the gradient into it, is scaled by
     # the replica count (passes/loss_sums.py); None: none, and absent from the JSON; an
@@ -283,6 +288,8 @@ class Plan:
             del d["random_draws"]
         if d["loop_bounds"] is None:
             del d["loop_bounds"]
+        if d["gathered_rows"] is None:
+            del d["gathered_rows"]
         if d["loss_sums"] is None:
             del d["loss_sums"]
         if d["sync_batch_statistics"] is None:
@@ -336,6 +343,7 @@ class Plan:
                 notes=list(d["notes"]) if d.get("notes") else None,
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
                 random_draws=d.get("random_draws"), loop_bounds=d.get("loop_bounds"),
+                gathered_rows=d.get("gathered_rows"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
                 synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"))
         except (KeyError, TypeError) as e:

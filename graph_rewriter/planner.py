@@ -49,6 +49,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _keep_coupled_together(result, analysis, info)
     _keep_rows_unsummed(result, analysis, info)
     _mirror_state_left_on_ps(result, analysis, cluster, info)
+    _plan_gathered_rows(result, analysis, cluster, info)
     # (on the placement the steps above settle: strategy ps can end with a gradient
     # mirrored, an embedding whose rows a norm reads)
     _check_shared_step_ids(result, cluster)
@@ -221,6 +222,41 @@ def _plan_loop_bounds(plan, analysis, cluster, log):
         if plan.loop_bounds:
             log("plan: while loops that draw random numbers at every step run to the batch's bound (the "
                 f"replicas' maximum or minimum of theirs): {', '.join(plan.loop_bounds)}")
+
+
+def _plan_gathered_rows(plan, analysis, cluster, log):
+    """Updates that write rows of the batch into a variable (MoCo's queue of keys) read
+    every replica's rows, gathered in replica order (the analysis finds the tensors and
+    their readers): each replica's update is then one device's, the same on every
+    replica, so the variables they write are mirrored (a parameter server's single copy
+    would take R such updates in one step). Gathering takes a collective, so every
+    replica in one collective group: in one task, or where the plan already all-reduces
+    or gathers between tasks; otherwise the rewrite stops. A given plan keeps its own
+    choice (an empty list: each replica writes its own rows)."""
+    names = [t for t, _ in analysis.gathered_rows]
+    given = plan.gathered_rows
+    _check_given([entry[0] for entry in given or []], names, "gathered_rows",
+                 "a tensor of the batch's rows that an update of this graph writes into a variable")
+    if plan.num_replicas < 2 or not names:
+        plan.gathered_rows = None
+        return
+    if given is not None:
+        names = [entry[0] for entry in given]
+        if not names:
+            return
+    if not (len(cluster.compute_tasks) == 1 or plan.uses_collectives()):
+        raise GraphRewriteError(
+            f"variable '{analysis.row_state_variables[0]}' is assigned rows of the batch ({_listed(names)}): "
+            "every replica must gather every replica's rows for its update, which takes a collective, but "
+            "this plan has none between the tasks (each worker's gradients go to parameter servers)",
+            hint="use strategy allreduce or hybrid, or mirror a variable whose gradient is all-reduced")
+    on_ps = [v for v in analysis.row_state_variables if plan.variable(v).placement == "ps"]
+    for name in on_ps:
+        plan.set_placement(name, "mirrored")
+    plan.gathered_rows = [[t, [list(r) for r in readers]] for t, readers in analysis.gathered_rows if t in names]
+    log(f"plan: updates write rows of the batch into {_listed(analysis.row_state_variables)}: every replica "
+        f"gathers every replica's rows of {_listed(names)} for them"
+        + (f" (mirrored: {_listed(on_ps)})" if on_ps else ""))
 
 
 def _plan_loss_sums(plan, analysis, log):
@@ -401,6 +437,16 @@ def _check_plannable(graph, analysis, options, cluster, num_replicas):
             f"{graph.source} has no batch input to give {r} replicas: expected a placeholder "
             "of rank >= 1 (the batch first) or a tf.data iterator output",
             hint="feed the training data through a placeholder or an iterator, not constants")
+    if r > 1 and analysis.rows_into_state:
+        variable, values = analysis.rows_into_state[0]
+        raise GraphRewriteError(
+            f"variable '{variable}' is assigned rows of the batch ('{values}' is built from them, as a queue of "
+            "keys or a cache of the last batch is) together with values that are not rows (a statistic over "
+            f"them): one device's value holds every replica's rows, which neither an average of the {r} "
+            "replicas' values nor gathering their rows gives here, so the rewrite would train differently "
+            "from one device",
+            hint="compute the update from the rows alone (docs/semantics.md, \"Rows written into a "
+                 "variable\"), or train such a model on one replica")
     if not analysis.cuts:
         raise _tf2_function_graph(graph) or GraphRewriteError(
             f"{graph.source} has variables but no optimizer update that depends on the batch "

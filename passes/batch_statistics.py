@@ -82,7 +82,8 @@ class BatchStatisticsPass(Pass):
         entries = gradient_entries(mine, statistics) if statistics else {}
         counts = [(op, pos, reads, _gradient_readers(mine, rm.node(graph, 0, op), pos))
                   for op, pos, reads in plan.synced_row_counts or []]
-        first_key = len(plan.normalizers or []) + len(plan.selected_means or []) + len(plan.loop_bounds or [])
+        first_key = (len(plan.normalizers or []) + len(plan.selected_means or []) + len(plan.loop_bounds or [])
+                     + len(plan.gathered_rows or []))
         syncs = [_Sync(graph, rm, i, plan, group_key(rm.group_devices), first_key) for i in rm.built]
         for sync in syncs:
             with graph.adding_to_replica(sync.i):

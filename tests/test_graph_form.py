@@ -21,11 +21,11 @@ Each graph here is rewritten as written, with its nodes reversed, with them shuf
 ("gradients" to "grads", "gradients_1" to "grads_1"), and what the plan decides must be the same:
 which tensors are synchronised and how (the gradient cuts' values, indices, sync and
 role), the batch and broadcast inputs, the sparse inputs, the normalizers, selected
-means, loss sums, random draws, loop bounds and batch statistics, the variables' placement, and the
-notes (as sets: a note lists names in the order it met them). Names the plan makes up
-from the order (a second update's "/update_1", a pack's number, which of two variables a
-gradient updates is named its primary) are not decisions and are left out. Prefixed
-and renamed graphs also train as one device.
+means, loss sums, random draws, loop bounds, gathered rows and batch statistics, the
+variables' placement, and the notes (as sets: a note lists names in the order it met
+them). Names the plan makes up from the order (a second update's "/update_1", a pack's
+number, which of two variables a gradient updates is named its primary) are not
+decisions and are left out. Prefixed and renamed graphs also train as one device.
 """
 
 import dataclasses
@@ -46,6 +46,7 @@ GRAPHS = {
     "tagger_v2": lambda: tf1_scripts.sequence_tagger("dataset", "v2"),
     "tagger_v1": lambda: tf1_scripts.sequence_tagger("placeholder", "v1"),
     "tagger_dropout_v1": lambda: tf1_scripts.sequence_tagger("placeholder", "v1", dropout=0.3),
+    "moco_pointer": lambda: tf1_scripts.moco("pointer"),
     "masked_losses": lambda: tf1_scripts.masked_sequence_model("losses"),
     "transformer_dropout": lambda: tf1_scripts.transformer_block(dropout=0.1)[0],
     "labelled_rows": lambda: tf1_scripts.rows_meeting_mlp("labelled_rows"),
@@ -75,7 +76,7 @@ def _decisions(plan):
         "variables": sorted((v["name"], v["placement"]) for v in plan["variables"]),
         **{field: names(field) for field in ("batch_inputs", "broadcast_inputs", "sparse_inputs", "normalizers",
                                              "selected_means", "loss_sums", "random_draws", "loop_bounds",
-                                             "batch_statistics")},
+                                             "gathered_rows", "batch_statistics")},
         "notes": sorted(_words(n) for n in plan.get("notes") or []),
     }
 

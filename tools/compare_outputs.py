@@ -124,6 +124,8 @@ def build_inputs(out_dir, keras=False):
     graphs["script_tagger_v1"] = tf1_scripts.sequence_tagger("placeholder", "v1")
     graphs["script_tagger_dataset_v2"] = tf1_scripts.sequence_tagger("dataset", "v2")
     graphs["script_tagger_dropout_v2"] = tf1_scripts.sequence_tagger("placeholder", "v2", dropout=0.3)
+    graphs["script_moco_concat"] = tf1_scripts.moco("concat")
+    graphs["script_moco_pointer"] = tf1_scripts.moco("pointer")
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

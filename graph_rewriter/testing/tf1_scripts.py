@@ -5,7 +5,7 @@ word2vec tutorial, a script's counts of its batches, a sequence model's masked l
 Transformer block, dropout, losses summed over the batch, BatchNorm written five ways and
 applied twice, a multi-task model whose two train ops share an encoder, Wide & Deep
 models over SparseTensor features (by hand, and with tf.compat.v1.feature_column), a
-speech model's CTC loss over SparseTensor transcripts.
+speech model's CTC loss over SparseTensor transcripts, a BiLSTM tagger, MoCo's queue of keys.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1349,3 +1349,70 @@ def sequence_tagger_batches(steps, batch, seed=0):
              "lengths:0": rng.randint(1, TAG_STEPS + 1, size=batch).astype(np.int32),
              "tags:0": rng.randint(TAG_CLASSES, size=(batch, TAG_STEPS)).astype(np.int32)}
             for _ in range(steps)]
+
+
+MOCO_FEATURES, MOCO_DIM, MOCO_QUEUE = 6, 5, 32
+
+
+def moco(queue="concat"):
+    """Momentum Contrast (MoCo) as its TF1 ports write it, scaled down: two views x1, x2
+    [None, MOCO_FEATURES] of the batch; a query encoder (two dense layers, trained) and
+    a key encoder of the same shape (not trainable, moved towards the query encoder by
+    a momentum of 0.9 after every step); their outputs normalised; the logits of each
+    query against its own key and against a queue of the last MOCO_QUEUE keys (a
+    variable), over a temperature of 0.2; cross-entropy with the positive first; SGD
+    with momentum 0.9 and weight decay 1e-4. After the step the batch's keys enter the
+    queue: ``queue`` "concat" writes ``tf.concat([keys, queue], 0)[:K]`` (newest
+    first); "pointer" writes them at a pointer, ``scatter_update(queue, ptr +
+    tf.range(n), keys)``, and advances it, ``ptr = (ptr + n) % K`` (the official
+    implementation's form). Returns the GraphDef (loss:0, train_op, init; keys:0 the
+    batch's keys)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(5)
+        x1 = tf1.placeholder(tf.float32, [None, MOCO_FEATURES], name="x1")
+        x2 = tf1.placeholder(tf.float32, [None, MOCO_FEATURES], name="x2")
+
+        def encoder(x, scope, trainable):
+            with tf1.variable_scope(scope):
+                w1 = tf1.get_variable("w1", [MOCO_FEATURES, 8], trainable=trainable)
+                w2 = tf1.get_variable("w2", [8, MOCO_DIM], trainable=trainable)
+                return tf.math.l2_normalize(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2), 1), [w1, w2]
+
+        q, query_vars = encoder(x1, "query", True)
+        k, key_vars = encoder(x2, "key", False)
+        k = tf.stop_gradient(k, name="keys")
+        bank = tf1.get_variable("queue", initializer=tf.math.l2_normalize(
+            tf1.random_normal([MOCO_QUEUE, MOCO_DIM], seed=1), 1), trainable=False)
+        positive = tf.reduce_sum(q * k, 1, keepdims=True)
+        negative = tf.matmul(q, bank, transpose_b=True)
+        logits = tf.concat([positive, negative], 1) / 0.2
+        labels = tf.zeros_like(positive[:, 0], tf.int32)
+        xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+        loss = tf.identity(xent + 1e-4 * tf.add_n([tf.nn.l2_loss(v) for v in query_vars]), name="loss")
+        step = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+        if queue == "pointer":
+            pointer = tf1.get_variable("queue_ptr", initializer=tf.constant(0, tf.int64), trainable=False)
+        with tf.control_dependencies([step]):
+            moved = [tf1.assign(wk, 0.9 * wk + 0.1 * wq) for wk, wq in zip(key_vars, query_vars)]
+            if queue == "concat":
+                enqueued = [tf1.assign(bank, tf.concat([k, bank], 0)[:MOCO_QUEUE])]
+            elif queue == "pointer":
+                end = pointer + tf.shape(k, out_type=tf.int64)[0]
+                rows = tf.range(pointer, end)
+                with tf.control_dependencies([rows]):
+                    advanced = tf1.assign(pointer, end % MOCO_QUEUE)
+                enqueued = [tf1.scatter_update(bank, rows, k), advanced]
+            else:
+                raise ValueError(f"queue must be 'concat' or 'pointer', got {queue!r}")
+        tf.group(*(moved + enqueued), name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def moco_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` rows for moco's two views."""
+    rng = np.random.RandomState(seed)
+    return [{"x1:0": rng.randn(batch, MOCO_FEATURES).astype(np.float32),
+             "x2:0": rng.randn(batch, MOCO_FEATURES).astype(np.float32)} for _ in range(steps)]

@@ -26,6 +26,9 @@ of the GraphDef's nodes or on a prefix on every name (tests/test_graph_form.py):
        ops that have a single batch-dependent input; the walk stops at the op that
        produced the gradient (a reduction, a matmul, an AddN, ...);
     4. explicit hints (``gradients={variable: tensor}``) for custom optimizers.
+  An update that writes the batch's rows into a variable (MoCo's queue of keys) is no
+  cut: the forward tensors holding the rows that its ops read are gathered from every
+  replica for them (gathered_rows), and the update is then the same on every replica.
   A batch-dependent update that none of these explains is an error naming the variable.
 - roles: trainable (read by the batch computation and updated through a cut), optimizer
   slot, step counter (an integer counter bumped by a constant), state (BatchNorm moving
@@ -549,7 +552,8 @@ class _Analyzer:
     def _unpaired_sparse(self, found, paired):
         """[(placeholder, reader, argument)]: fed batch inputs that a sparse op reads as a
         SparseTensor's indices (CTCLoss's labels_indices, SparseReshape's input_indices,
-        ...) but that are in no SparseTensor found (an unnamed sparse_placeholder). Split
+        ...; embedding_lookup_sparse's SparseSegment op their first column as its
+        segment_ids) but that are in no SparseTensor found (an unnamed sparse_placeholder). Split
         by rows, their entries would be misnumbered: the planner refuses them when it
         splits the batch."""
         dynamic = {t for t, kind, _ in found if kind == "dynamic" and t.node.op in PLACEHOLDERS} - paired
@@ -558,6 +562,14 @@ class _Analyzer:
             if "Sparse" not in n.op and not n.op.startswith("CTC"):
                 continue
             slices = opdefs.input_arg_slices(n)
+            if n.op.startswith("SparseSegment") and "segment_ids" in slices:
+                # tf.nn.embedding_lookup_sparse: the segments are the indices' first column
+                source = n.inputs[slices["segment_ids"][0]]
+                while source.node.op in ("StridedSlice", "Slice", "Cast", "Identity", "Reshape", "Squeeze"):
+                    source = source.node.inputs[0]
+                if source in dynamic and len(_shape_of(source.node.attr["shape"].shape) or ()) == 2:
+                    out.append((source.node.name, n.name, "segment_ids (its first column)"))
+                continue
             for arg, (pos, count) in slices.items():
                 prefix = arg[:-len("indices")]
                 if (arg.endswith("indices") and count == 1 and n.inputs[pos] in dynamic
@@ -1785,34 +1797,27 @@ def _holds_rows(tensor, batch_nodes, limit=4096):
     queue of keys, ``tf.concat([keys, queue], 0)[:K]``, does; a statistic over the rows
     (a mean, a sum, a FusedBatchNorm's batch mean and variance) does not. Walks tensors,
     not nodes: of a FusedBatchNorm's outputs only ``y`` holds the rows."""
-    seen, stack = set(), [tensor]
-    while stack and len(seen) < limit:
-        t = stack.pop()
-        if t in seen:
-            continue
-        seen.add(t)
+    def follow(t):
         n = t.node
-        if n in batch_nodes:
-            return True
         if n.op in _FUSED_BATCH_NORMS:
-            stack.extend(n.inputs[:1] if t.index == 0 else [])
-        elif n.op in _REDUCTIONS:
+            return n.inputs[:1] if t.index == 0 else []
+        if n.op in _REDUCTIONS:
             axes = n.inputs[1].node if len(n.inputs) > 1 else None
-            if axes is not None and axes.op == "Const" and all(
-                    v > 0 for v in dtypes.int_values(axes.attr["value"].tensor)):
-                stack.append(n.inputs[0])
-        elif n.op == "MatMul":
-            stack.extend(n.inputs[:1] if not n.attr["transpose_a"].b else [])
-        elif n.op in ("GatherV2", "Gather", "ResourceGather"):
-            stack.append(n.inputs[1])
-        elif n.op in _ROW_LOCAL:
-            stack.extend(n.inputs)
-    return False
+            keeps_rows = axes is not None and axes.op == "Const" and all(
+                v > 0 for v in dtypes.int_values(axes.attr["value"].tensor))
+            return [n.inputs[0]] if keeps_rows else []
+        if n.op == "MatMul":
+            return n.inputs[:1] if not n.attr["transpose_a"].b else []
+        if n.op in ("GatherV2", "Gather", "ResourceGather"):
+            return [n.inputs[1]]
+        return list(n.inputs) if n.op in _ROW_LOCAL else []
+    return _search_back(tensor, lambda t: t.node in batch_nodes, follow, limit) is not None
 
 
 def _search_back(node, found, follow, limit):
     """The first node ``found`` accepts, walking back from ``node`` along the nodes
-    ``follow(n)`` gives, each visited once, at most ``limit`` of them; or None."""
+    ``follow(n)`` gives, each visited once, at most ``limit`` of them; or None (nodes
+    or tensors alike)."""
     seen, stack = set(), [node]
     while stack and len(seen) < limit:
         n = stack.pop()

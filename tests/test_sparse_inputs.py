@@ -288,6 +288,28 @@ def test_an_unnamed_sparse_placeholder_is_refused_when_its_batch_is_split():
     gr.rewrite(ctc_model(named=False), devices_per_worker=1, device_type="CPU")
 
 
+def test_an_unnamed_sparse_placeholder_read_by_an_embedding_lookup_is_refused():
+    """tf.nn.embedding_lookup_sparse reads the indices' first column as the segments of
+    a SparseSegmentMean, and never the dense shape: split like dense inputs, the entries
+    would be sliced whatever their rows (a run-time "do not split evenly", or a silently
+    wrong shard). The rewrite refuses it, naming the indices and the lookup."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.sparse_placeholder(tf.int64, shape=[None, 3])
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        table = tf1.get_variable("table", [20, 4])
+        h = tf.nn.embedding_lookup_sparse(table, ids, None, combiner="mean")
+        w = tf1.get_variable("w", [4, 1])
+        loss = tf.reduce_mean(tf.square(tf.squeeze(tf.matmul(h, w), 1) - y), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+    with pytest.raises(GraphRewriteError, match=f"'{ids.indices.op.name}' is a SparseTensor's indices "
+                                                "\('embedding_lookup_sparse' reads it as segment_ids"):
+        gr.rewrite(g.as_graph_def(), devices_per_worker=2, device_type="CPU")
+    gr.rewrite(g.as_graph_def(), devices_per_worker=1, device_type="CPU")
+
+
 def _half(feed, k):
     """Worker k's half of a global batch of sparse_feature_batches: its rows of x and y,
     and the entries of its rows of the SparseTensor, renumbered, with its dense shape."""

@@ -893,7 +893,8 @@ class _Analyzer:
         the last batch. One device's variable then holds every row of the batch, which
         no average of the replicas' values gives (a queue's "statistic" is no mean).
         Each such update's region (the ops between the forward pass, or the batch
-        inputs, and the write) reads forward tensors, its frontier; when every one holds
+        inputs, and the write; none of the backward pass's, which a hand-written
+        optimizer's update has) reads forward tensors, its frontier; when every one holds
         the replica's rows, gathering every replica's rows for the region makes the
         update one device's, the same on every replica. Other updates whose frontier is
         among those tensors (the queue's pointer, advanced by the gathered row count)
@@ -902,9 +903,9 @@ class _Analyzer:
         seed_nodes = {t.node for t in seeds}
         gradient_cuts = [c for c in cuts if not self._state_like(c)]
         cut_variables = {v for c in gradient_cuts for v in c.variables}
-        candidates = [(n, var) for n, var, _ in self.writes
+        candidates = [(n, var) for n, var, _ in self.writes   # (not a v2 cond's call writing in its functions)
                       if n in variant0 and var.name not in cut_variables and var.node not in self.saver_nodes
-                      and not in_gradients_scope(n.name, self.gradient_scopes)]
+                      and n.op not in _FUNCTIONAL and not in_gradients_scope(n.name, self.gradient_scopes)]
         rows = [(n, var) for n, var in candidates if _holds_rows(_written_value(n), seed_nodes)]
         if not rows:
             return [], [], []
@@ -924,9 +925,14 @@ class _Analyzer:
                     stack.extend(m.inputs)
             return region, frontier
 
+        def backward(region):   # an optimizer written by hand, whose gradient is not found
+            return any(in_gradients_scope(m.name, self.gradient_scopes) for m in region)
+
         gathered, regions, refused = set(), [], []
         for n, var in rows:
             region, frontier = region_of(n)
+            if backward(region):
+                continue
             odd = [t for t in frontier if not _holds_rows(t, seed_nodes)]
             if odd:
                 refused.append((var.name, _written_value(n).name))
@@ -938,7 +944,7 @@ class _Analyzer:
                 if (n, var) in rows:
                     continue
                 region, frontier = region_of(n)
-                if frontier and frontier <= gathered:
+                if frontier and frontier <= gathered and not backward(region):
                     regions.append((var.name, region))
         members = {m for _, region in regions for m in region}
         out = []

@@ -102,9 +102,10 @@ def normalizer_instance_key(plan, index):
     """Instance key of the all-reduce of the index-th loss normalizer (a sum over the
     batch a loss divides by: passes/normalizers.py), then of the selected means' counts,
     the loop bounds (passes/loop_bounds.py), the gathered rows (passes/gather_rows.py)
-    and the synced batch statistics, in that order. They count down below the keys the hierarchical all-reduce reserves (two per
-    pack), and must not reach the keys counting up from the start (packs, gathers, then
-    two initial-value broadcasts per dtype of the mirrored variables)."""
+    and the synced batch statistics, in that order. They count down below the keys the
+    hierarchical all-reduce reserves (two per pack), and must not reach the keys counting
+    up from the start (packs, gathers, then two initial-value broadcasts per dtype of the
+    mirrored variables)."""
     key = instance_base(plan) + _INSTANCE_SLOTS - 1 - 2 * _BARRIERS - 2 * len(plan.packs) - index
     dtypes_mirrored = len({v.dtype for v in plan.variables if v.placement == "mirrored"})
     if key <= init_instance_key(plan, 2 * dtypes_mirrored):

@@ -14,19 +14,17 @@ each replica reads the replicas' maximum (a Min: minimum) instead of its own:
 
 so every replica's loop runs the batch's steps, and its draws (each replica drawing
 every replica's rows: passes/random_draws.py) are one device's at every step, in this
-run and the next. An integer bound is reduced as float64 (exact to 2**53): a GPU's
-kernels for int32 keep their tensors in host memory, which a collective's merge cannot
-read. The bounds reduce one after the other, so every replica issues them in the same
-order; they take the instance keys after the normalizers' and the selected means'.
+run and the next. The collective's merge_op is the bound's own op, Max or Min. An
+integer bound is reduced as float64 (exact to 2**53): a GPU's kernels for int32 keep
+their tensors in host memory, which a collective's merge cannot read. The bounds reduce
+one after the other, so every replica issues them in the same order; they take the
+instance keys after the normalizers' and the selected means'.
 """
 
 from graph_rewriter import dtypes
 from graph_rewriter.collectives import all_reduce, group_key, normalizer_instance_key
 from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
-
-_MERGE = {"Max": "Max", "Min": "Min"}
-
 
 class LoopBoundsPass(Pass):
     name = "loop_bounds"
@@ -57,7 +55,7 @@ class LoopBoundsPass(Pass):
                                         type_attrs={"DstT": dtypes.as_dtype("float64").as_datatype_enum},
                                         device=device).output(0)
                     previous = all_reduce(graph, f"{bound.name}/batch", value, rm.group_size, gkey,
-                                          normalizer_instance_key(plan, first_key + k), device, _MERGE[bound.op],
+                                          normalizer_instance_key(plan, first_key + k), device, bound.op,
                                           control_inputs=[previous] if previous is not None else [])
                     reduced = previous.output(0)
                     if not dtypes.as_dtype(dtype).is_floating:

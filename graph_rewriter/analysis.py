@@ -1192,7 +1192,9 @@ class _Analyzer:
         """The loops ``stat``, a Max or Min over the batch's rows, bounds, when it reaches
         nothing but their conditions: through scalar arithmetic and comparisons into a v1
         LoopCond (the loop's frame name), or into a v2 While's argument that its cond
-        compares and its body hands back unchanged (the While node); [] otherwise.
+        compares and its body hands back unchanged (the While node: tf.while_loop's
+        maximum_iterations is such an argument, which the backward pass also reads as
+        its accumulators' capacity and its own loop's bound); [] otherwise.
         tf.nn.dynamic_rnn bounds its loop by the batch's longest sequence so: the
         statistic decides how many steps the loop runs, not what a step computes."""
         if stat.op not in ("Max", "Min"):
@@ -1202,10 +1204,14 @@ class _Analyzer:
             for c, pos in stack.pop().consumers():
                 if c.op == "LoopCond":
                     loops.append(loop_frames(c)[-1].attr["frame_name"].s.decode())
+                elif c.op in _WHILES and in_gradients_scope(c.name, self.gradient_scopes):
+                    continue   # a v2 loop's backward While: it runs the steps the forward ran
                 elif c.op in _WHILES:
                     if not self._while_bound(c, pos):
                         return []
                     loops.append(c)
+                elif c.op == "EmptyTensorList" and pos == 1:
+                    continue   # a capacity: the v2 backward pass's accumulators, one per step at most
                 elif c.op not in _BOUND_ARITHMETIC:
                     return []
                 elif c not in seen:
@@ -1628,7 +1634,10 @@ _SHAPE_ONLY = frozenset(("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLi
 
 def _value_ancestors(node):
     """Every node ``node``'s value depends on through data edges, not looking past ops
-    whose value is their input's shape (Shape, Size, OnesLike, ...)."""
+    whose value is their input's shape (Shape, Size, OnesLike, ...). A v1 loop's
+    values depend on its body through the back edges (NextIteration into Merge): they
+    are followed, as a loop's output computed from a variable in its body depends on
+    that variable."""
     return _value_ancestors_of([node])
 
 
@@ -1641,7 +1650,7 @@ def _value_ancestors_of(nodes):
         if n.op in _SHAPE_ONLY:
             continue
         for t in n.inputs:
-            if t.node not in seen and not is_back_edge(t.node, n):
+            if t.node not in seen:
                 seen.add(t.node)
                 stack.append(t.node)
     return seen

@@ -47,6 +47,7 @@ GRAPHS = {
     "tagger_v1": lambda: tf1_scripts.sequence_tagger("placeholder", "v1"),
     "tagger_dropout_v1": lambda: tf1_scripts.sequence_tagger("placeholder", "v1", dropout=0.3),
     "moco_pointer": lambda: tf1_scripts.moco("pointer"),
+    "scheduled_sampling_v2": lambda: tf1_scripts.scheduled_sampling_decoder("v2"),
     "masked_losses": lambda: tf1_scripts.masked_sequence_model("losses"),
     "transformer_dropout": lambda: tf1_scripts.transformer_block(dropout=0.1)[0],
     "labelled_rows": lambda: tf1_scripts.rows_meeting_mlp("labelled_rows"),

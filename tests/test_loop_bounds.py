@@ -236,6 +236,53 @@ def test_a_given_plan_names_only_loop_bounds():
         gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
 
 
+_DECODERS = {}
+
+
+def _decoder(control_flow):
+    """(GraphDef, (losses, variables)) of the scheduled-sampling decoder on one device."""
+    from graph_rewriter.testing.tf1_scripts import scheduled_sampling_batches, scheduled_sampling_decoder
+    if control_flow not in _DECODERS:
+        graph_def = scheduled_sampling_decoder(control_flow)
+        with harness.one_device_session(graph_def) as sess:
+            _DECODERS[control_flow] = graph_def, _train(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
+    return _DECODERS[control_flow]
+
+
+@pytest.mark.parametrize("control_flow,strategy,replicas", [
+    ("v1", "allreduce", 2), ("v2", "allreduce", 2), ("v1", "ps", 4), ("v2", "allreduce", 4)])
+def test_a_scheduled_sampling_decoder_trains_as_one_device(control_flow, strategy, replicas):
+    """A decoder whose while_loop runs to maximum_iterations=tf.reduce_max(lengths) and
+    draws a coin per row at every step. Two things it needed: the bound as a v2 While's
+    maximum_iterations, which the backward pass also reads (its accumulators' capacity,
+    its own loop's bound), is a loop bound (it was a batch statistic: 0.034 in the loss
+    by the third step); and with v1 loops the token count is a normalizer although the
+    loss's only trainable ancestors are in the loop's body, behind its back edges (it
+    was not: every replica divided by its own count, 0.002 in the first loss)."""
+    from graph_rewriter.testing.tf1_scripts import scheduled_sampling_batches
+    graph_def, want = _decoder(control_flow)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    assert result.plan.loop_bounds == ["Max"] and result.plan.normalizers == ["Sum_1:0"]
+    with gr.Session(result) as sess:
+        got = _train(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
+    for name in want[1]:
+        np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_the_decoders_reference_is_deterministic_and_its_bounds_differ():
+    """One device trains the same twice (a difference is the rewrite's), and the
+    quarters of a batch have different longest targets (the replicas' own bounds
+    differ)."""
+    from graph_rewriter.testing.tf1_scripts import scheduled_sampling_batches
+    graph_def, (losses, _) = _decoder("v2")
+    with harness.one_device_session(graph_def) as sess:
+        again, _ = _train(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
+    np.testing.assert_array_equal(again, losses)
+    for feed in scheduled_sampling_batches(STEPS, BATCH):
+        assert len({q.max() for q in np.split(feed["lengths:0"], 4)}) > 1, feed["lengths:0"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,control_flow", [("allreduce", "v1"), ("ps", "v2")])

@@ -126,6 +126,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_tagger_dropout_v2"] = tf1_scripts.sequence_tagger("placeholder", "v2", dropout=0.3)
     graphs["script_moco_concat"] = tf1_scripts.moco("concat")
     graphs["script_moco_pointer"] = tf1_scripts.moco("pointer")
+    graphs["script_scheduled_sampling_v1"] = tf1_scripts.scheduled_sampling_decoder("v1")
     # BatchNorm's updates as the gradients' control dependencies (tf.layers' documented idiom)
     graphs["batchnorm_control_sgd"] = zoo.build("batchnorm", "sgd", update_ops="control").graph_def
     for model in REAL_MODELS:

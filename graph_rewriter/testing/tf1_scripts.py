@@ -5,7 +5,8 @@ word2vec tutorial, a script's counts of its batches, a sequence model's masked l
 Transformer block, dropout, losses summed over the batch, BatchNorm written five ways and
 applied twice, a multi-task model whose two train ops share an encoder, Wide & Deep
 models over SparseTensor features (by hand, and with tf.compat.v1.feature_column), a
-speech model's CTC loss over SparseTensor transcripts, a BiLSTM tagger, MoCo's queue of keys.
+speech model's CTC loss over SparseTensor transcripts, a BiLSTM tagger, MoCo's queue of keys,
+a decoder trained with scheduled sampling.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1416,3 +1417,58 @@ def moco_batches(steps, batch, seed=0):
     rng = np.random.RandomState(seed)
     return [{"x1:0": rng.randn(batch, MOCO_FEATURES).astype(np.float32),
              "x2:0": rng.randn(batch, MOCO_FEATURES).astype(np.float32)} for _ in range(steps)]
+
+
+DECODE_VOCAB, DECODE_HIDDEN, DECODE_STEPS = 9, 6, 6
+
+
+def scheduled_sampling_decoder(control_flow=None):
+    """A decoder trained with scheduled sampling, as sequence-to-sequence scripts write
+    one: a tf.compat.v1.while_loop over the time steps with ``maximum_iterations`` the
+    batch's longest target (``tf.reduce_max(lengths)``); at each step a tanh cell reads
+    the embedding of the previous token, and a seeded coin per row
+    (``random_uniform(tf.shape(prev))``, drawn at every step) feeds the next step the
+    gold token or the model's own argmax; the logits gathered in a TensorArray; the
+    cross-entropy averaged over the real tokens (the padding masked); Adam. The loop
+    runs one step at a time (parallel_iterations=1): a stateful draw in a loop is
+    deterministic only so. Feeds tgt [None, DECODE_STEPS] and lengths [None]. Returns
+    the GraphDef (loss:0, train_op, init)."""
+    from graph_rewriter.testing.models import ControlFlow
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default(), ControlFlow(control_flow):
+        tf1.set_random_seed(4)
+        targets = tf1.placeholder(tf.int32, [None, DECODE_STEPS], name="tgt")
+        lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+        embedding = tf1.get_variable("embedding", [DECODE_VOCAB, DECODE_HIDDEN])
+        cell = tf1.get_variable("cell", [2 * DECODE_HIDDEN, DECODE_HIDDEN])
+        output = tf1.get_variable("output", [DECODE_HIDDEN, DECODE_VOCAB])
+        rows = tf.shape(targets)[0]
+
+        def step(t, previous, h, logits_so_far):
+            h = tf.tanh(tf.matmul(tf.concat([tf.nn.embedding_lookup(embedding, previous), h], 1), cell))
+            logits = tf.matmul(h, output)
+            gold = tf1.random_uniform(tf.shape(previous), seed=9) < 0.5
+            following = tf.where(gold, targets[:, t], tf.cast(tf.argmax(logits, 1), tf.int32))
+            return [t + 1, following, h, logits_so_far.write(t, logits)]
+
+        _, _, _, logits = tf1.while_loop(
+            lambda t, *_: t < DECODE_STEPS, step,
+            [tf.constant(0), tf.zeros(tf.expand_dims(rows, 0), tf.int32), tf.zeros(tf.stack([rows, DECODE_HIDDEN])),
+             tf.TensorArray(tf.float32, size=0, dynamic_size=True)],
+            maximum_iterations=tf.reduce_max(lengths), parallel_iterations=1)
+        logits = tf.transpose(logits.stack(), [1, 0, 2])
+        ran = tf.shape(logits)[1]
+        mask = tf.sequence_mask(lengths, ran, dtype=tf.float32)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets[:, :ran], logits=logits)
+        loss = tf.identity(tf.reduce_sum(xent * mask) / tf.reduce_sum(mask), name="loss")
+        tf1.train.AdamOptimizer(0.05).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def scheduled_sampling_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` targets of 1 to DECODE_STEPS tokens for the decoder."""
+    rng = np.random.RandomState(seed)
+    return [{"tgt:0": rng.randint(DECODE_VOCAB, size=(batch, DECODE_STEPS)).astype(np.int32),
+             "lengths:0": rng.randint(1, DECODE_STEPS + 1, size=batch).astype(np.int32)} for _ in range(steps)]

@@ -98,6 +98,17 @@ def init_instance_key(plan, pack_index):
     return instance_base(plan) + len(plan.packs) + _SPARSE_BLOCK * gathered + pack_index
 
 
+# the plan's fields whose collectives take normalizer_instance_key's indices, in order
+_COUNTED_DOWN = ("normalizers", "selected_means", "loop_bounds", "gathered_rows", "sync_batch_statistics")
+
+
+def counted_down_start(plan, field):
+    """The first index of normalizer_instance_key that the collectives of the plan's
+    ``field`` take: after those of every field before it in _COUNTED_DOWN."""
+    before = _COUNTED_DOWN[:_COUNTED_DOWN.index(field)]
+    return sum(len(getattr(plan, f) or []) for f in before)
+
+
 def normalizer_instance_key(plan, index):
     """Instance key of the all-reduce of the index-th loss normalizer (a sum over the
     batch a loss divides by: passes/normalizers.py), then of the selected means' counts,

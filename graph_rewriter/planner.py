@@ -203,6 +203,14 @@ def _plan_random_draws(plan, analysis, log):
         log(f"plan: random draws of the batch's rows, each replica keeping its own: {', '.join(names)}")
 
 
+def _collectives_span(plan, cluster):
+    """True if a collective can join every replica of ``plan``: they are in one task, or
+    the plan already all-reduces or gathers between tasks (the servers then take part
+    in collectives). The small collectives of normalizers, loop bounds, gathered rows
+    and synced batch statistics ask for it."""
+    return len(cluster.compute_tasks) == 1 or plan.uses_collectives()
+
+
 def _plan_loop_bounds(plan, analysis, cluster, log):
     """The loop bounds (a Max over the batch's rows that only bounds while loops, as
     dynamic_rnn's longest sequence does) whose loops draw random numbers at every step:
@@ -214,8 +222,7 @@ def _plan_loop_bounds(plan, analysis, cluster, log):
     _check_given(plan.loop_bounds, analysis.outer_loop_bounds, "loop_bounds",
                  "a maximum or minimum over this graph's batch, computed outside loops, that only bounds while "
                  "loops")
-    collectives = len(cluster.compute_tasks) == 1 or plan.uses_collectives()
-    if plan.num_replicas < 2 or not analysis.outer_loop_bounds or not collectives:
+    if plan.num_replicas < 2 or not analysis.outer_loop_bounds or not _collectives_span(plan, cluster):
         plan.loop_bounds = None
     elif plan.loop_bounds is None:
         plan.loop_bounds = list(analysis.drawing_loop_bounds) or None
@@ -244,7 +251,7 @@ def _plan_gathered_rows(plan, analysis, cluster, log):
         names = [entry[0] for entry in given]
         if not names:
             return
-    if not (len(cluster.compute_tasks) == 1 or plan.uses_collectives()):
+    if not _collectives_span(plan, cluster):
         raise GraphRewriteError(
             f"variable '{analysis.row_state_variables[0]}' is assigned rows of the batch ({_listed(names)}): "
             "every replica must gather every replica's rows for its update, which takes a collective, but "
@@ -318,7 +325,7 @@ def _plan_batch_statistics(plan, analysis, options, cluster, log, aliases):
         plan.sync_batch_statistics = [] if plan.sync_batch_statistics == [] else None
         plan.synced_row_counts = None
         return
-    if not (len(cluster.compute_tasks) == 1 or plan.uses_collectives()):
+    if not _collectives_span(plan, cluster):
         raise GraphRewriteError(
             f"{field}: the replicas of this {plan.strategy} plan across machines meet in no collective "
             "group, so their batch statistics cannot be all-reduced",
@@ -402,8 +409,7 @@ def _plan_normalizers(plan, analysis, cluster, log):
     _check_given(plan.normalizers, names, "normalizers", "a sum over the batch a loss of this graph divides by")
     _check_given(plan.selected_means, means, "selected_means",
                  "a mean of this graph over rows a condition on the batch selects")
-    collectives = len(cluster.compute_tasks) == 1 or plan.uses_collectives()
-    if plan.num_replicas < 2 or not collectives:
+    if plan.num_replicas < 2 or not _collectives_span(plan, cluster):
         if plan.num_replicas > 1 and names:
             notes.append(UNSYNCED_NORMALIZERS.format(names=", ".join(names)))
             log(f"plan: {notes[-1]}")

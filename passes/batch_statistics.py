@@ -51,7 +51,7 @@ import re
 from graph_rewriter import dtypes
 from graph_rewriter.analysis import (BATCH_NORM_AXES, FUSED_BATCH_NORM_GRADS, dead_zeros_like, gradient_entries,
                                      gradient_scopes)
-from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_instance_key
+from graph_rewriter.collectives import all_reduce_mean, counted_down_start, group_key, normalizer_instance_key
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
@@ -82,8 +82,7 @@ class BatchStatisticsPass(Pass):
         entries = gradient_entries(mine, statistics) if statistics else {}
         counts = [(op, pos, reads, _gradient_readers(mine, rm.node(graph, 0, op), pos))
                   for op, pos, reads in plan.synced_row_counts or []]
-        first_key = (len(plan.normalizers or []) + len(plan.selected_means or []) + len(plan.loop_bounds or [])
-                     + len(plan.gathered_rows or []))
+        first_key = counted_down_start(plan, "sync_batch_statistics")
         syncs = [_Sync(graph, rm, i, plan, group_key(rm.group_devices), first_key) for i in rm.built]
         for sync in syncs:
             with graph.adding_to_replica(sync.i):

@@ -18,7 +18,7 @@ The gathers run one after the other, so every replica issues them in the same or
 they take the instance keys after the loop bounds'.
 """
 
-from graph_rewriter.collectives import all_gather, group_key, normalizer_instance_key
+from graph_rewriter.collectives import all_gather, counted_down_start, group_key, normalizer_instance_key
 from graph_rewriter.pass_manager import Pass
 
 
@@ -36,7 +36,7 @@ class GatherRowsPass(Pass):
         if rm.group_size == 1 or not entries:
             return False
         gkey = group_key(rm.group_devices)
-        first_key = len(plan.normalizers or []) + len(plan.selected_means or []) + len(plan.loop_bounds or [])
+        first_key = counted_down_start(plan, "gathered_rows")
         for i in rm.built:
             previous = None   # the chain's last gather
             for k, (name, readers) in enumerate(entries):

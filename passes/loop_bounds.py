@@ -22,7 +22,7 @@ instance keys after the normalizers' and the selected means'.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.collectives import all_reduce, group_key, normalizer_instance_key
+from graph_rewriter.collectives import all_reduce, counted_down_start, group_key, normalizer_instance_key
 from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
 
@@ -40,7 +40,7 @@ class LoopBoundsPass(Pass):
         if rm.group_size == 1 or not bounds:
             return False
         gkey = group_key(rm.group_devices)
-        first_key = len(plan.normalizers or []) + len(plan.selected_means or [])
+        first_key = counted_down_start(plan, "loop_bounds")
         for i in rm.built:
             previous = None   # the chain's last all-reduce
             for k, name in enumerate(bounds):

@@ -27,16 +27,6 @@ STEPS, BATCH = 5, 8   # the pointer wraps around the queue of 32 after 4 steps
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _reads(graph_def):
-    """{variable: its read} for every resource variable (the momentum slots too)."""
-    return {n.name[:-len("/Read/ReadVariableOp")]: n.name + ":0" for n in graph_def.node
-            if n.op == "ReadVariableOp" and n.name.endswith("/Read/ReadVariableOp")}
-
-
-def _train(sess, graph_def, feeds):
-    sess.run("init")
-    losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-    return losses, sess.run(_reads(graph_def))
 
 
 _REFERENCES = {}
@@ -46,7 +36,7 @@ def _reference(queue):
     if queue not in _REFERENCES:
         graph_def = moco(queue)
         with harness.one_device_session(graph_def) as sess:
-            _REFERENCES[queue] = graph_def, _train(sess, graph_def, moco_batches(STEPS, BATCH))
+            _REFERENCES[queue] = graph_def, harness.train_and_read(sess, graph_def, moco_batches(STEPS, BATCH))
     return _REFERENCES[queue]
 
 
@@ -92,7 +82,7 @@ def test_trains_as_one_device(queue, strategy, replicas):
     graph_def, want = _reference(queue)
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     with gr.Session(result) as sess:
-        got = _train(sess, graph_def, moco_batches(STEPS, BATCH))
+        got = harness.train_and_read(sess, graph_def, moco_batches(STEPS, BATCH))
     _assert_equal(f"{queue}, {strategy}, {replicas} replicas", got, want)
 
 
@@ -106,7 +96,7 @@ def test_each_replicas_own_keys_would_be_caught(queue):
     plan.gathered_rows = []
     result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
     with gr.Session(result) as sess:
-        losses, values = _train(sess, graph_def, moco_batches(STEPS, BATCH))
+        losses, values = harness.train_and_read(sess, graph_def, moco_batches(STEPS, BATCH))
     assert abs(losses[0] - want[0][0]) < 1e-5
     assert max(abs(a - b) for a, b in zip(losses, want[0])) > 1e-2, (losses, want[0])
     assert np.abs(values["queue"] - want[1]["queue"]).max() > 1e-1
@@ -177,7 +167,7 @@ def test_between_graph_on_servers(queue, pool, procs, tmp_path):  # noqa: F811
     half of every batch: the keys are gathered across the workers' processes, and the
     variables equal one device's after STEPS steps."""
     graph_def, (_, want) = _reference(queue)
-    reads = _reads(graph_def)
+    reads = harness.resource_reads(graph_def)
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(),
                               moco_batches(STEPS, BATCH), dpw=2)
     for name, tensor in reads.items():

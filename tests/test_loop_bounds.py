@@ -33,20 +33,10 @@ RTOL, ATOL = 1e-4, 1e-5   # as test_sequence_tagger: Adam magnifies an averaged 
 BOUNDS = ["bidirectional_rnn/fw/fw/Max", "bidirectional_rnn/bw/bw/Max"]
 
 
-def _reads(graph_def):
-    return {n.name[:-len("/Read/ReadVariableOp")]: n.name + ":0" for n in graph_def.node
-            if n.op == "ReadVariableOp" and n.name.endswith("/Read/ReadVariableOp")}
-
 
 def _feeds(source):
     return sequence_tagger_batches(STEPS, BATCH) if source == "placeholder" else [None] * STEPS
 
-
-def _train(sess, graph_def, feeds):
-    """([loss per step], {variable: value}) after running init and the steps."""
-    sess.run("init")
-    losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
-    return losses, sess.run(_reads(graph_def))
 
 
 _REFERENCES = {}
@@ -57,14 +47,14 @@ def _reference(source, control_flow):
     if key not in _REFERENCES:
         graph_def = sequence_tagger(source, control_flow, batch=BATCH, dropout=RATE)
         with harness.one_device_session(graph_def) as sess:
-            _REFERENCES[key] = graph_def, _train(sess, graph_def, _feeds(source))
+            _REFERENCES[key] = graph_def, harness.train_and_read(sess, graph_def, _feeds(source))
     return _REFERENCES[key]
 
 
 def _rewritten(graph_def, source, **options):
     result = gr.rewrite(graph_def, device_type="CPU", **options)
     with gr.Session(result) as sess:
-        return result, _train(sess, graph_def, _feeds(source))
+        return result, harness.train_and_read(sess, graph_def, _feeds(source))
 
 
 def _differences(got, want):
@@ -80,11 +70,11 @@ def test_the_reference_is_deterministic_and_its_loops_stop_at_different_steps(co
     longest sentence than the batch (so a replica's own bound runs fewer steps)."""
     graph_def, (losses, _) = _reference("placeholder", control_flow)
     with harness.one_device_session(graph_def) as sess:
-        again, _ = _train(sess, graph_def, _feeds("placeholder"))
+        again, _ = harness.train_and_read(sess, graph_def, _feeds("placeholder"))
     np.testing.assert_array_equal(again, losses)
     plain = sequence_tagger("placeholder", control_flow, batch=BATCH)
     with harness.one_device_session(plain) as sess:
-        without, _ = _train(sess, plain, _feeds("placeholder"))
+        without, _ = harness.train_and_read(sess, plain, _feeds("placeholder"))
     assert abs(without[0] - losses[0]) > 1e-3, (without, losses)
     for feed in _feeds("placeholder"):
         quarters = np.split(feed["lengths:0"], 4)
@@ -245,7 +235,8 @@ def _decoder(control_flow):
     if control_flow not in _DECODERS:
         graph_def = scheduled_sampling_decoder(control_flow)
         with harness.one_device_session(graph_def) as sess:
-            _DECODERS[control_flow] = graph_def, _train(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
+            _DECODERS[control_flow] = graph_def, harness.train_and_read(
+                sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
     return _DECODERS[control_flow]
 
 
@@ -264,7 +255,7 @@ def test_a_scheduled_sampling_decoder_trains_as_one_device(control_flow, strateg
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     assert result.plan.loop_bounds == ["Max"] and result.plan.normalizers == ["Sum_1:0"]
     with gr.Session(result) as sess:
-        got = _train(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
+        got = harness.train_and_read(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
     for name in want[1]:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=name)
@@ -277,7 +268,7 @@ def test_the_decoders_reference_is_deterministic_and_its_bounds_differ():
     from graph_rewriter.testing.tf1_scripts import scheduled_sampling_batches
     graph_def, (losses, _) = _decoder("v2")
     with harness.one_device_session(graph_def) as sess:
-        again, _ = _train(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
+        again, _ = harness.train_and_read(sess, graph_def, scheduled_sampling_batches(STEPS, BATCH))
     np.testing.assert_array_equal(again, losses)
     for feed in scheduled_sampling_batches(STEPS, BATCH):
         assert len({q.max() for q in np.split(feed["lengths:0"], 4)}) > 1, feed["lengths:0"]
@@ -291,7 +282,7 @@ def test_between_graph_on_servers(strategy, control_flow, pool, procs, tmp_path)
     half of every batch: the bound is reduced across the workers' processes, and the
     variables equal one device's after STEPS steps."""
     graph_def, (_, want) = _reference("placeholder", control_flow)
-    reads = _reads(graph_def)
+    reads = harness.resource_reads(graph_def)
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, reads.values(),
                               _feeds("placeholder"), dpw=2)
     for name, tensor in reads.items():

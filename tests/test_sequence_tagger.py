@@ -32,11 +32,6 @@ VARIABLES = ["embedding", "tags/kernel", "tags/bias"] + [
     f"bidirectional_rnn/{d}/{d}/{v}" for d in ("fw", "bw") for v in ("kernel", "bias")]
 
 
-def _reads(graph_def):
-    """{name: tensor} of every resource variable's read (Adam's slots and power accumulators too)."""
-    return {n.name[:-len("/Read/ReadVariableOp")]: n.name + ":0" for n in graph_def.node
-            if n.op == "ReadVariableOp" and n.name.endswith("/Read/ReadVariableOp")}
-
 
 def _feeds(source):
     return sequence_tagger_batches(STEPS, BATCH) if source == "placeholder" else [None] * STEPS
@@ -47,14 +42,14 @@ def _one_device(graph_def, feeds):
     with harness.one_device_session(graph_def) as sess:
         sess.run("init")
         steps = [sess.run(["loss:0", "grad_norm:0", "train_op"], feed)[:2] for feed in feeds]
-        return steps, sess.run(_reads(graph_def))
+        return steps, sess.run(harness.resource_reads(graph_def))
 
 
 def _rewritten(result, graph_def, feeds):
     with gr.Session(result) as sess:
         sess.run("init")
         steps = [sess.run(["loss:0", "grad_norm:0", "train_op"], feed)[:2] for feed in feeds]
-        return steps, sess.run(_reads(graph_def))
+        return steps, sess.run(harness.resource_reads(graph_def))
 
 
 def _assert_equal(what, got, want):
@@ -153,7 +148,7 @@ def test_between_graph_on_servers(strategy, pool, procs, tmp_path):  # noqa: F81
     """2 workers x 2 replicas on loopback TensorFlow servers, each worker's client fed its
     half of every batch: the variables equal one device's after STEPS steps."""
     graph_def, (_, want) = _reference("placeholder", "v1")
-    reads = _reads(graph_def)
+    reads = harness.resource_reads(graph_def)
     got = tc.two_workers_read(pool, procs, tmp_path, graph_def, strategy, STEPS, reads.values(),
                               _feeds("placeholder"), dpw=2)
     for name, tensor in reads.items():

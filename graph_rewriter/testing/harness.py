@@ -117,6 +117,23 @@ def one_device_session(graph_def):
     return tf.compat.v1.Session(graph=graph)
 
 
+def resource_reads(graph_def):
+    """{variable: the tensor its creation reads it by} for every resource variable of
+    ``graph_def`` (optimizer slots too): ``<name>/Read/ReadVariableOp:0``."""
+    suffix = "/Read/ReadVariableOp"
+    return {n.name[:-len(suffix)]: n.name + ":0" for n in graph_def.node
+            if n.op == "ReadVariableOp" and n.name.endswith(suffix)}
+
+
+def train_and_read(sess, graph_def, feeds):
+    """([loss:0 per step], {variable: value}): runs init, then train_op once per feed
+    (fetching loss:0), then reads every resource variable of ``graph_def``; ``sess`` is
+    a one-device session or a rewritten graph's gr.Session."""
+    sess.run("init")
+    losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
+    return losses, sess.run(resource_reads(graph_def))
+
+
 def assign_ops(graph, values):
     """Ops that set each variable named in ``values`` ({variable node: value}) of ``graph``
     (imported from an example) to its value: to start a run from given weights."""

@@ -158,6 +158,11 @@ class Analysis:
     # names of forward products in which rows of the batch meet other rows (in-batch
     # negatives: every query against every document): a replica sees its own rows only
     row_products: list = dataclasses.field(default_factory=list)
+    # the forward ops downstream of those products, which every replica can compute over
+    # every replica's rows (graph_rewriter/product_heads.py: ProductHead), or None; and
+    # why they cannot when there are products (a sentence), or None
+    product_head: object = None
+    product_head_obstacle: str = None
     # names of forward ops that move the batch's rows within it (mixup's reversed or
     # shuffled batch): a replica moves its own rows only
     moved_rows: list = dataclasses.field(default_factory=list)
@@ -340,6 +345,14 @@ class _Analyzer:
         outer_loop_bounds = [name for name in loop_bounds if not loop_frames(self.g.node(name))]
         drawing_loop_bounds = [name for name in outer_loop_bounds if self._loops_draw(bounded[name])]
         selected_means = self._find_selected_means(variant0, training)
+        product_head, head_obstacle = self._find_product_head(
+            row_products, seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
+                                            **dict.fromkeys(loss_sums, "a sum of the loss"),
+                                            **dict.fromkeys(batch_statistics, "a batch statistic"),
+                                            **dict.fromkeys(loop_bounds, "a loop bound"),
+                                            **dict.fromkeys(selected_means, "a mean over selected rows"),
+                                            **dict.fromkeys(moved_rows, "rows moved within the batch"),
+                                            **dict.fromkeys(batch_draws, "a random draw per row")})
         obstacles = {name: reason for name in batch_statistics
                      for reason in [self._sync_obstacle(name, selected_means)] if reason is not None}
         row_counts = {}
@@ -357,7 +370,8 @@ class _Analyzer:
                 cut.combine = None
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
-            row_products=row_products, moved_rows=moved_rows, batch_statistics=batch_statistics,
+            row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
+            moved_rows=moved_rows, batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -1109,6 +1123,15 @@ class _Analyzer:
                     and all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs):
                 out.append(n.name)
         return out
+
+    def _find_product_head(self, row_products, seeds, variant0, elsewhere):
+        """The head of the in-batch products (graph_rewriter/product_heads.py), which
+        every replica can compute over every replica's rows, or why not."""
+        if not row_products:
+            return None, None
+        from graph_rewriter import product_heads
+        return product_heads.find(self.order, [self.g.node(n) for n in row_products], {t.node for t in seeds},
+                                  variant0, self.gradient_scopes, elsewhere)
 
     def _find_moved_rows(self, seeds, variant0, training):
         """Forward ops that move the batch's rows within it, whose value training

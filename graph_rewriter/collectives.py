@@ -99,7 +99,8 @@ def init_instance_key(plan, pack_index):
 
 
 # the plan's fields whose collectives take normalizer_instance_key's indices, in order
-_COUNTED_DOWN = ("normalizers", "selected_means", "loop_bounds", "gathered_rows", "sync_batch_statistics")
+_COUNTED_DOWN = ("normalizers", "selected_means", "loop_bounds", "gathered_rows", "sync_batch_statistics",
+                 "product_head")
 
 
 def counted_down_start(plan, field):
@@ -112,8 +113,9 @@ def counted_down_start(plan, field):
 def normalizer_instance_key(plan, index):
     """Instance key of the all-reduce of the index-th loss normalizer (a sum over the
     batch a loss divides by: passes/normalizers.py), then of the selected means' counts,
-    the loop bounds (passes/loop_bounds.py), the gathered rows (passes/gather_rows.py)
-    and the synced batch statistics, in that order. They count down below the keys the
+    the loop bounds (passes/loop_bounds.py), the gathered rows (passes/gather_rows.py),
+    the synced batch statistics and the rows a product head gathers
+    (passes/product_heads.py), in that order. They count down below the keys the
     hierarchical all-reduce reserves (two per pack), and must not reach the keys counting
     up from the start (packs, gathers, then two initial-value broadcasts per dtype of the
     mirrored variables)."""

@@ -214,6 +214,12 @@ class Plan:
     # reading them: each replica's readers read every replica's rows, gathered in replica
     # order (passes/gather_rows.py); None: none, and absent from the JSON
     gathered_rows: list = None
+    # the head of the batch's in-batch products (a dual encoder's every query against
+    # every document): every replica computes it over every replica's rows, gathered,
+    # and keeps R times its own rows' gradients (passes/product_heads.py; its fields:
+    # graph_rewriter/product_heads.py, ProductHead); None: none, and absent from the
+    # JSON; an empty dict in a given plan leaves each replica's rows meeting its own
+    product_head: dict = None
     # sums over the batch's rows a loss adds up undivided (tf.reduce_sum of squared
     # errors, tf.nn.l2_loss): each replica's sum, and the gradient into it, is scaled by
     # the replica count (passes/loss_sums.py); None: none, and absent from the JSON; an
@@ -290,6 +296,8 @@ class Plan:
             del d["loop_bounds"]
         if d["gathered_rows"] is None:
             del d["gathered_rows"]
+        if d["product_head"] is None:
+            del d["product_head"]
         if d["loss_sums"] is None:
             del d["loss_sums"]
         if d["sync_batch_statistics"] is None:
@@ -343,7 +351,7 @@ class Plan:
                 notes=list(d["notes"]) if d.get("notes") else None,
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
                 random_draws=d.get("random_draws"), loop_bounds=d.get("loop_bounds"),
-                gathered_rows=d.get("gathered_rows"),
+                gathered_rows=d.get("gathered_rows"), product_head=d.get("product_head"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
                 synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"))
         except (KeyError, TypeError) as e:

@@ -63,6 +63,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _plan_loop_bounds(result, analysis, cluster, info)
     _plan_loss_sums(result, analysis, info)
     _plan_batch_statistics(result, analysis, options, cluster, info, aliases or {})
+    _plan_product_head(result, analysis, cluster, info)
     _note_rows_meeting(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
@@ -266,6 +267,30 @@ def _plan_gathered_rows(plan, analysis, cluster, log):
         + (f" (mirrored: {_listed(on_ps)})" if on_ps else ""))
 
 
+def _plan_product_head(plan, analysis, cluster, log):
+    """The head of the batch's in-batch products (a contrastive loss's every query
+    against every document: graph_rewriter/product_heads.py): every replica computes it
+    over every replica's rows, gathered, so its loss is one device's, and keeps R times
+    its own rows' gradients. It takes a collective, so every replica in one group, as
+    the normalizers do; with micro-batches each would meet only its micro-batch's rows,
+    so it is left to the note. A given plan keeps its own choice (an empty dict: each
+    replica's rows meet its own)."""
+    head = analysis.product_head
+    given = plan.product_head
+    if given:
+        found = head.products if head is not None else []
+        _check_given(given.get("products") if isinstance(given, dict) else given, found, "product_head",
+                     "an in-batch product of this graph whose head every replica can compute over every "
+                     "replica's rows")
+    if plan.num_replicas < 2 or head is None or plan.accumulation_steps > 1 or not _collectives_span(plan, cluster):
+        plan.product_head = None
+    elif given is None or given:
+        plan.product_head = head.to_dict()
+        log(f"plan: the in-batch products {_listed(head.products)} and their head ({len(head.head)} ops) are "
+            f"computed over every replica's rows: each replica gathers {_listed([t for t, _ in head.gathered])} "
+            "and keeps its own rows' gradients")
+
+
 def _plan_loss_sums(plan, analysis, log):
     """The sums over the batch's rows a loss adds up without dividing by a count (the
     analysis finds them): one device's gradient is the sum of the replicas', so each
@@ -374,7 +399,12 @@ def _note_rows_meeting(plan, analysis, log):
         notes.append(LOOP_BOUNDS.format(names=_listed(unsynced)))
         log(f"plan: {notes[-1]}")
     if plan.num_replicas > 1:
-        for template, names in ((ROW_PRODUCTS, analysis.row_products), (MOVED_ROWS, analysis.moved_rows),
+        computed = (plan.product_head or {}).get("products") or ()
+        products = [n for n in analysis.row_products if n not in computed]
+        if products and analysis.product_head_obstacle:
+            log(f"plan: the in-batch products {_listed(products)} cannot be computed over every replica's rows: "
+                f"{analysis.product_head_obstacle}")
+        for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, analysis.moved_rows),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics
                                                     if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means

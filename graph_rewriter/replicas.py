@@ -135,3 +135,18 @@ class ReplicaMap:
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+
+def replica_ranks(graph, rm, scope):
+    """One global host node (``scope + "/rank"``) whose output i is local replica i's
+    rank in the group: a template replica reading output 1 reads output k in replica k
+    (ReplicaMap.per_replica_outputs)."""
+    from graph_rewriter.op_builder import const, make_op
+    values = const(graph, f"{scope}/ranks", [rm.first_replica + i for i in range(rm.num_local)], "int32",
+                   rm.global_device)
+    values.node.replica = GLOBAL
+    ranks = make_op(graph, "Unpack", f"{scope}/rank", [values],
+                    attrs={"num": rm.num_local, "axis": 0}, device=rm.global_device, replica=GLOBAL)
+    if rm.template:
+        rm.per_replica_outputs.append(ranks.name)   # replica k reads output k
+    return ranks

@@ -35,9 +35,9 @@ clones' draws.
 
 from graph_rewriter import dtypes, opdefs
 from graph_rewriter.analysis import called_functions, loop_frames
-from graph_rewriter.ir import GLOBAL
 from graph_rewriter.op_builder import const, function_const, function_node, make_op
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.replicas import replica_ranks
 from graph_rewriter.protos import attr_value_pb2
 
 RANK_ARG = "graph_rewriter_replica_rank"
@@ -54,7 +54,7 @@ class RandomDrawsPass(Pass):
         rm, plan = ctx.replicas, ctx.plan
         if rm.group_size == 1 or not plan.random_draws:
             return False
-        ranks = _replica_ranks(graph, rm)
+        ranks = replica_ranks(graph, rm, "graph_rewriter/random_draws")
         in_functions = {}   # call -> {function: [draw node]}
         moved, kept = {}, {}   # draw -> its new name; the rows kept -> the draw's name
         for entry in plan.random_draws:
@@ -92,18 +92,6 @@ class RandomDrawsPass(Pass):
                 _call_copies(node, copies, rank)
         graph.touch()
         return True
-
-
-def _replica_ranks(graph, rm):
-    """One host node whose output i is local replica i's rank in the group."""
-    values = const(graph, "graph_rewriter/random_draws/ranks",
-                   [rm.first_replica + i for i in range(rm.num_local)], "int32", rm.global_device)
-    values.node.replica = GLOBAL
-    ranks = make_op(graph, "Unpack", "graph_rewriter/random_draws/rank", [values],
-                    attrs={"num": rm.num_local, "axis": 0}, device=rm.global_device, replica=GLOBAL)
-    if rm.template:
-        rm.per_replica_outputs.append(ranks.name)   # replica k reads output k
-    return ranks
 
 
 def _entered(emit, rank, frames):

@@ -41,7 +41,9 @@ class ReplicatePass(Pass):
         rm = ctx.replicas = replica_map(graph, ctx)
         graph.infer_replicas = True
         rm.template = use_template(ctx, rm)
-        rm.variant = sorted(n.name for n in analysis.variant)
+        # (a product head's values are the whole batch's on every replica: fetched as replica 0's)
+        head = set((ctx.plan.product_head or {}).get("head", ()))
+        rm.variant = sorted(n.name for n in analysis.variant if n.name not in head)
         global_nodes = _global_nodes(graph, analysis, ctx.plan)
         shared_initial = _shared_initial_values(graph, ctx, global_nodes)
         cloned = [n for n in graph if n not in global_nodes and n not in shared_initial]

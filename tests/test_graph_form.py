@@ -21,8 +21,8 @@ Each graph here is rewritten as written, with its nodes reversed, with them shuf
 ("gradients" to "grads", "gradients_1" to "grads_1"), and what the plan decides must be the same:
 which tensors are synchronised and how (the gradient cuts' values, indices, sync and
 role), the batch and broadcast inputs, the sparse inputs, the normalizers, selected
-means, loss sums, random draws, loop bounds, gathered rows and batch statistics, the
-variables' placement, and the notes (as sets: a note lists names in the order it met
+means, loss sums, random draws, loop bounds, gathered rows, batch statistics and the
+product head, the variables' placement, and the notes (as sets: a note lists names in the order it met
 them). Names the plan makes up from the order (a second update's "/update_1", a pack's
 number, which of two variables a gradient updates is named its primary) are not
 decisions and are left out. Prefixed and renamed graphs also train as one device.
@@ -59,6 +59,7 @@ GRAPHS = {
     "bert": lambda: real_models.build("bert")[0].graph_def,
     "bert_accumulate": lambda: real_models.build("bert_accumulate")[0].graph_def,
     "batch_norm": lambda: tf1_scripts.batch_norm_cnn("layers_cond")[0],
+    "simclr": lambda: tf1_scripts.contrastive("simclr"),
 }
 CONFIGS = {"allreduce": dict(devices_per_worker=2, device_type="CPU"),
            "ps": dict(devices_per_worker=4, device_type="CPU", strategy="ps")}
@@ -79,6 +80,9 @@ def _decisions(plan):
                                              "selected_means", "loss_sums", "random_draws", "loop_bounds",
                                              "gathered_rows", "batch_statistics")},
         "notes": sorted(_words(n) for n in plan.get("notes") or []),
+        # (each tensor's readers as a set: they are listed in the order the analysis met them)
+        "product_head": sorted(f"{k}:" + json.dumps([e[0], sorted(e[1])] if isinstance(e, list) else e)
+                               for k, v in (plan.get("product_head") or {}).items() for e in v),
     }
 
 

@@ -3,8 +3,9 @@
 A forward op in which a row of the batch meets other rows of the batch computes, on
 each replica, with that replica's shard only, and no rewrite that keeps the forward pass
 per replica can give it one device's value: a dual encoder's in-batch negatives
-``tf.matmul(queries, documents, transpose_b=True)`` (1.32 apart in the loss after three
-steps at 2 replicas, below), mixup's reversed or shuffled batch, statistics over the
+``tf.matmul(queries, documents, transpose_b=True)`` where its head is left to each replica
+(1.32 apart in the loss after three steps at 2 replicas, below; by default every replica
+computes it over every replica's rows: tests/test_product_heads.py), mixup's reversed or shuffled batch, statistics over the
 batch's rows used other than linearly (BatchNorm in training mode, a center loss), a
 mean over the rows a condition on the batch selects (``tf.boolean_mask``) where no
 collective can sync its count (tests/test_selected_means.py makes it exact where one
@@ -131,13 +132,23 @@ def test_batch_norm_of_a_real_model_is_named_in_short():
         assert "'resnet/stem_bn/moments/mean', 'resnet/stem_bn/moments/variance'" in note and "and 8 more" in note
 
 
+def _own_rows_meeting(graph_def, **options):
+    """A plan that leaves each replica's rows meeting its own (``"product_head": {}``):
+    by default every replica computes an in-batch product's head over every replica's
+    rows (tests/test_product_heads.py)."""
+    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
+    plan.product_head = {}
+    return gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan, **options)
+
+
 def test_the_plan_names_the_product_and_the_step_differs_from_one_device():
-    """The note is what happens: 2 replicas train the in-batch-negatives encoder away
-    from one device (each query meets 4 of the 8 documents), and the plan says so."""
+    """The note is what happens when the product's head is left to each replica: 2
+    replicas train the in-batch-negatives encoder away from one device (each query
+    meets 4 of the 8 documents), and the plan says so."""
     graph_def, feeds = dual_encoder("in_batch"), _batches()
     want = _one_device(graph_def, feeds)
     lines = []
-    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", log=lines.append)
+    result = _own_rows_meeting(graph_def, log=lines.append)
     [note] = _notes(result)
     assert "'similarity'" in note and "1/2" in note
     assert any(note in line for line in lines)
@@ -160,7 +171,7 @@ def test_negatives_of_the_row_itself_train_as_one_device_with_no_note():
 
 def test_one_replica_has_no_note_and_inspect_prints_it(tmp_path, capsys):
     assert not _notes(gr.rewrite(dual_encoder("in_batch"), devices_per_worker=1, device_type="CPU"))
-    path = gr.rewrite(dual_encoder("in_batch"), devices_per_worker=2, device_type="CPU").save(str(tmp_path / "d.pb"))
+    path = _own_rows_meeting(dual_encoder("in_batch")).save(str(tmp_path / "d.pb"))
     from graph_rewriter.cli import main
     assert main(["inspect", path]) == 0
     assert ROWS_MEET_START + " in 'similarity'" in capsys.readouterr().out

@@ -109,6 +109,8 @@ def build_inputs(out_dir, keras=False):
     os.makedirs(os.path.join(out_dir, "warm_start"), exist_ok=True)
     graphs["script_warm_start"] = tf1_scripts.warm_started_mlp(os.path.join(out_dir, "warm_start"))[0]
     graphs["script_dual_encoder"] = tf1_scripts.dual_encoder("in_batch")
+    graphs["script_clip"] = tf1_scripts.contrastive("clip")   # in-batch products: a head over every replica's rows
+    graphs["script_simclr"] = tf1_scripts.contrastive("simclr")
     for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows",   # rows that meet other rows
                  "cross_correlation", "center_by_hand"):
         graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)

@@ -662,6 +662,83 @@ def dual_encoder(negatives="in_batch"):
     return g.as_graph_def()
 
 
+def contrastive(kind="clip"):
+    """Two contrastive models as their public TF1 code writes them, small: every row of
+    the batch meets every other row in the logits.
+
+    "clip": an image and a text tower (x, t [batch, 6], each a tanh layer, normalised),
+    logits ``exp(logit_scale) * img @ txt^T`` with a learned ``logit_scale`` (log 1/0.07),
+    the symmetric loss (cross entropy of the logits and of their transpose, the labels
+    ``tf.range`` of the batch), weight decay added to the loss, Adam on gradients clipped
+    to global norm 1.
+
+    "simclr": two views a, b [batch, 6] through one encoder and projection head (relu
+    layer, linear layer, normalised); SimCLR's NT-Xent at temperature 0.5: for each view
+    the logits against the other view's rows and against its own view's other rows (the
+    diagonal masked by ``tf.one_hot(tf.range(n), n) * 1e9``), labels ``tf.one_hot(tf.range(n),
+    2 n)``, ``tf.compat.v1.losses.softmax_cross_entropy``; momentum 0.9 on the loss plus
+    weight decay.
+
+    Returns the GraphDef (loss:0, train_op, init); the feeds: ``contrastive_batches``."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        init = tf1.glorot_uniform_initializer
+        if kind == "clip":
+            x = tf1.placeholder(tf.float32, [None, 6], name="x")
+            t = tf1.placeholder(tf.float32, [None, 6], name="t")
+            wi = tf1.get_variable("image/w", [6, 5], initializer=init(seed=2))
+            wt = tf1.get_variable("text/w", [6, 5], initializer=init(seed=3))
+            scale = tf1.get_variable("logit_scale", [], initializer=tf1.constant_initializer(np.log(1 / 0.07)))
+            img = tf.math.l2_normalize(tf.tanh(tf.matmul(x, wi)), axis=1)
+            txt = tf.math.l2_normalize(tf.tanh(tf.matmul(t, wt)), axis=1)
+            logits = tf.exp(scale) * tf.matmul(img, txt, transpose_b=True, name="similarity")
+            labels = tf.range(tf.shape(x)[0])
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits
+            loss = tf.add((tf.reduce_mean(ce(labels=labels, logits=logits))
+                           + tf.reduce_mean(ce(labels=labels, logits=tf.transpose(logits)))) / 2,
+                          1e-3 * tf.add_n([tf.nn.l2_loss(wi), tf.nn.l2_loss(wt)]), name="loss")
+            opt = tf1.train.AdamOptimizer(0.05)
+            grads, variables = zip(*opt.compute_gradients(loss))
+            clipped, _ = tf.clip_by_global_norm(grads, 1.0)
+            opt.apply_gradients(zip(clipped, variables), name="train_op")
+        else:
+            a = tf1.placeholder(tf.float32, [None, 6], name="a")
+            b = tf1.placeholder(tf.float32, [None, 6], name="b")
+            w1 = tf1.get_variable("encoder/w", [6, 8], initializer=init(seed=2))
+            w2 = tf1.get_variable("projection/w", [8, 5], initializer=init(seed=3))
+
+            def embed(v):
+                return tf.math.l2_normalize(tf.matmul(tf.nn.relu(tf.matmul(v, w1)), w2), axis=1)
+
+            ha, hb = embed(a), embed(b)
+            n = tf.shape(ha)[0]
+            labels = tf.one_hot(tf.range(n), n * 2)
+            masks = tf.one_hot(tf.range(n), n)
+            aa = tf.matmul(ha, ha, transpose_b=True) / 0.5 - masks * 1e9
+            bb = tf.matmul(hb, hb, transpose_b=True) / 0.5 - masks * 1e9
+            ab = tf.matmul(ha, hb, transpose_b=True) / 0.5
+            ba = tf.matmul(hb, ha, transpose_b=True) / 0.5
+            xent = tf1.losses.softmax_cross_entropy
+            contrast = xent(labels, tf.concat([ab, aa], 1)) + xent(labels, tf.concat([ba, bb], 1))
+            loss = tf.add(contrast, 1e-3 * tf.add_n([tf.nn.l2_loss(w1), tf.nn.l2_loss(w2)]), name="loss")
+            tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+def contrastive_batches(kind, steps, batch, seed=0):
+    """Feeds for ``contrastive(kind)``: two related views per row (the second the first
+    plus noise), so the matching pairs are learnable."""
+    rng = np.random.RandomState(seed)
+    names = ("x:0", "t:0") if kind == "clip" else ("a:0", "b:0")
+    out = []
+    for _ in range(steps):
+        first = rng.randn(batch, 6).astype(np.float32)
+        out.append({names[0]: first, names[1]: (first + 0.3 * rng.randn(batch, 6)).astype(np.float32)})
+    return out
+
+
 def warm_started_mlp(checkpoint_dir, resource=True):
     """BERT fine-tuning's warm start (``tf.compat.v1.train.init_from_checkpoint``), in
     small: writes a "pre-trained" checkpoint of an encoder ``bert/w1`` [4, 16] (all 0.3)

@@ -1,0 +1,204 @@
+"""In-batch products train as one device: every replica computes their head over every
+replica's rows (graph_rewriter/product_heads.py, passes/product_heads.py).
+
+A dual encoder's ``tf.matmul(q, d, transpose_b=True)``, CLIP's symmetric loss with a
+learned temperature and SimCLR's NT-Xent meet every row of the batch with every other.
+Before, each replica met its own shard's rows and the plan said so in a note (1.32 from
+one device in the loss after three steps at 2 replicas: the control below). Now each
+replica gathers the rows the head reads, computes one device's loss, and keeps R times
+its own rows' gradients; where the head holds what the rewrite cannot gather (a random
+op, a statistic another pass rewrites) or the rows cannot be gathered (micro-batches), the
+note stays and the log says why.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graph_rewriter as gr
+from graph_rewriter import graph_io, inspect_report
+from graph_rewriter.analysis import analyze
+from graph_rewriter.planner import ROWS_MEET_START
+from graph_rewriter.testing import harness
+from graph_rewriter.testing.tf1_scripts import contrastive, contrastive_batches, dual_encoder
+
+import test_cluster as tc
+from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
+
+tf1 = tf.compat.v1
+STEPS, BATCH = 4, 8
+RTOL, ATOL = 1e-5, 2e-6
+
+
+def _graph(kind):
+    return dual_encoder("in_batch") if kind == "dual_encoder" else contrastive(kind)
+
+
+def _batches(kind, steps=STEPS):
+    if kind == "dual_encoder":
+        rng = np.random.RandomState(0)
+        return [{"q:0": rng.randn(BATCH, 6).astype(np.float32), "d:0": rng.randn(BATCH, 6).astype(np.float32)}
+                for _ in range(steps)]
+    return contrastive_batches(kind, steps, BATCH)
+
+
+_REFERENCES = {}
+
+
+def _reference(kind):
+    if kind not in _REFERENCES:
+        graph_def = _graph(kind)
+        with harness.one_device_session(graph_def) as sess:
+            _REFERENCES[kind] = graph_def, harness.train_and_read(sess, graph_def, _batches(kind))
+    return _REFERENCES[kind]
+
+
+def _assert_equal(what, got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=f"{what}: losses")
+    assert sorted(got[1]) == sorted(want[1])
+    for name in want[1]:
+        np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
+
+
+def _notes(result):
+    return [n for n in result.plan.notes or [] if n.startswith(ROWS_MEET_START)]
+
+
+@pytest.mark.parametrize("kind, products, gathered, gradients", [
+    ("dual_encoder", ["similarity"], ["l2_normalize:0", "l2_normalize_1:0"], 2),
+    ("clip", ["similarity"], ["l2_normalize:0", "l2_normalize_1:0"], 2),
+    ("simclr", ["MatMul_4", "MatMul_5", "MatMul_6", "MatMul_7"], ["l2_normalize:0", "l2_normalize_1:0"], 8),
+])
+def test_the_analysis_finds_the_head(kind, products, gathered, gradients):
+    """The products, the rows the head reads (the normalised embeddings, not the batch
+    inputs), the count of rows its labels come from (``tf.range(tf.shape(x)[0])``),
+    and one gradient of rows per product operand, each read by the encoder's backward."""
+    head = analyze(graph_io.load_graph(_graph(kind))).product_head
+    assert head.products == products
+    assert [t for t, _ in head.gathered] == gathered
+    assert head.count_leaves == ["Shape"] and "range" in head.count_ops
+    assert len(head.gradients) == gradients
+    assert all("l2_normalize" in reader or "/AddN" in reader   # (or the sum of its gradients)
+               for _, readers in head.gradients for reader, _ in readers)
+    assert "loss" in head.head
+
+
+@pytest.mark.parametrize("kind, strategy, replicas", [
+    ("dual_encoder", "allreduce", 2),
+    ("clip", "allreduce", 2), ("clip", "allreduce", 4), ("clip", "ps", 2), ("clip", "hybrid", 2),
+    ("simclr", "allreduce", 2), ("simclr", "allreduce", 4), ("simclr", "ps", 4),
+])
+def test_trains_as_one_device(kind, strategy, replicas):
+    """Losses at every step and every variable (Adam's and momentum's slots, CLIP's
+    learned temperature) after STEPS steps, with no note."""
+    graph_def, want = _reference(kind)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    assert not _notes(result)
+    with gr.Session(result) as sess:
+        got = harness.train_and_read(sess, graph_def, _batches(kind))
+    _assert_equal(f"{kind}, {strategy}, {replicas} replicas", got, want)
+
+
+@pytest.mark.parametrize("kind", ["dual_encoder", "simclr"])
+def test_each_replicas_own_rows_would_be_caught(kind):
+    """The control: a given plan with ``"product_head": {}`` leaves each replica's rows
+    meeting its own; the note comes back and the losses differ from the first step on,
+    so the test above can fail."""
+    graph_def, want = _reference(kind)
+    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
+    plan.product_head = {}
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
+    assert _notes(result)
+    with gr.Session(result) as sess:
+        losses, _ = harness.train_and_read(sess, graph_def, _batches(kind))
+    assert max(abs(a - b) for a, b in zip(losses, want[0])) > 1e-2, (losses, want[0])
+
+
+def test_values_of_the_head_are_fetched_as_one_devices():
+    """The logits and the rows' losses are the whole batch's on every replica: fetched
+    by their names, they are one device's (replica 0's, not the replicas' concatenated)."""
+    graph_def = dual_encoder("in_batch")
+    feed = _batches("dual_encoder", 1)[0]
+    fetches = ["similarity:0", "SparseSoftmaxCrossEntropyWithLogits/SparseSoftmaxCrossEntropyWithLogits:0", "loss:0"]
+    with harness.one_device_session(graph_def) as sess:
+        sess.run("init")
+        want = sess.run(fetches, feed)
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU")
+    with gr.Session(result) as sess:
+        sess.run("init")
+        got = sess.run(fetches, feed)
+    for w, g in zip(want, got):
+        assert np.shape(g) == np.shape(w)
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
+def test_the_graph_gathers_per_replica_with_keys_of_its_own():
+    """Each replica gathers the two embeddings one after the other, with instance keys
+    of their own (distinct from every other collective's); the plan lists the head and
+    `graph-rewrite inspect` says so."""
+    result = gr.rewrite(contrastive("clip"), devices_per_worker=2, device_type="CPU")
+    gathers = [n for n in result.graph_def.node if n.op == "CollectiveGatherV2"]
+    assert len(gathers) == 4
+    nodes = {n.name: n for n in result.graph_def.node}
+
+    def key(n):
+        return nodes[n.input[3].split(":")[0]].attr["value"].tensor.int_val[0]   # (instance_key)
+
+    collectives = [n for n in result.graph_def.node if n.op.startswith("Collective")]
+    keys = [(key(n), n.name.startswith("replica_1/")) for n in collectives]
+    assert len(set(keys)) == len(keys)
+    for prefix in ("", "replica_1/"):   # the second gather runs after the first
+        second = nodes[prefix + "l2_normalize_1/every_replica/all_gather"]
+        assert "^" + prefix + "l2_normalize/every_replica/all_gather" in second.input
+    plan = result.metadata["plan"]
+    assert plan["product_head"]["products"] == ["similarity"]
+    text = inspect_report.format_report(inspect_report.report(result))
+    assert "in-batch products computed over every replica's rows" in text and "similarity" in text
+
+
+def _dropout_on_logits():
+    g = tf.Graph()
+    with g.as_default():
+        q = tf1.placeholder(tf.float32, [None, 6], name="q")
+        d = tf1.placeholder(tf.float32, [None, 6], name="d")
+        w = tf1.get_variable("w", [6, 5], initializer=tf1.glorot_uniform_initializer(seed=2))
+        logits = tf.matmul(tf.matmul(q, w), tf.matmul(d, w), transpose_b=True, name="similarity")
+        logits = tf1.nn.dropout(logits, rate=0.1, seed=3)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.range(tf.shape(q)[0]), logits=logits), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("case", ["dropout", "micro_batches"])
+def test_a_head_the_rewrite_cannot_gather_keeps_the_note(case):
+    """A head holding a random op, or micro-batches (each would meet its own
+    micro-batch's rows): the note stays, and the log says why for the first."""
+    lines = []
+    if case == "dropout":
+        graph_def = _dropout_on_logits()
+        assert analyze(graph_io.load_graph(graph_def)).product_head is None
+        result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", log=lines.append)
+        assert any("cannot be computed over every replica's rows" in line and "random" in line for line in lines), lines
+    else:
+        result = gr.rewrite(dual_encoder("in_batch"), devices_per_worker=2, device_type="CPU",
+                            accumulation_steps=2)
+    assert result.plan.product_head is None
+    [note] = _notes(result)
+    assert "'similarity'" in note
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["clip"])
+def test_between_graph_on_servers(kind, pool, procs, tmp_path):  # noqa: F811
+    """2 workers x 2 replicas on loopback TensorFlow servers, each worker's client fed its
+    half of every batch: the rows are gathered across the workers' processes, each
+    worker keeps its replicas' rows' gradients (ranks 2 and 3 on worker 1), and the
+    variables equal one device's after STEPS steps."""
+    graph_def, (_, want) = _reference(kind)
+    reads = harness.resource_reads(graph_def)
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, "allreduce", STEPS, reads.values(),
+                              _batches(kind), dpw=2)
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)

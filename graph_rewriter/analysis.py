@@ -166,6 +166,9 @@ class Analysis:
     # names of forward ops that move the batch's rows within it (mixup's reversed or
     # shuffled batch): a replica moves its own rows only
     moved_rows: list = dataclasses.field(default_factory=list)
+    # names of forward ops that take rows of the batch by their position in it (its halves
+    # by tf.split(h, 2, 0), h[:n]): a replica's batch is a shard, its halves not the batch's
+    positioned_rows: list = dataclasses.field(default_factory=list)
     # names of forward statistics over the batch's rows that training uses other than
     # linearly (BatchNorm in training mode, a center loss): each replica's is its shard's
     batch_statistics: list = dataclasses.field(default_factory=list)
@@ -335,6 +338,7 @@ class _Analyzer:
         training = _Lazy(lambda: _value_ancestors_of(
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
+        positioned_rows = self._find_positioned_rows(seeds, variant0, training)
         batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
         bounded = {name: self._bounded_loops(self.g.node(name)) for name in batch_statistics
                    if ":" not in name}   # (not "call:function:node", one in a function)
@@ -371,7 +375,7 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
-            moved_rows=moved_rows, batch_statistics=batch_statistics,
+            moved_rows=moved_rows, positioned_rows=positioned_rows, batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -1166,6 +1170,34 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
+    def _find_positioned_rows(self, seeds, variant0, training):
+        """Forward ops that take rows of the batch by their position in it, whose value
+        training uses: a split along the rows (the batch's halves, ``tf.split(h, 2, 0)``,
+        where the input pipeline put two views of the examples; not one that splits
+        back a concatenation along the rows made in the graph: _split_pieces), a slice
+        of some of the rows (``h[:n]``, ``h[0]``, ``h[::2]``; ``h[::-1]`` is a move). A
+        replica's batch is a contiguous shard of the batch, so its halves are not the
+        batch's halves: the plan says so. A SparseTensor's components count entries, and
+        its dense shape is no rows: they are not looked at."""
+        sparse = {t for triple in self.sparse_inputs for t in triple}
+        seed_nodes = {t.node for t in seeds if t not in sparse}
+        out = []
+        for n in self.order:
+            if n.op not in _POSITIONAL or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
+                continue
+            value = n.inputs[1] if n.op == "Split" else n.inputs[0]
+            if n.op == "Split":
+                takes = _split_axis(n) == 0 and not _split_pieces(n, _rows_follow(True, 4096), 4096)
+            elif n.op == "SplitV":
+                takes = _split_axis(n, n.inputs[2], n.inputs[0]) == 0
+            elif n.op == "Slice":
+                takes = _first_int(n.inputs[1]) != 0 or _first_int(n.inputs[2]) != -1
+            else:
+                takes = _slices_rows(n)
+            if takes and _reaches_rows(value, seed_nodes, strict=True) and n in training.value:
+                out.append(n.name)
+        return out
+
     def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums):
         """Forward statistics over the batch's rows (a reduction whose constant axes
         hold the rows, a product of two batch tensors contracting the rows, a
@@ -1848,6 +1880,8 @@ def _holds_rows(tensor, batch_nodes, limit=4096):
             return n.inputs[:1] if not n.attr["transpose_a"].b else []
         if n.op in ("GatherV2", "Gather", "ResourceGather"):
             return [n.inputs[1]]
+        if n.op in ("Split", "SplitV"):   # parts of rows are rows
+            return [n.inputs[1] if n.op == "Split" else n.inputs[0]]
         return list(n.inputs) if n.op in _ROW_LOCAL else []
     return _search_back(tensor, lambda t: t.node in batch_nodes, follow, limit) is not None
 
@@ -1878,6 +1912,11 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     rows (_MOVES_ROWS), so the value's first axis is the batch's rows; a Reshape that
     keeps its first axis (_keeps_first_axis: tf_keras' and tf.layers' Flatten) is no
     such op."""
+    return _search_back(tensor.node, lambda n: n in batch_nodes, _rows_follow(strict, limit), limit) is not None
+
+
+def _rows_follow(strict, limit):
+    """_reaches_rows' step back from a node: the inputs through which it keeps rows."""
     def follow(n):
         if n.op in _REDUCTIONS:
             axes = n.inputs[1].node if len(n.inputs) > 1 else None
@@ -1889,10 +1928,88 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
                 return [n.inputs[0].node]
         elif n.op in ("GatherV2", "Gather", "ResourceGather"):
             return [n.inputs[1].node]
+        elif n.op == "Split" and strict:
+            return _split_pieces(n, follow, limit)
         elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS and not _keeps_first_axis(n)):
             return [t.node for t in n.inputs]
         return []
-    return _search_back(tensor.node, lambda n: n in batch_nodes, follow, limit) is not None
+    return follow
+
+
+def _split_pieces(split, follow, limit):
+    """The tensors a ``tf.split(h, k, 0)`` splits back apart: SimCLR's two views, put
+    through one encoder as ``tf.concat([view_1, view_2], 0)``, come out as ``tf.split(h,
+    2, 0)``. The nodes of the ConcatV2 of k tensors along axis 0 that ``h`` is computed
+    from row by row (along ``follow``, the strict walk); each part of the split holds
+    the rows of one of them, on every replica its own shard's, when they have as many
+    rows (two views of one batch); [] when there is no such concatenation. A split
+    along another axis keeps every row in every part: its input."""
+    k = split.attr["num_split"].i
+    a = _split_axis(split)
+    if a is None:
+        return []
+    if a > 0:
+        return [split.inputs[1].node]   # along the features: each part keeps every row
+
+    def pieces(n):
+        values = n.inputs[:-1]
+        return n.op == "ConcatV2" and len(values) == k and _is_const(n.inputs[-1], 0)
+
+    def walk(n):
+        return [] if n.op == "Split" else follow(n)   # (nested splits: not followed)
+
+    concat = _search_back(split.inputs[1].node, pieces, walk, limit)
+    return [t.node for t in concat.inputs[:-1]] if concat is not None else []
+
+
+_POSITIONAL = frozenset(("Split", "SplitV", "Slice", "StridedSlice"))
+
+
+def _int_const(tensor):
+    """The values of a constant integer tensor (through Identity), or None."""
+    n = _strip_identity(tensor).node
+    return list(dtypes.int_values(n.attr["value"].tensor)) if n.op == "Const" else None
+
+
+def _first_int(tensor):
+    """The first entry of an integer vector that is a constant or a Pack whose first
+    input is one (``h[:, :n]``'s begin, end and strides), or None."""
+    n = _strip_identity(tensor).node
+    if n.op == "Pack" and n.inputs:
+        tensor = n.inputs[0]
+    values = _int_const(tensor)
+    return values[0] if values else None
+
+
+def _split_axis(split, axis=None, value=None):
+    """The axis a Split (or SplitV, given its axis and value) splits along, made
+    non-negative, or None when it is not a constant (or negative of an unknown rank)."""
+    axis = split.inputs[0] if axis is None else axis
+    value = split.inputs[1] if value is None else value
+    values = _int_const(axis)
+    if values is None or len(values) != 1:
+        return None
+    a = values[0]
+    if a < 0:
+        rank = static_rank(value)
+        return None if rank is None else a + rank
+    return a
+
+
+def _slices_rows(strided_slice):
+    """True if a StridedSlice takes some of its input's rows by position (``h[:n]``,
+    ``h[0]``, ``h[::2]``), not all of them in order (``h[:, 0]``), nor reversed
+    (``h[::-1]``: a move of the rows)."""
+    n = strided_slice
+    if n.attr["ellipsis_mask"].i & 1 or n.attr["new_axis_mask"].i & 1:
+        return False   # (axis 0 left whole, or a new axis first)
+    if n.attr["shrink_axis_mask"].i & 1:
+        return True
+    stride = _first_int(n.inputs[3])
+    if stride == -1:
+        return False
+    whole_begin = n.attr["begin_mask"].i & 1 or _first_int(n.inputs[1]) == 0
+    return stride != 1 or not whole_begin or not n.attr["end_mask"].i & 1
 
 
 def _keeps_first_axis(reshape):

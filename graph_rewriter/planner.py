@@ -372,6 +372,10 @@ ROW_PRODUCTS = (ROWS_MEET_START + " in {names} (a product of two batch tensors o
 MOVED_ROWS = (ROWS_MEET_START + " in {names} (rows moved or ranked within the batch, e.g. mixup's reversed or "
               "shuffled batch, a top_k of the rows' losses): each replica moves or ranks its own rows only, so a "
               "row meets other rows than on one device, and the step differs from one device's")
+POSITIONED_ROWS = (ROWS_MEET_START + " in {names} (rows taken by their position in the batch, e.g. its halves by "
+                   "tf.split(h, 2, 0) where the input pipeline put two views of the examples, or h[:n]): each "
+                   "replica's batch is a contiguous shard of the batch, so the rows at those positions are not one "
+                   "device's, and the step differs from one device's")
 BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's rows that training uses, e.g. "
                     "batch normalization in training mode): each replica computes them over its own rows, as "
                     "data-parallel training without synchronised batch statistics does, and the step differs "
@@ -405,6 +409,7 @@ def _note_rows_meeting(plan, analysis, log):
             log(f"plan: the in-batch products {_listed(products)} cannot be computed over every replica's rows: "
                 f"{analysis.product_head_obstacle}")
         for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, analysis.moved_rows),
+                                (POSITIONED_ROWS, analysis.positioned_rows),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics
                                                     if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means

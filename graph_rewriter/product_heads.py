@@ -16,8 +16,10 @@ gradient of that row, whichever replica computes it; the replica's encoder turns
 rows' into J_r^T dq_r, and the all-reduce's mean over the replicas of R times that is
 the sum over the rows, one device's gradient. A variable the head reads itself (a
 learned temperature) gets one device's whole gradient on every replica, which the mean
-keeps. Counts of the batch's rows the head reads (``tf.range(tf.shape(q)[0])`` as the
-labels, a ``tf.eye`` of the batch) are recomputed from R times the replica's count.
+keeps. Values the head reads that are computed from the batch's rows and counts of them
+(the labels ``tf.range(tf.shape(q)[0])``, a ``tf.eye`` of the batch, a triplet loss's mask
+of equal labels) are computed again, from every replica's rows and R times the
+replica's count.
 
 ``find`` returns the head (the plan stores it, passes/product_heads.py builds it) or
 the reason it cannot be built, for the plan's note.
@@ -32,9 +34,9 @@ from graph_rewriter.op_builder import dtype_of
 COUNT_OPS = frozenset(("Shape", "Size"))
 # ops that sum the gradients a tensor receives from its readers (tf.gradients' aggregation)
 _AGGREGATIONS = frozenset(("AddN", "AccumulateNV2", "Identity"))
-# stateful ops a head may hold: summaries of its values
-_SUMMARIES = frozenset(("ScalarSummary", "HistogramSummary", "MergeSummary", "WriteScalarSummary",
-                        "WriteHistogramSummary"))
+# stateful ops a head may hold: summaries, prints and assertions of its values
+_HARMLESS_STATE = frozenset(("ScalarSummary", "HistogramSummary", "MergeSummary", "WriteScalarSummary",
+                             "WriteHistogramSummary", "Print", "PrintV2", "StringFormat", "Assert"))
 _BACKWARD = re.compile(r"(?:^|(?<=/))gradients(?:_\d+)?/")
 
 
@@ -42,10 +44,12 @@ _BACKWARD = re.compile(r"(?:^|(?<=/))gradients(?:_\d+)?/")
 class ProductHead:
     products: list    # the in-batch products (MatMul names)
     head: list        # the forward ops computed over every replica's rows, in graph order
-    gathered: list    # [[tensor, [[reader, input position]]]]: rows the head reads, gathered
-    count_ops: list   # nodes computing counts of rows the head reads, from a Shape or Size up
-    count_leaves: list  # those Shapes and Sizes of the batch's rows: R times the replica's
-    counts: list      # [[tensor, [[reader, input position]]]]: those counts, R times the replica's
+    gathered: list    # [[tensor, [[reader, input position]]]]: rows the head reads (or its
+    #                   copied ops: those readers keep the replica's, their copies read these), gathered
+    copied_ops: list  # nodes the head computes again from every replica's rows (gathered) and
+    #                   counts of them (the labels tf.range(tf.shape(q)[0]), a mask of equal labels)
+    count_leaves: list  # the Shapes and Sizes of the batch's rows among them: R times the replica's
+    copied: list      # [[tensor, [[reader, input position]]]]: their values the head reads
     gradients: list   # [[tensor, [[reader, input position]]]]: the head's gradients of rows
 
     def to_dict(self):
@@ -79,49 +83,62 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
             return None, f"'{n.name}' in it is rewritten for another reason ({elsewhere[n.name]})"
         if n.op in _FUNCTIONAL or loop_frames(n):
             return None, f"'{n.name}' ({n.op}) in it runs functions or a while loop"
-        if (opdefs.is_stateful(n) and n.op not in _SUMMARIES) or opdefs.resource_positions(n):
+        if (opdefs.is_stateful(n) and n.op not in _HARMLESS_STATE) or opdefs.resource_positions(n):
             return None, f"'{n.name}' ({n.op}) in it has state (a random op, a variable's update)"
 
     def holds_rows(t):
         return _holds_rows(t, seed_nodes) and _reaches_rows(t, seed_nodes, strict=True)
 
-    def count_chain(t, limit=256):
-        """The nodes between ``t`` and the counts of rows it is computed from, or None
-        if it reads the batch's values."""
-        chain, stack = set(), [t.node]
+    def recomputed(t, limit=256):
+        """The nodes between ``t`` and the rows and counts of rows it is computed from
+        (the head computes them again from every replica's), the rows among them, and
+        the Shapes and Sizes of rows; None if it reads the batch otherwise."""
+        chain, rows, counts_of, stack = set(), {}, set(), [(t, None)]
         while stack:
-            n = stack.pop()
+            u, reader = stack.pop()
+            n = u.node
+            if u is not t and holds_rows(u):   # (a batch input among them)
+                rows.setdefault(u, []).append(reader)
+                continue
             if n in chain or n not in variant0:
                 continue
             if len(chain) > limit or n in seed_nodes or n.op in _FUNCTIONAL or loop_frames(n) \
-                    or opdefs.is_stateful(n) or in_backward(n.name, scopes):
+                    or opdefs.is_stateful(n) or in_backward(n.name, scopes) or n.name in elsewhere:
                 return None
             chain.add(n)
             if n.op in COUNT_OPS and _reaches_rows(n.inputs[0], seed_nodes, strict=True):
-                leaves.add(n)
+                counts_of.add(n)
                 continue
-            stack.extend(i.node for i in n.inputs)   # (a Shape of a count's one-hot: its copy's)
-        return chain if leaves & chain else None
+            stack.extend((i, [n.name, pos]) for pos, i in enumerate(n.inputs))   # (a Shape of a count's one-hot)
+        return (chain, rows, counts_of) if rows or counts_of else None
 
-    gathered, counts, chain, leaves = {}, {}, set(), set()
+    gathered, copied, chain, leaves = {}, {}, set(), set()
     for h in sorted(head, key=position.get):
         for pos, t in enumerate(h.inputs):
-            if t.node in head or t.node not in variant0:
+            if t.node in head:
                 continue
-            if t in gathered or holds_rows(t):
+            if t in gathered or holds_rows(t):   # (a batch input itself among them)
                 gathered.setdefault(t, []).append([h.name, pos])
                 continue
-            found = count_chain(t) if t not in counts else set()
-            if found is None:
-                return None, (f"'{h.name}' in it reads '{t.name}', a value of the batch that is neither "
-                              "its rows nor a count of them")
-            chain |= found
-            counts.setdefault(t, []).append([h.name, pos])
+            if t.node not in variant0:
+                continue
+            if t not in copied:
+                found = recomputed(t)
+                if found is None:
+                    return None, (f"'{h.name}' in it reads '{t.name}', a value of the batch computed otherwise "
+                                  "than from its rows and their count")
+                chain |= found[0]
+                leaves |= found[2]
+                for r, readers in found[1].items():   # (copies read them: passes/product_heads.py)
+                    gathered.setdefault(r, []).extend(readers)
+            copied.setdefault(t, []).append([h.name, pos])
     if not any(dtypes.as_dtype(dtype_of(t)).is_floating for t in gathered):
         return None, "it reads no floating-point rows of the batch"
 
+    # the backward of the head and of the ops it computes again (a gradient through the
+    # copy of ``tf.expand_dims(norms, 0)`` is the gradient of the gathered norms)
     backward = set()
-    for members in gradient_scopes(order, {n.name: n for n in head}).values():
+    for members in gradient_scopes(order, {n.name: n for n in head | chain}).values():
         backward.update(members)
     for b in sorted(backward, key=position.get):
         for pos, t in enumerate(b.inputs):
@@ -129,8 +146,8 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
                 continue
             if t in gathered:
                 gathered[t].append([b.name, pos])
-            elif t in counts:
-                counts[t].append([b.name, pos])
+            elif t in copied or t.node in chain:
+                copied.setdefault(t, []).append([b.name, pos])
             elif t.node in variant0 and not in_backward(t.node.name, scopes):
                 return None, f"its backward '{b.name}' reads '{t.name}', a forward value of the batch"
 
@@ -138,7 +155,7 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     encoder, stack = set(), [t.node for t in gathered]
     while stack:
         n = stack.pop()
-        if n in encoder or n in head or n not in variant0 or n in seed_nodes:
+        if n in encoder or n in head or n in chain or n not in variant0 or n in seed_nodes:
             continue
         encoder.add(n)
         stack.extend(i.node for i in n.inputs)
@@ -175,9 +192,9 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     return ProductHead(
         products=[n.name for n in products], head=[n.name for n in ordered],
         gathered=[[t.name, readers] for t, readers in sorted(gathered.items(), key=lambda e: _key(e[0], position))],
-        count_ops=[n.name for n in sorted(chain, key=position.get)],
+        copied_ops=[n.name for n in sorted(chain, key=position.get)],
         count_leaves=[n.name for n in sorted(leaves, key=position.get)],
-        counts=[[t.name, readers] for t, readers in sorted(counts.items(), key=lambda e: _key(e[0], position))],
+        copied=[[t.name, readers] for t, readers in sorted(copied.items(), key=lambda e: _key(e[0], position))],
         gradients=[[t.name, readers] for t, readers in
                    sorted(gradients.items(), key=lambda e: _key(e[0], position))]), None
 

@@ -7,9 +7,10 @@ analysis: graph_rewriter/product_heads.py), each replica
 
 - gathers, in replica order, the rows the head reads (CollectiveGatherV2), for the
   head's forward ops and the backward ops that read them;
-- recomputes the counts of rows the head reads (``tf.range(tf.shape(q)[0])``) from R
-  times its own count: the Shape or Size they start from, then a copy of the ops
-  between it and the head;
+- computes again the values the head reads that come from the batch's rows and counts
+  of them (the labels ``tf.range(tf.shape(q)[0])``, a mask of equal labels): a copy of
+  the ops between them and the head, reading the gathered rows and, for a Shape or Size
+  of the rows, R times the replica's count;
 - keeps its own rows of each gradient the head's backward gives the rows, times R:
 
     replica r:  q_r ─> CollectiveGatherV2 ─> q ─> head ─> loss ─> head's backward ─> dq [B rows]
@@ -48,20 +49,30 @@ class ProductHeadsPass(Pass):
         first_key = counted_down_start(plan, "product_head")
         ranks = replica_ranks(graph, rm, "graph_rewriter/product_heads") if head["gradients"] else None
         r = rm.group_size
+        copied = set(head["copied_ops"])
         for i in rm.built:
             device = rm.devices[i]
             previous = None   # the chain's last gather
+            every = {}        # replica i's tensor of rows -> every replica's
             for k, (name, readers) in enumerate(head["gathered"]):
-                rows = rm.tensor(graph, i, name)
+                # what the replica's first reader reads: a batch input's part of the split
+                first, pos = readers[0]
+                rows = rm.node(graph, i, first).inputs[pos]
                 with graph.adding_to_replica(i):
-                    previous = all_gather(graph, f"{rows.node.name}/every_replica", rows, r, gkey,
+                    # (named as the replica's: a batch input's split is a global node, and a
+                    # template replica's nodes are known by their prefix)
+                    op, _, index = name.rpartition(":")
+                    scope = rm.name(i, op) + ("" if index == "0" else f"_{index}")
+                    previous = all_gather(graph, f"{scope}/every_replica", rows, r, gkey,
                                           normalizer_instance_key(plan, first_key + k), device,
                                           control_inputs=[previous] if previous is not None else [])
+                every[rows] = previous.output(0)
                 for reader, pos in readers:
-                    rm.node(graph, i, reader).set_input(pos, previous.output(0))
+                    if reader not in copied:   # (a copy of the reader reads it)
+                        rm.node(graph, i, reader).set_input(pos, previous.output(0))
             with graph.adding_to_replica(i):
-                copies = _batch_counts(graph, rm, i, head["count_ops"], set(head["count_leaves"]), r, device)
-                for name, readers in head["counts"]:
+                copies = _copies(graph, rm, i, head["copied_ops"], set(head["count_leaves"]), every, r, device)
+                for name, readers in head["copied"]:
                     t = rm.tensor(graph, i, name)
                     for reader, pos in readers:
                         rm.node(graph, i, reader).set_input(pos, Tensor(copies[t.node], t.index))
@@ -73,10 +84,11 @@ class ProductHeadsPass(Pass):
         return True
 
 
-def _batch_counts(graph, rm, i, names, leaves, r, device):
-    """{replica i's node: its copy} for the count ops ``names`` (graph order): a Shape
-    or Size of the batch's rows (``leaves``) becomes R times the replica's count of
-    rows, and the ops after it copies that read the copies."""
+def _copies(graph, rm, i, names, leaves, every, r, device):
+    """{replica i's node: its copy} for the ops ``names`` (graph order) the head computes
+    again from every replica's rows: a Shape or Size of the batch's rows (``leaves``)
+    becomes R times the replica's count of rows, and the other ops copies that read the
+    copies and every replica's rows (``every``: replica i's tensor -> the gathered one)."""
     copies = {}
     for name in names:
         node = rm.node(graph, i, name)
@@ -84,7 +96,8 @@ def _batch_counts(graph, rm, i, names, leaves, r, device):
             copies[node] = _whole_count(graph, node, r, device).node
             continue
         copy = graph.clone_node(node, graph.unique_name(f"{node.name}/every_replica"))
-        copy.set_inputs([Tensor(copies[t.node], t.index) if t.node in copies else t for t in node.inputs])
+        copy.set_inputs([Tensor(copies[t.node], t.index) if t.node in copies else every.get(t, t)
+                         for t in node.inputs])
         copy.set_control_inputs(node.control_inputs)
         copies[node] = copy
     return copies

@@ -2,9 +2,14 @@
 replica's rows (graph_rewriter/product_heads.py, passes/product_heads.py).
 
 A dual encoder's ``tf.matmul(q, d, transpose_b=True)``, CLIP's symmetric loss with a
-learned temperature and SimCLR's NT-Xent meet every row of the batch with every other.
+learned temperature, SimCLR's NT-Xent and a batch-hard triplet loss (its mask of equal
+labels computed again from every replica's labels) meet every row of the batch with
+every other.
 Before, each replica met its own shard's rows and the plan said so in a note (1.32 from
-one device in the loss after three steps at 2 replicas: the control below). Now each
+one device in the loss after three steps at 2 replicas: the control below); SimCLR as its
+own code writes it (both views through one encoder, ``tf.concat([v1, v2], 0)``, and back
+apart by ``tf.split(h, 2, 0)``) was not even noted, and trained 1.42 from one device in
+the loss, silently: the analysis did not follow rows through the split. Now each
 replica gathers the rows the head reads, computes one device's loss, and keeps R times
 its own rows' gradients; where the head holds what the rewrite cannot gather (a random
 op, a statistic another pass rewrites) or the rows cannot be gathered (micro-batches), the
@@ -68,17 +73,23 @@ def _notes(result):
     ("dual_encoder", ["similarity"], ["l2_normalize:0", "l2_normalize_1:0"], 2),
     ("clip", ["similarity"], ["l2_normalize:0", "l2_normalize_1:0"], 2),
     ("simclr", ["MatMul_4", "MatMul_5", "MatMul_6", "MatMul_7"], ["l2_normalize:0", "l2_normalize_1:0"], 8),
+    ("simclr_stacked", ["MatMul_2", "MatMul_3", "MatMul_4", "MatMul_5"], ["split_1:0", "split_1:1"], 8),
+    ("triplet", ["similarity"], ["labels:0", "MatMul:0"], 2),
+    ("triplet_norms", ["similarity"], ["labels:0", "MatMul:0", "Sum:0"], 4),
 ])
 def test_the_analysis_finds_the_head(kind, products, gathered, gradients):
-    """The products, the rows the head reads (the normalised embeddings, not the batch
-    inputs), the count of rows its labels come from (``tf.range(tf.shape(x)[0])``),
-    and one gradient of rows per product operand, each read by the encoder's backward."""
+    """The products, the rows the head reads (the normalised embeddings, the triplet
+    loss's labels), the count of rows its labels or mask come from
+    (``tf.range(tf.shape(x)[0])``, ``tf.eye``), and one gradient of rows per product
+    operand, each read by the encoder's backward."""
     head = analyze(graph_io.load_graph(_graph(kind))).product_head
     assert head.products == products
     assert [t for t, _ in head.gathered] == gathered
-    assert head.count_leaves == ["Shape"] and "range" in head.count_ops
+    assert head.count_leaves == ["Shape"]
+    assert ("eye/diag" if kind.startswith("triplet") else "range") in head.copied_ops
     assert len(head.gradients) == gradients
-    assert all("l2_normalize" in reader or "/AddN" in reader   # (or the sum of its gradients)
+    assert all("l2_normalize" in reader or "split_1_grad" in reader or "/AddN" in reader   # (or their sum)
+               or "MatMul_grad" in reader
                for _, readers in head.gradients for reader, _ in readers)
     assert "loss" in head.head
 
@@ -87,6 +98,9 @@ def test_the_analysis_finds_the_head(kind, products, gathered, gradients):
     ("dual_encoder", "allreduce", 2),
     ("clip", "allreduce", 2), ("clip", "allreduce", 4), ("clip", "ps", 2), ("clip", "hybrid", 2),
     ("simclr", "allreduce", 2), ("simclr", "allreduce", 4), ("simclr", "ps", 4),
+    ("simclr_stacked", "allreduce", 2), ("simclr_stacked", "allreduce", 4), ("simclr_stacked", "hybrid", 2),
+    ("triplet", "allreduce", 2), ("triplet", "allreduce", 4), ("triplet", "ps", 2),
+    ("triplet_norms", "allreduce", 2), ("triplet_norms", "allreduce", 4),
 ])
 def test_trains_as_one_device(kind, strategy, replicas):
     """Losses at every step and every variable (Adam's and momentum's slots, CLIP's
@@ -99,7 +113,7 @@ def test_trains_as_one_device(kind, strategy, replicas):
     _assert_equal(f"{kind}, {strategy}, {replicas} replicas", got, want)
 
 
-@pytest.mark.parametrize("kind", ["dual_encoder", "simclr"])
+@pytest.mark.parametrize("kind", ["dual_encoder", "simclr", "simclr_stacked", "triplet", "triplet_norms"])
 def test_each_replicas_own_rows_would_be_caught(kind):
     """The control: a given plan with ``"product_head": {}`` leaves each replica's rows
     meeting its own; the note comes back and the losses differ from the first step on,
@@ -190,7 +204,7 @@ def test_a_head_the_rewrite_cannot_gather_keeps_the_note(case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["clip"])
+@pytest.mark.parametrize("kind", ["clip", "triplet"])
 def test_between_graph_on_servers(kind, pool, procs, tmp_path):  # noqa: F811
     """2 workers x 2 replicas on loopback TensorFlow servers, each worker's client fed its
     half of every batch: the rows are gathered across the workers' processes, each

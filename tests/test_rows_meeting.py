@@ -5,11 +5,13 @@ each replica, with that replica's shard only, and no rewrite that keeps the forw
 per replica can give it one device's value: a dual encoder's in-batch negatives
 ``tf.matmul(queries, documents, transpose_b=True)`` where its head is left to each replica
 (1.32 apart in the loss after three steps at 2 replicas, below; by default every replica
-computes it over every replica's rows: tests/test_product_heads.py), mixup's reversed or shuffled batch, statistics over the
-batch's rows used other than linearly (BatchNorm in training mode, a center loss), a
-mean over the rows a condition on the batch selects (``tf.boolean_mask``) where no
-collective can sync its count (tests/test_selected_means.py makes it exact where one
-can). The rewrite says so: the analysis lists each, and the plan's notes, the log and ``graph-rewrite
+computes it over every replica's rows: tests/test_product_heads.py), mixup's reversed or
+shuffled batch, rows taken by their position in the batch (its halves by ``tf.split(h, 2,
+0)``, ``h[:n]``: before, not noted, and 0.22 from one device in the loss at 2 replicas),
+statistics over the batch's rows used other than linearly (BatchNorm in training mode, a
+center loss), a mean over the rows a condition on the batch selects (``tf.boolean_mask``)
+where no collective can sync its count (tests/test_selected_means.py makes it exact where
+one can). The rewrite says so: the analysis lists each, and the plan's notes, the log and ``graph-rewrite
 inspect`` name them (docs/semantics.md, "Rows that meet other rows"). Each note is shown
 true (the step differs from one device's), and the controls, where rows stay apart or
 meet only linearly (a mean by hand, a normaliser the rewrite syncs), train as one device
@@ -67,7 +69,7 @@ def test_the_analysis_finds_products_of_rows_with_rows(graph_def, found):
     assert analyze(graph_io.load_graph(graph_def())).row_products == found
 
 
-FIELDS = ("row_products", "moved_rows", "batch_statistics", "selected_means")
+FIELDS = ("row_products", "moved_rows", "positioned_rows", "batch_statistics", "selected_means")
 
 
 def _found(graph_def):
@@ -88,12 +90,13 @@ def test_the_analysis_finds_nothing_where_rows_stay_apart(kind):
 
 # the words each kind of note says what it found with
 NOTE_WORDS = {"moved_rows": "rows moved or ranked within the batch", "batch_statistics": "statistics over the batch's rows",
+              "positioned_rows": "rows taken by their position in the batch",
               "selected_means": "a mean over the rows a condition on the batch selects"}
 MLP_READS = {"w1": "w1/Read/ReadVariableOp:0", "w2": "w2/Read/ReadVariableOp:0"}
 
 
 @pytest.mark.parametrize("kind", ["mixup", "mixup_sliced", "mixup_shuffled", "hardest_rows", "center_loss",
-                                  "mean_features", "cross_correlation", "fused_batch_norm"])
+                                  "mean_features", "cross_correlation", "fused_batch_norm", "halves", "first_rows"])
 def test_each_note_names_what_it_found_and_is_true(kind):
     """The note names the ops and says why, the log carries it, and it is true: 2
     replicas train away from one device on the same batches."""

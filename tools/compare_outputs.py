@@ -111,8 +111,10 @@ def build_inputs(out_dir, keras=False):
     graphs["script_dual_encoder"] = tf1_scripts.dual_encoder("in_batch")
     graphs["script_clip"] = tf1_scripts.contrastive("clip")   # in-batch products: a head over every replica's rows
     graphs["script_simclr"] = tf1_scripts.contrastive("simclr")
+    graphs["script_simclr_stacked"] = tf1_scripts.contrastive("simclr_stacked")
+    graphs["script_triplet"] = tf1_scripts.contrastive("triplet")
     for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows",   # rows that meet other rows
-                 "cross_correlation", "center_by_hand"):
+                 "cross_correlation", "center_by_hand", "halves"):
         graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice

@@ -677,14 +677,37 @@ def contrastive(kind="clip"):
     the logits against the other view's rows and against its own view's other rows (the
     diagonal masked by ``tf.one_hot(tf.range(n), n) * 1e9``), labels ``tf.one_hot(tf.range(n),
     2 n)``, ``tf.compat.v1.losses.softmax_cross_entropy``; momentum 0.9 on the loss plus
-    weight decay.
+    weight decay. "simclr_stacked": the same as SimCLR's own code builds it, the two views
+    stacked on the features of one input x [batch, 12], split and concatenated along the
+    batch (``tf.concat(tf.split(x, 2, -1), 0)``) for one pass through the encoder, its
+    output split back into the views (``tf.split(h, 2, 0)``). "triplet": an embedding x
+    [batch, 6] -> [batch, 4] trained by the batch-hard triplet loss (each row's farthest
+    row of its label, integer labels [batch], and nearest row of another, from the
+    pairwise distances of ``tf.matmul(e, e, transpose_b=True)``, margin 0.5), SGD; the
+    squared norms from its diagonal; "triplet_norms": from ``tf.reduce_sum(tf.square(e),
+    1)``, outside the head.
 
     Returns the GraphDef (loss:0, train_op, init); the feeds: ``contrastive_batches``."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
         init = tf1.glorot_uniform_initializer
-        if kind == "clip":
+        if kind in ("triplet", "triplet_norms"):   # batch-hard triplet loss, FaceNet's margin 0.5
+            x = tf1.placeholder(tf.float32, [None, 6], name="x")
+            labels = tf1.placeholder(tf.int32, [None], name="labels")
+            w = tf1.get_variable("w", [6, 4], initializer=init(seed=2))
+            e = tf.matmul(x, w)
+            dot = tf.matmul(e, e, transpose_b=True, name="similarity")
+            sq = tf.linalg.diag_part(dot) if kind == "triplet" else tf.reduce_sum(tf.square(e), 1)
+            dist = tf.maximum(tf.expand_dims(sq, 0) - 2.0 * dot + tf.expand_dims(sq, 1), 0.0)
+            same = tf.equal(tf.expand_dims(labels, 0), tf.expand_dims(labels, 1))
+            others = tf.logical_not(tf.cast(tf.eye(tf.shape(labels)[0]), tf.bool))
+            positive = tf.reduce_max(tf.cast(tf.logical_and(same, others), tf.float32) * dist, 1, keepdims=True)
+            farthest = tf.reduce_max(dist, 1, keepdims=True)
+            negative = tf.reduce_min(dist + farthest * tf.cast(same, tf.float32), 1, keepdims=True)
+            loss = tf.reduce_mean(tf.maximum(positive - negative + 0.5, 0.0), name="loss")
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        elif kind == "clip":
             x = tf1.placeholder(tf.float32, [None, 6], name="x")
             t = tf1.placeholder(tf.float32, [None, 6], name="t")
             wi = tf1.get_variable("image/w", [6, 5], initializer=init(seed=2))
@@ -703,15 +726,18 @@ def contrastive(kind="clip"):
             clipped, _ = tf.clip_by_global_norm(grads, 1.0)
             opt.apply_gradients(zip(clipped, variables), name="train_op")
         else:
-            a = tf1.placeholder(tf.float32, [None, 6], name="a")
-            b = tf1.placeholder(tf.float32, [None, 6], name="b")
             w1 = tf1.get_variable("encoder/w", [6, 8], initializer=init(seed=2))
             w2 = tf1.get_variable("projection/w", [8, 5], initializer=init(seed=3))
 
             def embed(v):
                 return tf.math.l2_normalize(tf.matmul(tf.nn.relu(tf.matmul(v, w1)), w2), axis=1)
 
-            ha, hb = embed(a), embed(b)
+            if kind == "simclr_stacked":   # SimCLR's own code: one encoder pass over both views
+                x = tf1.placeholder(tf.float32, [None, 12], name="x")
+                ha, hb = tf.split(embed(tf.concat(tf.split(x, 2, -1), 0)), 2, 0)
+            else:
+                ha = embed(tf1.placeholder(tf.float32, [None, 6], name="a"))
+                hb = embed(tf1.placeholder(tf.float32, [None, 6], name="b"))
             n = tf.shape(ha)[0]
             labels = tf.one_hot(tf.range(n), n * 2)
             masks = tf.one_hot(tf.range(n), n)
@@ -735,7 +761,12 @@ def contrastive_batches(kind, steps, batch, seed=0):
     out = []
     for _ in range(steps):
         first = rng.randn(batch, 6).astype(np.float32)
-        out.append({names[0]: first, names[1]: (first + 0.3 * rng.randn(batch, 6)).astype(np.float32)})
+        second = (first + 0.3 * rng.randn(batch, 6)).astype(np.float32)
+        if kind.startswith("triplet"):
+            out.append({"x:0": first, "labels:0": rng.randint(0, 3, batch).astype(np.int32)})
+        else:
+            out.append({"x:0": np.concatenate([first, second], 1)} if kind == "simclr_stacked"
+                       else {names[0]: first, names[1]: second})
     return out
 
 
@@ -795,6 +826,8 @@ ROWS_MEETING = {
     "fused_batch_norm": ("batch_statistics", ["bn"]),
     "labelled_rows": ("selected_means", ["loss_of_labelled"]),
     "partitioned_rows": ("selected_means", ["loss_of_labelled"]),
+    "halves": ("positioned_rows", ["halves"]),
+    "first_rows": ("positioned_rows", ["first/strided_slice_1"]),   # (strided_slice: the shape's [0])
 }
 # kinds where no row meets another: each trains as one device
 ROWS_APART = ("plain", "reversed_features", "mean_by_hand", "perplexity", "inference_batch_norm",
@@ -813,7 +846,9 @@ def rows_meeting_mlp(kind="plain"):
     the distances' mean by hand too, a sum over the rows and the square of a sum over
     them divided by one count; the mean loss of the quarter of the rows with the largest loss (tf.nn.top_k);
     a fused BatchNorm in training mode; the mean loss of the rows with
-    ``x[:, 0] > 0`` by tf.boolean_mask or tf.dynamic_partition) or none does
+    ``x[:, 0] > 0`` by tf.boolean_mask or tf.dynamic_partition; the batch's halves
+    pulled together, ``tf.split(h, 2, 0)``, as for two views an input pipeline put in
+    them; a loss on the first half of the rows, ``h[:n // 2]``) or none does
     (ROWS_APART: features reversed, a mean by hand ``reduce_sum / tf.shape(x)[0]``, a
     perplexity only fetched, a fused BatchNorm in inference mode, the labelled rows'
     loss summed and divided by their count, a normaliser the rewrite syncs). Returns the
@@ -892,6 +927,12 @@ def rows_meeting_mlp(kind="plain"):
                 loss += 0.5 * tf.reduce_sum(tf.square(h - total / n)) / n
             else:   # one count for a sum over the replica's rows and a value of the whole batch's sum
                 loss += 0.1 * (tf.reduce_sum(tf.square(h)) + tf.reduce_sum(tf.square(total))) / n
+        elif kind == "halves":
+            first, second = tf.split(h, 2, 0, name="halves")
+            loss += 0.5 * tf.reduce_mean(tf.square(first - second))
+        elif kind == "first_rows":
+            with tf.name_scope("first"):
+                loss += 0.5 * tf.reduce_mean(tf.square(h[:tf.shape(h)[0] // 2]))
         elif kind == "perplexity":
             tf.exp(loss, name="perplexity")
         elif kind not in ROWS_MEETING and kind not in ROWS_APART:

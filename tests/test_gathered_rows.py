@@ -40,13 +40,6 @@ def _reference(queue):
     return _REFERENCES[queue]
 
 
-def _assert_equal(what, got, want):
-    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=f"{what}: losses")
-    assert sorted(got[1]) == sorted(want[1])
-    for name in want[1]:
-        np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
-
-
 @pytest.mark.parametrize("queue", ["concat", "pointer"])
 def test_the_reference_enqueues_the_batchs_keys(queue):
     """What the tests below lean on: one device's queue holds the last batch's keys in
@@ -83,7 +76,7 @@ def test_trains_as_one_device(queue, strategy, replicas):
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     with gr.Session(result) as sess:
         got = harness.train_and_read(sess, graph_def, moco_batches(STEPS, BATCH))
-    _assert_equal(f"{queue}, {strategy}, {replicas} replicas", got, want)
+    harness.assert_trained_alike(f"{queue}, {strategy}, {replicas} replicas", got, want, RTOL, ATOL)
 
 
 @pytest.mark.parametrize("queue", ["concat", "pointer"])

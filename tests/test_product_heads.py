@@ -58,13 +58,6 @@ def _reference(kind):
     return _REFERENCES[kind]
 
 
-def _assert_equal(what, got, want):
-    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=f"{what}: losses")
-    assert sorted(got[1]) == sorted(want[1])
-    for name in want[1]:
-        np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
-
-
 def _notes(result):
     return [n for n in result.plan.notes or [] if n.startswith(ROWS_MEET_START)]
 
@@ -110,7 +103,7 @@ def test_trains_as_one_device(kind, strategy, replicas):
     assert not _notes(result)
     with gr.Session(result) as sess:
         got = harness.train_and_read(sess, graph_def, _batches(kind))
-    _assert_equal(f"{kind}, {strategy}, {replicas} replicas", got, want)
+    harness.assert_trained_alike(f"{kind}, {strategy}, {replicas} replicas", got, want, RTOL, ATOL)
 
 
 @pytest.mark.parametrize("kind", ["dual_encoder", "simclr", "simclr_stacked", "triplet", "triplet_norms"])

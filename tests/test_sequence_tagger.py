@@ -52,13 +52,6 @@ def _rewritten(result, graph_def, feeds):
         return steps, sess.run(harness.resource_reads(graph_def))
 
 
-def _assert_equal(what, got, want):
-    np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=f"{what}: losses and norms")
-    assert sorted(got[1]) == sorted(want[1])
-    for name in want[1]:
-        np.testing.assert_allclose(got[1][name], want[1][name], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
-
-
 _REFERENCES = {}
 
 
@@ -105,7 +98,8 @@ def test_trains_as_one_device(source, control_flow, strategy, replicas):
     graph_def, want = _reference(source, control_flow)
     result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
     got = _rewritten(result, graph_def, _feeds(source))
-    _assert_equal(f"{source}, {control_flow}, {strategy}, {replicas} replicas", got, want)
+    harness.assert_trained_alike(f"{source}, {control_flow}, {strategy}, {replicas} replicas", got, want, RTOL, ATOL,
+                                 first="losses and norms")
 
 
 def test_a_replica_mean_of_token_means_would_be_caught():

@@ -134,6 +134,16 @@ def train_and_read(sess, graph_def, feeds):
     return losses, sess.run(resource_reads(graph_def))
 
 
+def assert_trained_alike(what, got, want, rtol, atol, first="losses"):
+    """Asserts two train_and_read results agree: the per-step values (``first``) and
+    every variable, the same variables on both sides; ``what`` names the run."""
+    import numpy as np
+    np.testing.assert_allclose(got[0], want[0], rtol=rtol, atol=atol, err_msg=f"{what}: {first}")
+    assert sorted(got[1]) == sorted(want[1])
+    for name in want[1]:
+        np.testing.assert_allclose(got[1][name], want[1][name], rtol=rtol, atol=atol, err_msg=f"{what}: {name}")
+
+
 def assign_ops(graph, values):
     """Ops that set each variable named in ``values`` ({variable node: value}) of ``graph``
     (imported from an example) to its value: to start a run from given weights."""

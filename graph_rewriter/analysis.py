@@ -934,9 +934,11 @@ class _Analyzer:
             while stack:
                 t = stack.pop()
                 m = t.node
-                if m not in variant0:
+                if m in seed_nodes:   # (a batch input written as it is: a cache of the last batch)
+                    frontier.add(t)
+                elif m not in variant0:
                     continue
-                if m in seed_nodes or m in training:
+                elif m in training:
                     frontier.add(t)
                 elif m not in region:
                     region.add(m)

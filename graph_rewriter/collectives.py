@@ -211,6 +211,15 @@ def broadcast_recv(graph, scope, shape, dtype, group_size, gkey, ikey, device, c
                    type_attrs={"T": dtype}, device=device, control_inputs=control_inputs)
 
 
+def rows_scope(rm, replica, tensor_name):
+    """The name scope of replica ``replica``'s gather of the original tensor
+    ``tensor_name`` ("op:k"): the op's name in that replica, "_k" added for k > 0. Named
+    as the replica's, not as what it reads: a batch input's part of the split is a
+    global node, and a template replica's nodes are known by their prefix."""
+    op, _, index = tensor_name.partition(":")
+    return rm.name(replica, op) + ("" if index in ("", "0") else f"_{index}")
+
+
 def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
     """CollectiveGatherV2: every member's ``tensor`` (same shape) stacked along axis 0."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]

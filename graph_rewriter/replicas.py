@@ -102,6 +102,12 @@ class ReplicaMap:
         n = self.node(graph, replica, op)
         return None if n is None else Tensor(n, index)
 
+    def read_by(self, graph, replica, reader, position):
+        """What replica ``replica``'s copy of the original node ``reader`` reads at input
+        ``position``: its clone of the original input, or, for a batch input (a global
+        node), its part of the batch's split."""
+        return self.node(graph, replica, reader).inputs[position]
+
     def reroute(self, replica, original_tensor_name, tensor):
         """Records that replica ``replica``'s readers of an original tensor now read
         ``tensor``, so later passes that look the original up find what is read."""

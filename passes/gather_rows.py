@@ -18,7 +18,8 @@ The gathers run one after the other, so every replica issues them in the same or
 they take the instance keys after the loop bounds'.
 """
 
-from graph_rewriter.collectives import all_gather, counted_down_start, group_key, normalizer_instance_key
+from graph_rewriter.collectives import (all_gather, counted_down_start, group_key, normalizer_instance_key,
+                                        rows_scope)
 from graph_rewriter.pass_manager import Pass
 
 
@@ -40,9 +41,9 @@ class GatherRowsPass(Pass):
         for i in rm.built:
             previous = None   # the chain's last gather
             for k, (name, readers) in enumerate(entries):
-                rows = rm.tensor(graph, i, name)
+                rows = rm.read_by(graph, i, *readers[0])   # (a batch input's: the replica's part)
                 with graph.adding_to_replica(i):
-                    previous = all_gather(graph, f"{rows.node.name}/every_replica", rows, rm.group_size, gkey,
+                    previous = all_gather(graph, f"{rows_scope(rm, i, name)}/every_replica", rows, rm.group_size, gkey,
                                           normalizer_instance_key(plan, first_key + k), rm.devices[i],
                                           control_inputs=[previous] if previous is not None else [])
                 for reader, pos in readers:

@@ -25,7 +25,8 @@ batch statistics'.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.collectives import all_gather, counted_down_start, group_key, normalizer_instance_key
+from graph_rewriter.collectives import (all_gather, counted_down_start, group_key, normalizer_instance_key,
+                                        rows_scope)
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
@@ -55,15 +56,9 @@ class ProductHeadsPass(Pass):
             previous = None   # the chain's last gather
             every = {}        # replica i's tensor of rows -> every replica's
             for k, (name, readers) in enumerate(head["gathered"]):
-                # what the replica's first reader reads: a batch input's part of the split
-                first, pos = readers[0]
-                rows = rm.node(graph, i, first).inputs[pos]
+                rows = rm.read_by(graph, i, *readers[0])   # (a batch input's: the replica's part)
                 with graph.adding_to_replica(i):
-                    # (named as the replica's: a batch input's split is a global node, and a
-                    # template replica's nodes are known by their prefix)
-                    op, _, index = name.rpartition(":")
-                    scope = rm.name(i, op) + ("" if index == "0" else f"_{index}")
-                    previous = all_gather(graph, f"{scope}/every_replica", rows, r, gkey,
+                    previous = all_gather(graph, f"{rows_scope(rm, i, name)}/every_replica", rows, r, gkey,
                                           normalizer_instance_key(plan, first_key + k), device,
                                           control_inputs=[previous] if previous is not None else [])
                 every[rows] = previous.output(0)

@@ -152,6 +152,44 @@ def test_rows_written_with_a_statistic_of_the_forward_pass_are_refused():
         gr.rewrite(g.as_graph_def(), devices_per_worker=2, device_type="CPU")
 
 
+def _cache_of_the_last_batch():
+    """A variable holding the last batch's raw inputs (``assign(cache, x)`` after the
+    step), read by the next step's loss."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.get_variable("w", [4, 1], initializer=tf1.glorot_uniform_initializer(seed=2))
+        cache = tf1.get_variable("cache", [BATCH, 4], initializer=tf1.zeros_initializer(), trainable=False)
+        loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w)))
+                           + 0.1 * tf.reduce_mean(tf.square(tf.matmul(cache, w))), name="loss")
+        step = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.control_dependencies([step]):
+            tf.group(tf1.assign(cache, x), name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_batch_input_written_as_it_is_is_gathered(replicas):
+    """A batch input itself written into a variable (a cache of the last batch): the
+    analysis found no tensor to gather (the input is no forward op) and each replica
+    wrote its shard into the whole cache, a shape error at run time ("Expected [8,4] got
+    [4,4]"). Now every replica writes the batch, gathered from the replicas' parts of the
+    split (at 4 replicas through the template replicas' per-replica part)."""
+    graph_def = _cache_of_the_last_batch()
+    assert analyze(graph_io.load_graph(graph_def)).gathered_rows == [("x:0", [("AssignVariableOp", 1)])]
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(BATCH, 4).astype(np.float32)} for _ in range(3)]
+    with harness.one_device_session(graph_def) as sess:
+        want = harness.train_and_read(sess, graph_def, feeds)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU")
+    with gr.Session(result) as sess:
+        got = harness.train_and_read(sess, graph_def, feeds)
+    harness.assert_trained_alike(f"{replicas} replicas", got, want, RTOL, ATOL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("queue", ["concat", "pointer"])

@@ -1731,6 +1731,12 @@ def in_gradients_scope(name, scopes=()):
         name.startswith(s) or "/" + s in name for s in scopes)
 
 
+def in_backward(name, scopes=()):
+    """True if a node is in a backward pass tf.gradients built, its aggregation and its
+    seed included ("gradients/AddN", "gradients/Fill"), not only an op's "_grad/" scope."""
+    return _GRADIENTS_SCOPE.search(name) is not None or any(name.startswith(s) or "/" + s in name for s in scopes)
+
+
 def named_gradient_scopes(nodes):
     """The scopes tf.gradients opened under a name of the script's choosing
     (``tf.gradients(loss, params, name="grads")`` gives "grads/"), as a tuple of

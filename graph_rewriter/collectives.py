@@ -220,6 +220,28 @@ def rows_scope(rm, replica, tensor_name):
     return rm.name(replica, op) + ("" if index in ("", "0") else f"_{index}")
 
 
+def gather_in_order(graph, rm, replica, plan, field, entries, keep=()):
+    """Replica ``replica``'s gathers of the plan's ``field`` entries ([tensor, [[reader,
+    input position]]]), one after the other so every replica issues them in one order,
+    with the instance keys counted down for ``field``: each reads what the first reader
+    reads (a batch input's part of the split), and every reader but those in ``keep``
+    then reads every replica's rows. Returns {the replica's tensor: the gathered one}."""
+    gkey = group_key(rm.group_devices)
+    first_key = counted_down_start(plan, field)
+    previous, out = None, {}   # the chain's last gather
+    for k, (name, readers) in enumerate(entries):
+        rows = rm.read_by(graph, replica, *readers[0])
+        with graph.adding_to_replica(replica):
+            previous = all_gather(graph, f"{rows_scope(rm, replica, name)}/every_replica", rows, rm.group_size,
+                                  gkey, normalizer_instance_key(plan, first_key + k), rm.devices[replica],
+                                  control_inputs=[previous] if previous is not None else [])
+        out[rows] = previous.output(0)
+        for reader, pos in readers:
+            if reader not in keep:
+                rm.node(graph, replica, reader).set_input(pos, previous.output(0))
+    return out
+
+
 def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
     """CollectiveGatherV2: every member's ``tensor`` (same shape) stacked along axis 0."""
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]

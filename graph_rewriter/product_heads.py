@@ -26,8 +26,6 @@ the reason it cannot be built, for the plan's note.
 """
 
 import dataclasses
-import re
-
 from graph_rewriter import dtypes, opdefs
 from graph_rewriter.op_builder import dtype_of
 
@@ -37,7 +35,6 @@ _AGGREGATIONS = frozenset(("AddN", "AccumulateNV2", "Identity"))
 # stateful ops a head may hold: summaries, prints and assertions of its values
 _HARMLESS_STATE = frozenset(("ScalarSummary", "HistogramSummary", "MergeSummary", "WriteScalarSummary",
                              "WriteHistogramSummary", "Print", "PrintV2", "StringFormat", "Assert"))
-_BACKWARD = re.compile(r"(?:^|(?<=/))gradients(?:_\d+)?/")
 
 
 @dataclasses.dataclass
@@ -56,19 +53,13 @@ class ProductHead:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def in_backward(name, scopes=()):
-    """True if a node is in a backward pass tf.gradients built, its aggregation and its
-    seed included ("gradients/AddN", "gradients/Fill"), not only an op's "_grad/" scope."""
-    return _BACKWARD.search(name) is not None or any(name.startswith(s) or "/" + s in name for s in scopes)
-
-
 def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     """(ProductHead, None) for the in-batch ``products`` (nodes), or (None, why not).
     ``order``: the graph's nodes in topological order; ``seed_nodes``: the batch
     inputs' nodes; ``variant0``: the nodes that depend on the batch; ``scopes``: the
     graph's named gradient scopes; ``elsewhere``: names of nodes other passes rewrite
     (normalizers, batch statistics, ...), which a head must not hold."""
-    from graph_rewriter.analysis import (_FUNCTIONAL, _holds_rows, _reaches_rows, gradient_scopes,
+    from graph_rewriter.analysis import (_FUNCTIONAL, _holds_rows, _reaches_rows, gradient_scopes, in_backward,
                                          in_gradients_scope, loop_frames)
     position = {n: i for i, n in enumerate(order)}
     head, stack = set(), list(products)

@@ -18,8 +18,7 @@ The gathers run one after the other, so every replica issues them in the same or
 they take the instance keys after the loop bounds'.
 """
 
-from graph_rewriter.collectives import (all_gather, counted_down_start, group_key, normalizer_instance_key,
-                                        rows_scope)
+from graph_rewriter.collectives import gather_in_order
 from graph_rewriter.pass_manager import Pass
 
 
@@ -36,17 +35,7 @@ class GatherRowsPass(Pass):
         entries = plan.gathered_rows or []
         if rm.group_size == 1 or not entries:
             return False
-        gkey = group_key(rm.group_devices)
-        first_key = counted_down_start(plan, "gathered_rows")
         for i in rm.built:
-            previous = None   # the chain's last gather
-            for k, (name, readers) in enumerate(entries):
-                rows = rm.read_by(graph, i, *readers[0])   # (a batch input's: the replica's part)
-                with graph.adding_to_replica(i):
-                    previous = all_gather(graph, f"{rows_scope(rm, i, name)}/every_replica", rows, rm.group_size, gkey,
-                                          normalizer_instance_key(plan, first_key + k), rm.devices[i],
-                                          control_inputs=[previous] if previous is not None else [])
-                for reader, pos in readers:
-                    rm.node(graph, i, reader).set_input(pos, previous.output(0))
+            gather_in_order(graph, rm, i, plan, "gathered_rows", entries)
         graph.touch()
         return True

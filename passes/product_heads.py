@@ -25,8 +25,7 @@ batch statistics'.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.collectives import (all_gather, counted_down_start, group_key, normalizer_instance_key,
-                                        rows_scope)
+from graph_rewriter.collectives import gather_in_order
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
@@ -46,25 +45,13 @@ class ProductHeadsPass(Pass):
         head = plan.product_head
         if rm.group_size == 1 or not head:
             return False
-        gkey = group_key(rm.group_devices)
-        first_key = counted_down_start(plan, "product_head")
         ranks = replica_ranks(graph, rm, "graph_rewriter/product_heads") if head["gradients"] else None
         r = rm.group_size
         copied = set(head["copied_ops"])
         for i in rm.built:
             device = rm.devices[i]
-            previous = None   # the chain's last gather
-            every = {}        # replica i's tensor of rows -> every replica's
-            for k, (name, readers) in enumerate(head["gathered"]):
-                rows = rm.read_by(graph, i, *readers[0])   # (a batch input's: the replica's part)
-                with graph.adding_to_replica(i):
-                    previous = all_gather(graph, f"{rows_scope(rm, i, name)}/every_replica", rows, r, gkey,
-                                          normalizer_instance_key(plan, first_key + k), device,
-                                          control_inputs=[previous] if previous is not None else [])
-                every[rows] = previous.output(0)
-                for reader, pos in readers:
-                    if reader not in copied:   # (a copy of the reader reads it)
-                        rm.node(graph, i, reader).set_input(pos, previous.output(0))
+            # (a reader the head copies keeps the replica's rows: its copy reads these)
+            every = gather_in_order(graph, rm, i, plan, "product_head", head["gathered"], keep=copied)
             with graph.adding_to_replica(i):
                 copies = _copies(graph, rm, i, head["copied_ops"], set(head["count_leaves"]), every, r, device)
                 for name, readers in head["copied"]:

@@ -166,6 +166,15 @@ class Analysis:
     # names of forward ops that move the batch's rows within it (mixup's reversed or
     # shuffled batch): a replica moves its own rows only
     moved_rows: list = dataclasses.field(default_factory=list)
+    # those of them that rank the rows (a top_k of the rows' losses: hard example
+    # mining), whose head every replica can compute over every replica's rows as an
+    # in-batch product's (graph_rewriter/product_heads.py)
+    ranked_rows: list = dataclasses.field(default_factory=list)
+    # the other moves that every replica can compute over every replica's rows, moved
+    # rows that come from the batch alone (graph_rewriter/row_moves.py: RowMoves), or
+    # None; and {move: why not} for the others
+    row_moves: object = None
+    row_move_obstacles: dict = dataclasses.field(default_factory=dict)
     # names of forward ops that take rows of the batch by their position in it (its halves
     # by tf.split(h, 2, 0), h[:n]): a replica's batch is a shard, its halves not the batch's
     positioned_rows: list = dataclasses.field(default_factory=list)
@@ -349,14 +358,19 @@ class _Analyzer:
         outer_loop_bounds = [name for name in loop_bounds if not loop_frames(self.g.node(name))]
         drawing_loop_bounds = [name for name in outer_loop_bounds if self._loops_draw(bounded[name])]
         selected_means = self._find_selected_means(variant0, training)
+        ranked_rows = [n for n in moved_rows if self.g.node(n).op in _RANKINGS]
         product_head, head_obstacle = self._find_product_head(
-            row_products, seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
+            row_products + ranked_rows, seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
                                             **dict.fromkeys(loss_sums, "a sum of the loss"),
                                             **dict.fromkeys(batch_statistics, "a batch statistic"),
                                             **dict.fromkeys(loop_bounds, "a loop bound"),
                                             **dict.fromkeys(selected_means, "a mean over selected rows"),
-                                            **dict.fromkeys(moved_rows, "rows moved within the batch"),
                                             **dict.fromkeys(batch_draws, "a random draw per row")})
+        row_moves, move_obstacles = self._find_row_moves(
+            [n for n in moved_rows if n not in ranked_rows and n not in (product_head.head if product_head else ())],
+            seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
+                              **dict.fromkeys(batch_statistics, "a batch statistic"),
+                              **dict.fromkeys(batch_draws, "a random draw per row")})
         obstacles = {name: reason for name in batch_statistics
                      for reason in [self._sync_obstacle(name, selected_means)] if reason is not None}
         row_counts = {}
@@ -375,7 +389,9 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
-            moved_rows=moved_rows, positioned_rows=positioned_rows, batch_statistics=batch_statistics,
+            moved_rows=moved_rows, ranked_rows=ranked_rows, row_moves=row_moves, row_move_obstacles=move_obstacles,
+            positioned_rows=positioned_rows,
+            batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -1130,14 +1146,25 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
-    def _find_product_head(self, row_products, seeds, variant0, elsewhere):
-        """The head of the in-batch products (graph_rewriter/product_heads.py), which
-        every replica can compute over every replica's rows, or why not."""
-        if not row_products:
+    def _find_product_head(self, meeting, seeds, variant0, elsewhere):
+        """The head of the in-batch products and rankings of rows (``meeting``: their
+        names; graph_rewriter/product_heads.py), which every replica can compute over
+        every replica's rows, or why not."""
+        if not meeting:
             return None, None
         from graph_rewriter import product_heads
-        return product_heads.find(self.order, [self.g.node(n) for n in row_products], {t.node for t in seeds},
+        return product_heads.find(self.order, [self.g.node(n) for n in meeting], {t.node for t in seeds},
                                   variant0, self.gradient_scopes, elsewhere)
+
+    def _find_row_moves(self, moves, seeds, variant0, elsewhere):
+        """The moves of the batch's rows (``moves``: their names) that every replica can
+        compute over every replica's rows (graph_rewriter/row_moves.py), and why not for
+        the others."""
+        if not moves:
+            return None, {}
+        from graph_rewriter import row_moves
+        return row_moves.find(self.order, [self.g.node(n) for n in moves], {t.node for t in seeds}, variant0,
+                              self.gradient_scopes, elsewhere)
 
     def _find_moved_rows(self, seeds, variant0, training):
         """Forward ops that move the batch's rows within it, whose value training
@@ -1161,13 +1188,13 @@ class _Analyzer:
                     and not n.attr["ellipsis_mask"].i and not n.attr["new_axis_mask"].i & 1
             elif n.op == "RandomShuffle":
                 moves = True
-            elif n.op in ("TopKV2", "TopK"):   # ranks the rows of a [rows] value (maybe a reshape) together
+            elif n.op in _RANKINGS:   # ranks the rows of a [rows] value (maybe a reshape) together
                 moves = static_rank(n.inputs[0]) == 1
             else:   # a gather of the rows themselves, by moved indices
                 moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
                          and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
                          and _computed_from_moves(n.inputs[1]))
-            strict = n.op not in ("TopKV2", "TopK")
+            strict = n.op not in _RANKINGS
             if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=strict) and n in training.value:
                 out.append(n.name)
         return out
@@ -2036,8 +2063,8 @@ def _keeps_first_axis(reshape):
 
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
-_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice", "TopKV2",
-                        "TopK"))
+_RANKINGS = frozenset(("TopKV2", "TopK"))
+_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
 # what a loop bound may pass through on its way to a loop's condition (_bounded_loops)
@@ -2319,7 +2346,9 @@ class _BodyNode:
 
 def _leading_rows(shape):
     """The tensor whose row count is the first entry of the shape vector ``shape``
-    (``tf.shape(x)``; ``[tf.shape(x)[0], 1]``; a concat starting with either), or None."""
+    (``tf.shape(x)``; ``[tf.shape(x)[0], 1]``; a concat starting with either; a
+    distribution's ``sample(tf.shape(x)[0])``, which packs the product of its sample
+    shape, here one scalar), or None."""
     for _ in range(16):
         t = _strip_identity(shape)
         n = t.node
@@ -2329,6 +2358,8 @@ def _leading_rows(shape):
             return n.inputs[t.index]
         if n.op == "Pack" and n.attr["axis"].i == 0 and n.inputs:
             scalar = _strip_identity(n.inputs[0]).node
+            if scalar.op == "Prod" and _is_scalar_slice(_strip_identity(scalar.inputs[0]).node):
+                scalar = _strip_identity(scalar.inputs[0]).node   # (a product of one scalar is itself)
             if scalar.op != "StridedSlice" or not scalar.attr["shrink_axis_mask"].i & 1 or not _starts_at_0(scalar):
                 return None
             shape = scalar.inputs[0]
@@ -2339,6 +2370,12 @@ def _leading_rows(shape):
         else:
             return None
     return None
+
+
+def _is_scalar_slice(n):
+    """True if ``n`` is a StridedSlice taking one entry of a shape vector (``shape[0]``)."""
+    return n.op == "StridedSlice" and n.attr["shrink_axis_mask"].i == 1 \
+        and (_strip_identity(n.inputs[0]).node.op in ("Shape", "ShapeN") or static_rank(n.inputs[0]) == 1)
 
 
 def _starts_at_0(strided_slice):

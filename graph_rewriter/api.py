@@ -174,7 +174,7 @@ def pipeline():
     given plan needs it (the pass manager skips it when not)."""
     return [passes.SaverPass(), passes.LowerCondsPass(), passes.PlanPass(), passes.ReplicatePass(),
             passes.SplitInputsPass(), passes.NormalizersPass(), passes.LoopBoundsPass(), passes.GatherRowsPass(),
-            passes.ProductHeadsPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
+            passes.ProductHeadsPass(), passes.RowMovesPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
             passes.LossSumsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
             passes.AllGatherPass(), passes.CommunicationPass(), passes.AccumulatePass(), passes.SyncQueuesPass(),
             passes.ShardVariablesPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),

@@ -98,24 +98,28 @@ def init_instance_key(plan, pack_index):
     return instance_base(plan) + len(plan.packs) + _SPARSE_BLOCK * gathered + pack_index
 
 
-# the plan's fields whose collectives take normalizer_instance_key's indices, in order
-_COUNTED_DOWN = ("normalizers", "selected_means", "loop_bounds", "gathered_rows", "sync_batch_statistics",
-                 "product_head")
+# the plan's fields whose collectives take normalizer_instance_key's indices, in order:
+# the synced batch statistics last, as they take several each (forward, backward, counts)
+_COUNTED_DOWN = ("normalizers", "selected_means", "loop_bounds", "gathered_rows", "product_head", "row_moves",
+                 "sync_batch_statistics")
 
 
 def counted_down_start(plan, field):
     """The first index of normalizer_instance_key that the collectives of the plan's
-    ``field`` take: after those of every field before it in _COUNTED_DOWN."""
+    ``field`` take: after those of every field before it in _COUNTED_DOWN (a dict
+    field, a product head or row moves, takes one per tensor it gathers)."""
     before = _COUNTED_DOWN[:_COUNTED_DOWN.index(field)]
-    return sum(len(getattr(plan, f) or []) for f in before)
+    return sum(len(value["gathered"]) if isinstance(value, dict) else len(value)
+               for value in (getattr(plan, f) or [] for f in before))
 
 
 def normalizer_instance_key(plan, index):
     """Instance key of the all-reduce of the index-th loss normalizer (a sum over the
     batch a loss divides by: passes/normalizers.py), then of the selected means' counts,
     the loop bounds (passes/loop_bounds.py), the gathered rows (passes/gather_rows.py),
-    the synced batch statistics and the rows a product head gathers
-    (passes/product_heads.py), in that order. They count down below the keys the
+    the rows a product head gathers (passes/product_heads.py), the rows moved within
+    the batch (passes/row_moves.py) and the synced batch statistics
+    (passes/batch_statistics.py), in that order. They count down below the keys the
     hierarchical all-reduce reserves (two per pack), and must not reach the keys counting
     up from the start (packs, gathers, then two initial-value broadcasts per dtype of the
     mirrored variables)."""

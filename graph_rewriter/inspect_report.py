@@ -121,6 +121,7 @@ def report(result, batch_size=None):
         **({"loop_bounds": list(plan["loop_bounds"])} if plan.get("loop_bounds") else {}),
         **({"gathered_rows": [t for t, _ in plan["gathered_rows"]]} if plan.get("gathered_rows") else {}),
         **({"product_head": list(plan["product_head"]["products"])} if plan.get("product_head") else {}),
+        **({"row_moves": list(plan["row_moves"]["moves"])} if plan.get("row_moves") else {}),
         **({"loss_sums": list(plan["loss_sums"])} if plan.get("loss_sums") else {}),
         **({"sync_batch_statistics": list(plan["sync_batch_statistics"])}
            if plan.get("sync_batch_statistics") else {}),
@@ -268,8 +269,11 @@ def format_report(rep):
         lines.append("rows gathered from every replica for the updates that write them into variables: "
                      + ", ".join(rep["gathered_rows"]))
     if rep.get("product_head"):
-        lines.append("in-batch products computed over every replica's rows (each replica gathers the rows they "
-                     "meet and keeps its own rows' gradients): " + ", ".join(rep["product_head"]))
+        lines.append("in-batch products and rankings computed over every replica's rows (each replica gathers "
+                     "the rows they meet and keeps its own rows' gradients): " + ", ".join(rep["product_head"]))
+    if rep.get("row_moves"):
+        lines.append("rows moved within the batch over every replica's rows (each replica gathers the rows, moves "
+                     "them and keeps its own): " + ", ".join(rep["row_moves"]))
     if rep.get("loss_sums"):
         lines.append("losses summed over the batch's rows (each replica's sum and its gradient count "
                      f"{rep['num_replicas']} times): " + ", ".join(rep["loss_sums"]))

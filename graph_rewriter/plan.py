@@ -220,6 +220,12 @@ class Plan:
     # graph_rewriter/product_heads.py, ProductHead); None: none, and absent from the
     # JSON; an empty dict in a given plan leaves each replica's rows meeting its own
     product_head: dict = None
+    # rows moved within the batch (mixup's reversed or shuffled batch) that come from the
+    # batch alone: every replica moves every replica's rows, gathered, and keeps its own
+    # (passes/row_moves.py; its fields: graph_rewriter/row_moves.py, RowMoves); None: none,
+    # and absent from the JSON; an empty dict in a given plan leaves each replica moving
+    # its own rows
+    row_moves: dict = None
     # sums over the batch's rows a loss adds up undivided (tf.reduce_sum of squared
     # errors, tf.nn.l2_loss): each replica's sum, and the gradient into it, is scaled by
     # the replica count (passes/loss_sums.py); None: none, and absent from the JSON; an
@@ -298,6 +304,8 @@ class Plan:
             del d["gathered_rows"]
         if d["product_head"] is None:
             del d["product_head"]
+        if d["row_moves"] is None:
+            del d["row_moves"]
         if d["loss_sums"] is None:
             del d["loss_sums"]
         if d["sync_batch_statistics"] is None:
@@ -352,6 +360,7 @@ class Plan:
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
                 random_draws=d.get("random_draws"), loop_bounds=d.get("loop_bounds"),
                 gathered_rows=d.get("gathered_rows"), product_head=d.get("product_head"),
+                row_moves=d.get("row_moves"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
                 synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"))
         except (KeyError, TypeError) as e:

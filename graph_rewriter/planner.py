@@ -64,6 +64,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _plan_loss_sums(result, analysis, info)
     _plan_batch_statistics(result, analysis, options, cluster, info, aliases or {})
     _plan_product_head(result, analysis, cluster, info)
+    _plan_row_moves(result, analysis, cluster, info)
     _note_rows_meeting(result, analysis, info)
     planned = {vp.name: vp for vp in result.variables}
     for v in analysis.variables.values():
@@ -291,6 +292,25 @@ def _plan_product_head(plan, analysis, cluster, log):
             "and keeps its own rows' gradients")
 
 
+def _plan_row_moves(plan, analysis, cluster, log):
+    """Rows moved within the batch that come from the batch alone (mixup's reversed or
+    shuffled batch: graph_rewriter/row_moves.py): every replica moves every replica's
+    rows, gathered, and keeps its own, so the moved batch is one device's. Like the
+    product head, it takes a collective spanning the replicas and no micro-batches; a
+    given plan keeps its own choice (an empty dict: each replica moves its own rows)."""
+    moves = analysis.row_moves
+    given = plan.row_moves
+    if given:
+        _check_given(given.get("moves") if isinstance(given, dict) else given, moves.moves if moves else [],
+                     "row_moves", "a move of the batch's rows within it that comes from the batch alone")
+    if plan.num_replicas < 2 or moves is None or plan.accumulation_steps > 1 or not _collectives_span(plan, cluster):
+        plan.row_moves = None
+    elif given is None or given:
+        plan.row_moves = moves.to_dict()
+        log(f"plan: the rows moved within the batch by {_listed(moves.moves)} are moved over every replica's rows: "
+            f"each replica gathers {_listed([t for t, _ in moves.gathered])} and keeps its own rows of the moves")
+
+
 def _plan_loss_sums(plan, analysis, log):
     """The sums over the batch's rows a loss adds up without dividing by a count (the
     analysis finds them): one device's gradient is the sum of the replicas', so each
@@ -403,13 +423,19 @@ def _note_rows_meeting(plan, analysis, log):
         notes.append(LOOP_BOUNDS.format(names=_listed(unsynced)))
         log(f"plan: {notes[-1]}")
     if plan.num_replicas > 1:
-        computed = (plan.product_head or {}).get("products") or ()
-        products = [n for n in analysis.row_products if n not in computed]
-        if products and analysis.product_head_obstacle:
-            log(f"plan: the in-batch products {_listed(products)} cannot be computed over every replica's rows: "
-                f"{analysis.product_head_obstacle}")
-        for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, analysis.moved_rows),
-                                (POSITIONED_ROWS, analysis.positioned_rows),
+        computed = set((plan.product_head or {}).get("head") or ()) | set(
+            (plan.row_moves or {}).get("moves") or ())   # (one device's rows meet there)
+        products, moved, positioned = ([n for n in names if n not in computed] for names in (
+            analysis.row_products, analysis.moved_rows, analysis.positioned_rows))
+        left = products + [n for n in analysis.ranked_rows if n not in computed]
+        if left and analysis.product_head_obstacle:
+            log(f"plan: the head of {_listed(left)} (rows meeting every row of the batch) cannot be computed "
+                f"over every replica's rows: {analysis.product_head_obstacle}")
+        for name in moved:
+            if name in analysis.row_move_obstacles:
+                log(f"plan: the rows '{name}' moves cannot be moved over every replica's rows: "
+                    f"{analysis.row_move_obstacles[name]}")
+        for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, moved), (POSITIONED_ROWS, positioned),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics
                                                     if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means

@@ -59,8 +59,7 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     inputs' nodes; ``variant0``: the nodes that depend on the batch; ``scopes``: the
     graph's named gradient scopes; ``elsewhere``: names of nodes other passes rewrite
     (normalizers, batch statistics, ...), which a head must not hold."""
-    from graph_rewriter.analysis import (_FUNCTIONAL, _holds_rows, _reaches_rows, gradient_scopes, in_backward,
-                                         in_gradients_scope, loop_frames)
+    from graph_rewriter.analysis import _FUNCTIONAL, gradient_scopes, in_backward, in_gradients_scope, loop_frames
     position = {n: i for i, n in enumerate(order)}
     head, stack = set(), list(products)
     while stack:
@@ -78,30 +77,10 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
             return None, f"'{n.name}' ({n.op}) in it has state (a random op, a variable's update)"
 
     def holds_rows(t):
-        return _holds_rows(t, seed_nodes) and _reaches_rows(t, seed_nodes, strict=True)
+        return holds_batch_rows(t, seed_nodes)
 
-    def recomputed(t, limit=256):
-        """The nodes between ``t`` and the rows and counts of rows it is computed from
-        (the head computes them again from every replica's), the rows among them, and
-        the Shapes and Sizes of rows; None if it reads the batch otherwise."""
-        chain, rows, counts_of, stack = set(), {}, set(), [(t, None)]
-        while stack:
-            u, reader = stack.pop()
-            n = u.node
-            if u is not t and holds_rows(u):   # (a batch input among them)
-                rows.setdefault(u, []).append(reader)
-                continue
-            if n in chain or n not in variant0:
-                continue
-            if len(chain) > limit or n in seed_nodes or n.op in _FUNCTIONAL or loop_frames(n) \
-                    or opdefs.is_stateful(n) or in_backward(n.name, scopes) or n.name in elsewhere:
-                return None
-            chain.add(n)
-            if n.op in COUNT_OPS and _reaches_rows(n.inputs[0], seed_nodes, strict=True):
-                counts_of.add(n)
-                continue
-            stack.extend((i, [n.name, pos]) for pos, i in enumerate(n.inputs))   # (a Shape of a count's one-hot)
-        return (chain, rows, counts_of) if rows or counts_of else None
+    def recomputed(t):
+        return recomputed_from_rows(t, seed_nodes, variant0, scopes, elsewhere)
 
     gathered, copied, chain, leaves = {}, {}, set(), set()
     for h in sorted(head, key=position.get):
@@ -188,6 +167,47 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
         copied=[[t.name, readers] for t, readers in sorted(copied.items(), key=lambda e: _key(e[0], position))],
         gradients=[[t.name, readers] for t, readers in
                    sorted(gradients.items(), key=lambda e: _key(e[0], position))]), None
+
+
+def holds_batch_rows(t, seed_nodes):
+    """True if tensor ``t`` holds rows of the batch along its first axis (a batch input,
+    or computed from one through ops that keep its rows)."""
+    from graph_rewriter.analysis import _holds_rows, _reaches_rows
+    return _holds_rows(t, seed_nodes) and _reaches_rows(t, seed_nodes, strict=True)
+
+
+def recomputed_from_rows(t, seed_nodes, variant0, scopes, elsewhere, draws_ok=False, limit=256):
+    """(the nodes between ``t`` and the rows and counts of rows it is computed from, which
+    a copy computes again from every replica's; {rows among them: [[reader, input
+    position]]}; the Shapes and Sizes of rows among them), or None if ``t`` reads the
+    batch otherwise (a stateful op, a loop, a function, what another rule rewrites).
+    ``draws_ok``: a seeded RandomShuffle may be among them (its copies draw what one
+    device draws: the same seeds, the same count of rows)."""
+    from graph_rewriter.analysis import _FUNCTIONAL, _reaches_rows, in_backward, loop_frames
+    chain, rows, counts_of, stack = set(), {}, set(), [(t, None)]
+    while stack:
+        u, reader = stack.pop()
+        n = u.node
+        if u is not t and holds_batch_rows(u, seed_nodes):   # (a batch input among them)
+            rows.setdefault(u, []).append(reader)
+            continue
+        if n in chain or n not in variant0:
+            continue
+        stateful = opdefs.is_stateful(n) and not (draws_ok and is_seeded_shuffle(n))
+        if len(chain) > limit or n in seed_nodes or n.op in _FUNCTIONAL or loop_frames(n) \
+                or stateful or in_backward(n.name, scopes) or n.name in elsewhere:
+            return None
+        chain.add(n)
+        if n.op in COUNT_OPS and _reaches_rows(n.inputs[0], seed_nodes, strict=True):
+            counts_of.add(n)
+            continue
+        stack.extend((i, [n.name, pos]) for pos, i in enumerate(n.inputs))   # (a Shape of a count's one-hot)
+    return (chain, rows, counts_of) if rows or counts_of else None
+
+
+def is_seeded_shuffle(n):
+    """A RandomShuffle with a seed: every copy of it draws the same permutation."""
+    return n.op == "RandomShuffle" and bool(n.attr["seed"].i or n.attr["seed2"].i)
 
 
 def _key(tensor, position):

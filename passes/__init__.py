@@ -11,6 +11,7 @@ from graph_rewriter.passes.normalizers import NormalizersPass
 from graph_rewriter.passes.loop_bounds import LoopBoundsPass
 from graph_rewriter.passes.gather_rows import GatherRowsPass
 from graph_rewriter.passes.product_heads import ProductHeadsPass
+from graph_rewriter.passes.row_moves import RowMovesPass
 from graph_rewriter.passes.batch_statistics import BatchStatisticsPass
 from graph_rewriter.passes.random_draws import RandomDrawsPass
 from graph_rewriter.passes.loss_sums import LossSumsPass
@@ -30,7 +31,7 @@ from graph_rewriter.passes.step_sequence import StepSequencePass
 from graph_rewriter.passes.place import PlacePass
 from graph_rewriter.passes.metadata import MetadataPass
 
-__all__ = ["SaverPass", "LowerCondsPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "NormalizersPass", "LoopBoundsPass", "GatherRowsPass", "ProductHeadsPass", "BatchStatisticsPass", "RandomDrawsPass",
+__all__ = ["SaverPass", "LowerCondsPass", "PlanPass", "ReplicatePass", "SplitInputsPass", "NormalizersPass", "LoopBoundsPass", "GatherRowsPass", "ProductHeadsPass", "RowMovesPass", "BatchStatisticsPass", "RandomDrawsPass",
            "MirrorVariablesPass",
            "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",

@@ -25,7 +25,8 @@ from graph_rewriter import graph_io, inspect_report
 from graph_rewriter.analysis import analyze
 from graph_rewriter.planner import ROWS_MEET_START
 from graph_rewriter.testing import harness
-from graph_rewriter.testing.tf1_scripts import contrastive, contrastive_batches, dual_encoder
+from graph_rewriter.testing.tf1_scripts import (contrastive, contrastive_batches, dropout_batches, dual_encoder,
+                                                rows_meeting_mlp)
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -36,10 +37,14 @@ RTOL, ATOL = 1e-5, 2e-6
 
 
 def _graph(kind):
+    if kind.startswith("hardest"):
+        return rows_meeting_mlp(kind)
     return dual_encoder("in_batch") if kind == "dual_encoder" else contrastive(kind)
 
 
 def _batches(kind, steps=STEPS):
+    if kind.startswith("hardest"):
+        return dropout_batches(steps, 16)
     if kind == "dual_encoder":
         rng = np.random.RandomState(0)
         return [{"q:0": rng.randn(BATCH, 6).astype(np.float32), "d:0": rng.randn(BATCH, 6).astype(np.float32)}
@@ -87,6 +92,25 @@ def test_the_analysis_finds_the_head(kind, products, gathered, gradients):
     assert "loss" in head.head
 
 
+@pytest.mark.parametrize("kind, head, gathered, count_leaves", [
+    ("hardest_rows", ["hardest", "Mean", "loss"], ["Reshape:0"], ["Shape"]),
+    ("hardest_gathered", ["hardest", "GatherV2", "Mean_1", "mul_2", "add", "loss"],
+     ["Square:0"], []),   # (k's Size: of the copied err[:, 0], which reads the gathered rows)
+    ("hardest_entries", ["hardest", "Mean", "loss"], ["Reshape:0"], []),
+])
+def test_the_analysis_finds_the_head_of_a_ranking(kind, head, gathered, count_leaves):
+    """Online hard example mining, ``tf.nn.top_k`` of the rows' losses (by its values or
+    by a gather of its indices, k a quarter of a count of the rows or a constant, over
+    the rows or every entry of them): the ranking is a head's start as a product is.
+    Every replica ranks every replica's rows, k counted over them; the mean of every
+    row's loss that the second adds reads the gathered rows too."""
+    found = analyze(graph_io.load_graph(_graph(kind)))
+    assert found.ranked_rows == ["hardest"] and found.moved_rows == ["hardest"]
+    assert found.product_head.products == ["hardest"] and found.product_head.head == head
+    assert sorted(t for t, _ in found.product_head.gathered) == sorted(gathered)
+    assert found.product_head.count_leaves == count_leaves
+
+
 @pytest.mark.parametrize("kind, strategy, replicas", [
     ("dual_encoder", "allreduce", 2),
     ("clip", "allreduce", 2), ("clip", "allreduce", 4), ("clip", "ps", 2), ("clip", "hybrid", 2),
@@ -94,6 +118,9 @@ def test_the_analysis_finds_the_head(kind, products, gathered, gradients):
     ("simclr_stacked", "allreduce", 2), ("simclr_stacked", "allreduce", 4), ("simclr_stacked", "hybrid", 2),
     ("triplet", "allreduce", 2), ("triplet", "allreduce", 4), ("triplet", "ps", 2),
     ("triplet_norms", "allreduce", 2), ("triplet_norms", "allreduce", 4),
+    ("hardest_rows", "allreduce", 2), ("hardest_rows", "allreduce", 4), ("hardest_rows", "ps", 2),
+    ("hardest_gathered", "allreduce", 2), ("hardest_gathered", "hybrid", 2),
+    ("hardest_entries", "allreduce", 2), ("hardest_entries", "allreduce", 4),
 ])
 def test_trains_as_one_device(kind, strategy, replicas):
     """Losses at every step and every variable (Adam's and momentum's slots, CLIP's
@@ -106,7 +133,8 @@ def test_trains_as_one_device(kind, strategy, replicas):
     harness.assert_trained_alike(f"{kind}, {strategy}, {replicas} replicas", got, want, RTOL, ATOL)
 
 
-@pytest.mark.parametrize("kind", ["dual_encoder", "simclr", "simclr_stacked", "triplet", "triplet_norms"])
+@pytest.mark.parametrize("kind", ["dual_encoder", "simclr", "simclr_stacked", "triplet", "triplet_norms",
+                                  "hardest_rows", "hardest_gathered", "hardest_entries"])
 def test_each_replicas_own_rows_would_be_caught(kind):
     """The control: a given plan with ``"product_head": {}`` leaves each replica's rows
     meeting its own; the note comes back and the losses differ from the first step on,
@@ -160,7 +188,7 @@ def test_the_graph_gathers_per_replica_with_keys_of_its_own():
     plan = result.metadata["plan"]
     assert plan["product_head"]["products"] == ["similarity"]
     text = inspect_report.format_report(inspect_report.report(result))
-    assert "in-batch products computed over every replica's rows" in text and "similarity" in text
+    assert "in-batch products and rankings computed over every replica's rows" in text and "similarity" in text
 
 
 def _dropout_on_logits():
@@ -177,7 +205,46 @@ def _dropout_on_logits():
     return g.as_graph_def()
 
 
-@pytest.mark.parametrize("case", ["dropout", "micro_batches"])
+def _batch_normalized_encoders():
+    """A dual encoder whose encoder normalises by the batch's moments (tf.nn.moments),
+    as SimCLR's ResNet does with its global BatchNorm, and in-batch negatives."""
+    g = tf.Graph()
+    with g.as_default():
+        q = tf1.placeholder(tf.float32, [None, 6], name="q")
+        d = tf1.placeholder(tf.float32, [None, 6], name="d")
+        w = tf1.get_variable("w", [6, 5], initializer=tf1.glorot_uniform_initializer(seed=2))
+
+        def encoder(x, name):
+            h = tf.matmul(x, w)
+            mean, variance = tf.nn.moments(h, [0], name=name)
+            return tf.math.l2_normalize((h - mean) / tf.sqrt(variance + 1e-3), 1)
+        logits = 5.0 * tf.matmul(encoder(q, "bn_q"), encoder(d, "bn_d"), transpose_b=True, name="similarity")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.range(tf.shape(q)[0]), logits=logits), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def test_a_head_beside_synced_batch_statistics_takes_keys_of_its_own():
+    """With sync_batch_statistics, the encoders' statistics and the head's gathers each
+    take instance keys of their own, and the step is one device's. Before, the head's
+    gathers took the keys after one per synced statistic, while a statistic takes several
+    (forward and backward): the rewrite stopped with "collectives
+    'l2_normalize/every_replica/all_gather' and 'bn_q/variance' share group ..., instance
+    ..."."""
+    graph_def = _batch_normalized_encoders()
+    feeds = _batches("dual_encoder", 3)
+    with harness.one_device_session(graph_def) as sess:
+        want = harness.train_and_read(sess, graph_def, feeds)
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", sync_batch_statistics=True)
+    assert result.plan.product_head and len(result.plan.sync_batch_statistics) == 4 and not result.plan.notes
+    with gr.Session(result) as sess:
+        got = harness.train_and_read(sess, graph_def, feeds)
+    harness.assert_trained_alike("synced statistics and a head", got, want, RTOL, ATOL)
+
+
+@pytest.mark.parametrize("case", ["dropout", "micro_batches", "ranked_micro_batches"])
 def test_a_head_the_rewrite_cannot_gather_keeps_the_note(case):
     """A head holding a random op, or micro-batches (each would meet its own
     micro-batch's rows): the note stays, and the log says why for the first."""
@@ -188,11 +255,11 @@ def test_a_head_the_rewrite_cannot_gather_keeps_the_note(case):
         result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", log=lines.append)
         assert any("cannot be computed over every replica's rows" in line and "random" in line for line in lines), lines
     else:
-        result = gr.rewrite(dual_encoder("in_batch"), devices_per_worker=2, device_type="CPU",
-                            accumulation_steps=2)
+        graph_def = rows_meeting_mlp("hardest_rows") if case.startswith("ranked") else dual_encoder("in_batch")
+        result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", accumulation_steps=2)
     assert result.plan.product_head is None
     [note] = _notes(result)
-    assert "'similarity'" in note
+    assert ("'hardest'" if case.startswith("ranked") else "'similarity'") in note
 
 
 @pytest.mark.slow

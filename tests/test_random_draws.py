@@ -34,6 +34,7 @@ DROPOUT = "dropout/random_uniform/RandomUniform"
 # the function's name made unique by TensorFlow: matched up to its number)
 DRAWS = {"dropout": [DROPOUT], "keep_prob": [DROPOUT], "per_row": [DROPOUT],
          "noise": ["random_normal/RandomStandardNormal"],
+         "beta_per_row": ["Beta/sample/random_gamma/RandomGamma", "Beta/sample/random_gamma_1/RandomGamma"],
          "stateless": ["stateless_random_uniform/StatelessRandomUniformV2"],
          "cond-v1": ["cond/" + DROPOUT], "cond-v2": ["cond:cond_true_*_rewritten:" + DROPOUT],
          "in_loop-v1": ["while/" + DROPOUT], "in_loop-v2": ["while:while_body_*_rewritten:" + DROPOUT],

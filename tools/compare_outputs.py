@@ -114,7 +114,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_simclr_stacked"] = tf1_scripts.contrastive("simclr_stacked")
     graphs["script_triplet"] = tf1_scripts.contrastive("triplet")
     for kind in ("mixup_shuffled", "fused_batch_norm", "labelled_rows",   # rows that meet other rows
-                 "cross_correlation", "center_by_hand", "halves"):
+                 "cross_correlation", "center_by_hand", "halves", "hardest_gathered", "mixup_per_row"):
         graphs[f"script_rows_{kind}"] = tf1_scripts.rows_meeting_mlp(kind)
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice

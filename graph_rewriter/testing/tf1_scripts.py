@@ -451,7 +451,9 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
     (noise_shape [rows, 1]: one mask value per row), "noise" (Gaussian noise of the
     activations' shape), "stateless" (a stateless uniform of the activations' shape with a
     fixed seed), "unseeded" (tf.nn.dropout with no graph seed), "per_unit" (noise [16]
-    shared by the rows: not a draw per row), "in_loop" (dropout in a tf.while_loop body),
+    shared by the rows: not a draw per row), "beta_per_row" (each row scaled by a Beta
+    sample, ``tf.compat.v1.distributions.Beta(2, 2).sample(tf.shape(h)[0])``: two
+    RandomGamma draws whose shape packs the product of the sample shape), "in_loop" (dropout in a tf.while_loop body),
     "cond" (dropout when a ``training`` flag, default True, says so: tf.cond, as
     tf.layers.dropout(training=flag) builds it), "cond_in_loop" (that cond, v2, in a v1
     while loop's body). ``control_flow`` "v1" or "v2" builds
@@ -477,6 +479,8 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
             h = h * tf.cast(tf.random.stateless_uniform(tf.shape(h), seed=[3, 4]) > 0.5, tf.float32) * 2.0
         elif kind == "per_unit":
             h = h * (1.0 + tf1.random_normal([16], stddev=0.5))
+        elif kind == "beta_per_row":   # a distribution sampled once per row (mixup's per-example lam)
+            h = h * tf.reshape(tf1.distributions.Beta(2.0, 2.0).sample(tf.shape(h)[0], seed=4), [-1, 1])
         elif kind == "cond":
             training = tf1.placeholder_with_default(True, [], name="training")
             h = tf1.cond(training, lambda: tf.nn.dropout(h, rate=0.5), lambda: h)
@@ -813,7 +817,12 @@ ROWS_MEETING = {
     "mixup_sliced": ("moved_rows", ["mixed_x/strided_slice", "mixed_y/strided_slice"]),
     "mixup_shuffled": ("moved_rows", ["mixed_x", "mixed_y"]),
     "roll": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "mixup_beta": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "mixup_per_row": ("moved_rows", ["mixed_x", "mixed_y"]),
+    "mixup_hidden": ("moved_rows", ["mixed_h", "mixed_y"]),
     "hardest_rows": ("moved_rows", ["hardest"]),
+    "hardest_gathered": ("moved_rows", ["hardest"]),
+    "hardest_entries": ("moved_rows", ["hardest"]),
     "center_loss": ("batch_statistics", ["center"]),
     "mean_features": ("batch_statistics", ["center"]),
     "batch_max": ("batch_statistics", ["center"]),
@@ -858,7 +867,17 @@ def rows_meeting_mlp(kind="plain"):
     with g.as_default():
         tf1.set_random_seed(1)
         x, y, w1, w2 = _mlp_inputs(None)
-        if kind in ("mixup", "mixup_sliced", "mixup_shuffled", "roll"):
+        if kind in ("mixup_beta", "mixup_per_row"):   # mixup as its paper draws it: lam ~ Beta(0.2, 0.2)
+            beta = tf1.distributions.Beta(0.2, 0.2)
+            if kind == "mixup_beta":   # one lam per batch, a seeded shuffle of the rows
+                lam = beta.sample(seed=7)
+                order = tf.random.shuffle(tf.range(tf.shape(x)[0]), seed=5)
+                move = lambda t, name: tf.gather(t, order, name=name)   # noqa: E731
+            else:   # one lam per row, the batch reversed
+                lam = tf.reshape(beta.sample(tf.shape(x)[0], seed=7), [-1, 1])
+                move = lambda t, name: tf.reverse(t, [0], name=name)   # noqa: E731
+            x, y = lam * x + (1.0 - lam) * move(x, "mixed_x"), lam * y + (1.0 - lam) * move(y, "mixed_y")
+        elif kind in ("mixup", "mixup_sliced", "mixup_shuffled", "roll"):
             if kind == "mixup":
                 move = lambda t, name: tf.reverse(t, [0], name=name)   # noqa: E731
             elif kind == "mixup_sliced":
@@ -887,12 +906,23 @@ def rows_meeting_mlp(kind="plain"):
                                                is_training=training, name="bn", **stats)
             h = tf.reshape(h4, [-1, 16])
         h = tf.nn.relu(h)
+        if kind == "mixup_hidden":   # manifold mixup: the hidden features mixed, their gradients cross rows
+            h = 0.7 * h + 0.3 * tf.reverse(h, [0], name="mixed_h")
+            y = 0.7 * y + 0.3 * tf.reverse(y, [0], name="mixed_y")
         err = tf.square(tf.matmul(h, w2) - y)
         if kind in ("labelled_rows", "partitioned_rows"):
             loss = tf.reduce_mean(err, name="loss_of_labelled")
         elif kind == "hardest_rows":   # online hard example mining: the quarter of the rows with the largest loss
             rows = tf.reshape(err, [-1])
             loss = tf.reduce_mean(tf.nn.top_k(rows, k=tf.shape(rows)[0] // 4, name="hardest").values)
+        elif kind == "hardest_gathered":   # the same by the indices, k a fraction of a float count, plus all rows'
+            rows = err[:, 0]
+            k = tf.cast(0.25 * tf.cast(tf.size(rows), tf.float32), tf.int32)
+            hardest = tf.gather(rows, tf.nn.top_k(rows, k=k, name="hardest").indices)
+            loss = 0.5 * tf.reduce_mean(err) + 0.5 * tf.reduce_mean(hardest)
+        elif kind == "hardest_entries":   # a segmentation's: the 8 largest of every row's every entry's loss
+            entries = tf.reshape(tf.square(tf.matmul(h, w2) - y) + 0.01 * tf.square(h), [-1])
+            loss = tf.reduce_mean(tf.nn.top_k(entries, k=8, sorted=False, name="hardest").values)
         elif kind == "mean_by_hand":
             loss = tf.reduce_sum(err) / tf.cast(tf.shape(x)[0], tf.float32)
         elif kind == "normalised_by_count":

@@ -2363,12 +2363,48 @@ def _leading_rows(shape):
             if scalar.op != "StridedSlice" or not scalar.attr["shrink_axis_mask"].i & 1 or not _starts_at_0(scalar):
                 return None
             shape = scalar.inputs[0]
+        elif n.op == "ConcatV2" and len(n.inputs) >= 3 and _all_ones(n.inputs[0]):
+            # a distribution's sample() draws [1, rows, ...]: [R, rows, ...] holds, replica
+            # by replica, what one device draws as [1, R rows, ...] (the same elements in order)
+            shape = n.inputs[1]
         elif n.op == "ConcatV2" and len(n.inputs) >= 3:
             shape = n.inputs[0]
+        elif n.op == "BroadcastArgs":   # (a distribution's batch shape: its loc's and scale's)
+            shape = _broadcast_rows(n)
+            if shape is None:
+                return None
         elif n.op == "StridedSlice" and not n.attr["shrink_axis_mask"].i and _starts_at_0(n):
             shape = n.inputs[0]
         else:
             return None
+    return None
+
+
+def _all_ones(tensor):
+    """True if ``tensor`` is a constant vector of ones (a sample shape of one sample)."""
+    n = _strip_identity(tensor).node
+    return n.op == "Const" and set(dtypes.int_values(n.attr["value"].tensor)) == {1}
+
+
+def _broadcast_rows(broadcast):
+    """The input of a BroadcastArgs of two shapes whose first entry is the broadcast
+    shape's: the longer one, or of two equally long the one whose first entry is a row
+    count (the other's is then 1 or the same count); None if neither's is."""
+    a, b = broadcast.inputs[0], broadcast.inputs[1]
+    lengths = [_shape_length(t) for t in (a, b)]
+    if None not in lengths and lengths[0] != lengths[1]:
+        return a if lengths[0] > lengths[1] else b
+    found = [t for t in (a, b) if _leading_rows(t) is not None]
+    return found[0] if found else None
+
+
+def _shape_length(shape):
+    """The length of a shape vector ``tf.shape(x)`` (x's static rank), or None."""
+    n = _strip_identity(shape).node
+    if n.op == "Shape":
+        return static_rank(n.inputs[0])
+    if n.op == "Const":
+        return len(list(dtypes.int_values(n.attr["value"].tensor)))
     return None
 
 

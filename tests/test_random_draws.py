@@ -35,6 +35,8 @@ DROPOUT = "dropout/random_uniform/RandomUniform"
 DRAWS = {"dropout": [DROPOUT], "keep_prob": [DROPOUT], "per_row": [DROPOUT],
          "noise": ["random_normal/RandomStandardNormal"],
          "beta_per_row": ["Beta/sample/random_gamma/RandomGamma", "Beta/sample/random_gamma_1/RandomGamma"],
+         "normal_sample": ["Normal/sample/random_normal/RandomStandardNormal"],
+         "normal_learned_scale": ["Normal/sample/random_normal/RandomStandardNormal"],
          "stateless": ["stateless_random_uniform/StatelessRandomUniformV2"],
          "cond-v1": ["cond/" + DROPOUT], "cond-v2": ["cond:cond_true_*_rewritten:" + DROPOUT],
          "in_loop-v1": ["while/" + DROPOUT], "in_loop-v2": ["while:while_body_*_rewritten:" + DROPOUT],
@@ -89,6 +91,22 @@ def test_a_static_batchs_constant_shape_counts():
     draw = graph.node("dropout/random_uniform/RandomUniform")
     assert draw.inputs[0].node.op == "Const"
     assert analyze(graph).batch_draws == [draw.name]
+
+
+def test_a_sample_whose_first_axis_is_not_the_rows_is_no_draw_per_row():
+    """A distribution whose batch shape broadcasts a row vector of the batch, [rows],
+    with a [3, 1] scale: it draws [1, 3, rows], whose rows are its last axis, so it is
+    no draw the pass could give each replica's rows of (the longer shape's first entry,
+    3, leads)."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.get_variable("w", [4, 1])
+        h = tf.reshape(tf.matmul(x, w), [-1])
+        z = tf1.distributions.Normal(loc=h, scale=tf.ones([3, 1])).sample(seed=4)
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(z)), name="train_op")
+    assert analyze(graph_io.load_graph(g.as_graph_def())).batch_draws == []
 
 
 def test_the_clones_draws_differ_from_one_devices():

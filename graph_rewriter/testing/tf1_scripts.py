@@ -453,7 +453,10 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
     fixed seed), "unseeded" (tf.nn.dropout with no graph seed), "per_unit" (noise [16]
     shared by the rows: not a draw per row), "beta_per_row" (each row scaled by a Beta
     sample, ``tf.compat.v1.distributions.Beta(2, 2).sample(tf.shape(h)[0])``: two
-    RandomGamma draws whose shape packs the product of the sample shape), "in_loop" (dropout in a tf.while_loop body),
+    RandomGamma draws whose shape packs the product of the sample shape), "normal_sample"
+    (``tf.compat.v1.distributions.Normal(loc=h, scale=...).sample()``, a VAE's
+    reparameterisation: a draw of [1, rows, 16]; "normal_learned_scale": its scale a
+    learned [16] vector, the batch shape a broadcast of [rows, 16] and [16]), "in_loop" (dropout in a tf.while_loop body),
     "cond" (dropout when a ``training`` flag, default True, says so: tf.cond, as
     tf.layers.dropout(training=flag) builds it), "cond_in_loop" (that cond, v2, in a v1
     while loop's body). ``control_flow`` "v1" or "v2" builds
@@ -481,6 +484,11 @@ def dropout_mlp(kind="dropout", batch=None, control_flow=None):
             h = h * (1.0 + tf1.random_normal([16], stddev=0.5))
         elif kind == "beta_per_row":   # a distribution sampled once per row (mixup's per-example lam)
             h = h * tf.reshape(tf1.distributions.Beta(2.0, 2.0).sample(tf.shape(h)[0], seed=4), [-1, 1])
+        elif kind == "normal_sample":   # a VAE's reparameterisation by tf.distributions: loc and scale per row
+            h = tf1.distributions.Normal(loc=h, scale=0.5 * tf.sigmoid(h)).sample(seed=4)
+        elif kind == "normal_learned_scale":   # its scale a learned vector, broadcast over the rows
+            scale = tf1.get_variable("scale", [16], initializer=tf1.constant_initializer(-1.0))
+            h = tf1.distributions.Normal(loc=h, scale=tf.nn.softplus(scale)).sample(seed=4)
         elif kind == "cond":
             training = tf1.placeholder_with_default(True, [], name="training")
             h = tf1.cond(training, lambda: tf.nn.dropout(h, rate=0.5), lambda: h)

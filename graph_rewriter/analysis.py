@@ -170,7 +170,11 @@ class Analysis:
     # mining), whose head every replica can compute over every replica's rows as an
     # in-batch product's (graph_rewriter/product_heads.py)
     ranked_rows: list = dataclasses.field(default_factory=list)
-    # the other moves that every replica can compute over every replica's rows, moved
+    # names of seeded draws of one sample per row from the row's own values
+    # (tf.random.categorical(logits): a policy's actions): a replica's clone draws for its
+    # rows what one device draws for the batch's first rows
+    sampled_rows: list = dataclasses.field(default_factory=list)
+    # the other moves (and those draws) that every replica can compute over every replica's rows, moved
     # rows that come from the batch alone (graph_rewriter/row_moves.py: RowMoves), or
     # None; and {move: why not} for the others
     row_moves: object = None
@@ -347,6 +351,7 @@ class _Analyzer:
         training = _Lazy(lambda: _value_ancestors_of(
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
+        sampled_rows = self._find_sampled_rows(seeds, variant0, training)
         positioned_rows = self._find_positioned_rows(seeds, variant0, training)
         batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
         bounded = {name: self._bounded_loops(self.g.node(name)) for name in batch_statistics
@@ -367,7 +372,8 @@ class _Analyzer:
                                             **dict.fromkeys(selected_means, "a mean over selected rows"),
                                             **dict.fromkeys(batch_draws, "a random draw per row")})
         row_moves, move_obstacles = self._find_row_moves(
-            [n for n in moved_rows if n not in ranked_rows and n not in (product_head.head if product_head else ())],
+            [n for n in moved_rows + sampled_rows
+             if n not in ranked_rows and n not in (product_head.head if product_head else ())],
             seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
                               **dict.fromkeys(batch_statistics, "a batch statistic"),
                               **dict.fromkeys(batch_draws, "a random draw per row")})
@@ -389,7 +395,8 @@ class _Analyzer:
         return Analysis(
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
-            moved_rows=moved_rows, ranked_rows=ranked_rows, row_moves=row_moves, row_move_obstacles=move_obstacles,
+            moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
+            row_move_obstacles=move_obstacles,
             positioned_rows=positioned_rows,
             batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
@@ -1165,6 +1172,19 @@ class _Analyzer:
         from graph_rewriter import row_moves
         return row_moves.find(self.order, [self.g.node(n) for n in moves], {t.node for t in seeds}, variant0,
                               self.gradient_scopes, elsewhere)
+
+    def _find_sampled_rows(self, seeds, variant0, training):
+        """Seeded draws of samples per row from each row's own values, whose value
+        training uses: ``tf.random.categorical(logits, k, seed)`` (a Multinomial: a
+        policy gradient's actions, a decoder sampling its own predictions). The kernel
+        draws row b from its seeds skipped ahead by b, so a replica's clone draws for its
+        rows what one device draws for the batch's first rows. An unseeded one draws
+        from a seed of its own on every replica already, and is left alone."""
+        seed_nodes = {t.node for t in seeds}
+        return [n.name for n in self.order
+                if n.op in _ROW_SAMPLES and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes)
+                and (n.op.startswith("Stateless") or n.attr["seed"].i or n.attr["seed2"].i)
+                and _reaches_rows(n.inputs[0], seed_nodes, strict=True) and n in training.value]
 
     def _find_moved_rows(self, seeds, variant0, training):
         """Forward ops that move the batch's rows within it, whose value training
@@ -2064,6 +2084,7 @@ def _keeps_first_axis(reshape):
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
 _RANKINGS = frozenset(("TopKV2", "TopK"))
+_ROW_SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
 _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))

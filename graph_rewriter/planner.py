@@ -406,6 +406,9 @@ LOOP_BOUNDS = (LOOP_BOUNDS_START + " ({names}: the longest sequence, as tf.nn.dy
                "gives): each replica runs them to its own rows' bound. A loop that leaves its finished rows "
                "unchanged, as dynamic_rnn does, computes one device's values; a stateful random op in it (a "
                "dropout per step) draws once per step it runs, so from then on its draws are not one device's")
+SAMPLED_ROWS = (ROWS_MEET_START + " in {names} (seeded draws of samples per row from the rows' own values, e.g. "
+                "tf.random.categorical(logits, 1, seed)): each replica's kernel draws for its rows what one device "
+                "draws for the batch's first rows, so the samples, and the step, differ from one device's")
 SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
                   "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
                   "rows and the replicas' means are averaged alike, so unless every replica selects as many "
@@ -425,17 +428,18 @@ def _note_rows_meeting(plan, analysis, log):
     if plan.num_replicas > 1:
         computed = set((plan.product_head or {}).get("head") or ()) | set(
             (plan.row_moves or {}).get("moves") or ())   # (one device's rows meet there)
-        products, moved, positioned = ([n for n in names if n not in computed] for names in (
-            analysis.row_products, analysis.moved_rows, analysis.positioned_rows))
+        products, moved, positioned, sampled = ([n for n in names if n not in computed] for names in (
+            analysis.row_products, analysis.moved_rows, analysis.positioned_rows, analysis.sampled_rows))
         left = products + [n for n in analysis.ranked_rows if n not in computed]
         if left and analysis.product_head_obstacle:
             log(f"plan: the head of {_listed(left)} (rows meeting every row of the batch) cannot be computed "
                 f"over every replica's rows: {analysis.product_head_obstacle}")
-        for name in moved:
+        for name in moved + sampled:
             if name in analysis.row_move_obstacles:
                 log(f"plan: the rows '{name}' moves cannot be moved over every replica's rows: "
                     f"{analysis.row_move_obstacles[name]}")
         for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, moved), (POSITIONED_ROWS, positioned),
+                                (SAMPLED_ROWS, sampled),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics
                                                     if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means

@@ -17,6 +17,12 @@ from R times the replica's count; a seeded shuffle's copy draws one device's
 permutation, the same on every replica (the same seeds, the same count), so the mixup of
 the images and of their labels pair the same rows.
 
+A seeded draw of samples per row from the rows' own values, ``tf.random.categorical(logits,
+k, seed)`` (a policy's actions), takes the same path: its kernel draws row b from its
+seeds skipped ahead by b, so a replica's clone would draw for its rows what one device
+draws for the batch's first rows. It has no gradient, so its logits may come from
+variables.
+
 ``find`` returns the moves (the plan stores them, passes/row_moves.py builds them) and,
 for each move it cannot take, why.
 """
@@ -27,6 +33,10 @@ from graph_rewriter.product_heads import holds_batch_rows, is_seeded_shuffle, re
 
 # variables: rows computed from one would need their gradients back on other replicas
 _VARIABLE_OPS = frozenset(("VariableV2", "Variable", "VarHandleOp"))
+# draws of samples per row from each row's values (tf.random.categorical), which take
+# the same path: every replica draws every replica's rows (row b of the kernel's draw
+# depends on its seeds and b only) and keeps its own
+SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
 
 
 @dataclasses.dataclass
@@ -76,14 +86,18 @@ def find(order, moves, seed_nodes, variant0, scopes, elsewhere):
 def _obstacle(move, seed_nodes, variant0, scopes, elsewhere):
     """(why ``move`` cannot be moved over every replica's rows, None) or (None, {(its
     input, position): what recomputed_from_rows found for it})."""
+    from graph_rewriter.analysis import _FUNCTIONAL, loop_frames
     if move.name in elsewhere:
         return f"it is rewritten for another reason ({elsewhere[move.name]})", None
+    if loop_frames(move) or move.op in _FUNCTIONAL:
+        return "it runs in a while loop", None
     rows = move.inputs[0]
     if not holds_batch_rows(rows, seed_nodes):
-        return f"'{rows.name}', the value it moves, does not hold the batch's rows", None
+        return f"'{rows.name}', the value it reads, does not hold the batch's rows", None
     if move.op == "RandomShuffle" and not is_seeded_shuffle(move):
         return "an unseeded shuffle draws another order on every replica", None
-    held = _variable_above(rows.node, seed_nodes)
+    # (a draw of samples has no gradient: its rows may come from variables)
+    held = None if move.op in SAMPLES else _variable_above(rows.node, seed_nodes)
     if held is not None:
         return (f"the rows it moves are computed from the variable '{held}', so their gradients would go back "
                 "to other replicas"), None

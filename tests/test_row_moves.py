@@ -11,6 +11,12 @@ shuffle's copy draws one device's permutation, from the whole batch's count of r
 keeps its own rows of it, so the mixed batch is one device's. Rows moved after a variable
 (manifold mixup's hidden features) would need their gradients back on other replicas:
 those keep the note, and the log says why.
+
+A seeded ``tf.random.categorical(logits, 1, seed)`` (REINFORCE's actions) takes the same
+path: its kernel draws row b from its seeds skipped ahead by b, so each replica drew for
+its rows what one device draws for the batch's first rows, with no note (0.021 from one
+device in the loss after four steps at 2 replicas: the control below); now every replica
+draws from every replica's logits and keeps its own rows' actions.
 """
 
 import numpy as np
@@ -21,7 +27,7 @@ from graph_rewriter import graph_io, inspect_report
 from graph_rewriter.analysis import analyze
 from graph_rewriter.planner import ROWS_MEET_START
 from graph_rewriter.testing import harness
-from graph_rewriter.testing.tf1_scripts import dropout_batches, rows_meeting_mlp
+from graph_rewriter.testing.tf1_scripts import dropout_batches, policy_gradient, rows_meeting_mlp
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -33,9 +39,14 @@ MIXUPS = ("mixup", "mixup_sliced", "mixup_shuffled", "roll", "mixup_beta", "mixu
 _REFERENCES = {}
 
 
+def _graph(kind):
+    kind, _, policy = kind.partition(":")
+    return policy_gradient(policy) if kind == "policy" else rows_meeting_mlp(kind)
+
+
 def _reference(kind):
     if kind not in _REFERENCES:
-        graph_def = rows_meeting_mlp(kind)
+        graph_def = _graph(kind)
         with harness.one_device_session(graph_def) as sess:
             _REFERENCES[kind] = graph_def, harness.train_and_read(sess, graph_def, _batches())
     return _REFERENCES[kind]
@@ -98,6 +109,65 @@ def test_each_replicas_own_moves_would_be_caught(kind):
     with gr.Session(result) as sess:
         losses, _ = harness.train_and_read(sess, graph_def, _batches())
     assert max(abs(a - b) for a, b in zip(losses, want[0])) > 1e-3, (losses, want[0])
+
+
+POLICIES = ("policy:categorical", "policy:stateless")
+
+
+@pytest.mark.parametrize("kind, sample", [("policy:categorical", "categorical/Multinomial"),
+                                          ("policy:stateless", "stateless_categorical/StatelessMultinomial"),
+                                          ("policy:unseeded", None)])
+def test_the_analysis_finds_seeded_samples_of_rows(kind, sample):
+    """A seeded draw of actions per row from the policy's logits is found and drawn over
+    every replica's logits (computed from variables: a draw has no gradient); an
+    unseeded one draws from a seed of its own on every replica already: left alone."""
+    found = analyze(graph_io.load_graph(_graph(kind)))
+    assert found.sampled_rows == ([sample] if sample else [])
+    assert (found.row_moves.moves if found.row_moves else []) == found.sampled_rows
+    assert found.row_moves is None or [t for t, _ in found.row_moves.gathered] == ["MatMul_1:0"]
+
+
+@pytest.mark.parametrize("kind", POLICIES)
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("allreduce", 4), ("hybrid", 2)])
+def test_sampled_actions_train_as_one_device(kind, strategy, replicas):
+    """REINFORCE with the batch's mean reward as its baseline (a batch statistic, synced):
+    losses and every variable (Adam's slots among them) as one device's, no note."""
+    graph_def, want = _reference(kind)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy,
+                        sync_batch_statistics=True)
+    assert not _notes(result)
+    with gr.Session(result) as sess:
+        got = harness.train_and_read(sess, graph_def, _batches())
+    harness.assert_trained_alike(f"{kind}, {strategy}, {replicas} replicas", got, want, RTOL, ATOL)
+
+
+@pytest.mark.parametrize("kind", POLICIES)
+def test_each_replicas_own_samples_would_be_caught(kind):
+    """The control: with ``"row_moves": {}`` each replica draws for its rows what one
+    device draws for the first rows; the note says so, and the actions and the losses
+    differ from one device's."""
+    graph_def, want = _reference(kind)
+    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", sync_batch_statistics=True).plan
+    plan.row_moves = {}
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
+    [note] = _notes(result)
+    assert "seeded draws of samples per row" in note and "categorical" in note
+    with gr.Session(result) as sess:
+        losses, _ = harness.train_and_read(sess, graph_def, _batches())
+    assert max(abs(a - b) for a, b in zip(losses, want[0])) > 1e-3, (losses, want[0])
+
+
+def test_sampled_actions_are_fetched_as_one_devices():
+    graph_def = _graph("policy:categorical")
+    feed = _batches(1)[0]
+    with harness.one_device_session(graph_def) as sess:
+        sess.run("init")
+        want = sess.run("actions:0", feed)
+    result = gr.rewrite(graph_def, devices_per_worker=4, device_type="CPU", sync_batch_statistics=True)
+    with gr.Session(result) as sess:
+        sess.run("init")
+        got = sess.run("actions:0", feed)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_the_moved_batch_is_fetched_as_one_devices():

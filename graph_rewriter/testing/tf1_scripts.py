@@ -819,6 +819,41 @@ def warm_started_mlp(checkpoint_dir, resource=True):
     return g.as_graph_def(), path
 
 
+def policy_gradient(kind="categorical"):
+    """REINFORCE on a batch of states x [None, 4] with rewards y [None, 1] (dropout_batches'
+    feeds): a policy x -> dense 16 relu -> 3 action logits; actions drawn per row by
+    ``kind`` "categorical" (``tf.random.categorical(logits, 1, seed=5)``, graph seed 1),
+    "stateless" (``tf.random.stateless_categorical(logits, 1, seed=[5, 6])``) or
+    "unseeded" (no seed at all); loss ``-mean(log pi(a|x) * (r - mean r))``, Adam 0.01.
+    Returns the GraphDef (fetch loss:0 and actions:0, run train_op, init; variables w1,
+    w_pi and Adam's slots)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        if kind != "unseeded":
+            tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w_pi = tf1.get_variable("w_pi", [16, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w_pi)
+        if kind == "categorical":
+            drawn = tf.random.categorical(logits, 1, seed=5)
+        elif kind == "stateless":
+            drawn = tf.random.stateless_categorical(logits, 1, seed=[5, 6])
+        elif kind == "unseeded":
+            drawn = tf.random.categorical(logits, 1)
+        else:
+            raise ValueError(f"policy_gradient: unknown kind {kind!r}")
+        actions = tf.identity(drawn[:, 0], name="actions")
+        log_pi = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=actions, logits=logits)
+        advantage = y[:, 0] - tf.reduce_mean(y)
+        loss = tf.identity(-tf.reduce_mean(log_pi * advantage), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 # rows_meeting_mlp's kinds, by what the analysis finds in them: (field, the ops' names)
 ROWS_MEETING = {
     "mixup": ("moved_rows", ["mixed_x", "mixed_y"]),

@@ -1140,18 +1140,20 @@ class _Analyzer:
     def _find_row_products(self, seeds, variant0):
         """Forward products of two tensors that both keep the batch's rows, over their
         features: ``tf.matmul(queries, documents, transpose_b=True)``, the logits of a
-        contrastive loss with in-batch negatives, of a [rows, rows] shape. Each replica
-        computes it over its own shard, so every row meets R times fewer rows than on
-        one device, which the rewrite cannot give it (it would need the other replicas'
-        rows in the forward pass and their gradients back): the plan says so."""
+        contrastive loss with in-batch negatives, of a [rows, rows] shape, and the same
+        written otherwise (``tf.matmul(q, tf.transpose(d))``, tf.einsum, tf.tensordot,
+        ``q[:, None] * d[None]``, pairwise distances by expand_dims: row_axes.py). Each
+        replica would compute it over its own shard, so every row would meet R times
+        fewer rows than on one device: product_heads computes its head over every
+        replica's rows, or the plan says so."""
+        from graph_rewriter.row_axes import meets_rows
         seed_nodes = {t.node for t in seeds}
-        out = []
-        for n in self.order:
-            if n.op == "MatMul" and n in variant0 and n.attr["transpose_b"].b and not n.attr["transpose_a"].b \
-                    and not in_gradients_scope(n.name, self.gradient_scopes) \
-                    and all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs):
-                out.append(n.name)
-        return out
+
+        def holds_rows(t):
+            return _reaches_rows(t, seed_nodes, strict=True)
+        return [n.name for n in self.order
+                if n.op in _MEETING_OPS and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes)
+                and meets_rows(n, holds_rows)]
 
     def _find_product_head(self, meeting, seeds, variant0, elsewhere):
         """The head of the in-batch products and rankings of rows (``meeting``: their
@@ -1799,7 +1801,7 @@ def named_gradient_scopes(nodes):
         k = n.name.find("_grad/")
         if k < 0 or _GRADIENTS_SCOPE.search(n.name[:k + 1]) is not None:
             continue
-        found = _forward_of_scope(n.name[:k], names)
+        found = _forward_of_scope(n.name[:k], names, names)
         if found is not None:
             scopes.add(n.name[:found[1] + 1])
     return tuple(sorted(scopes))
@@ -1834,33 +1836,37 @@ def gradient_scopes(nodes, named):
     scope of its own ("gradients", "gradients_1", or what its ``name`` says) and in it
     one per forward op, the op's whole name and "_grad/" ("gradients/model/Sum_grad/"
     for "model/Sum"). A graph imported under a prefix (import_graph_def(name="import"))
-    has the prefix in front of both ("import/gradients/Sum_grad/" for "import/Sum")."""
+    has the prefix in front of both ("import/gradients/Sum_grad/" for "import/Sum").
+    ``nodes`` is every node of the graph: a scope belongs to the longest op name of the
+    graph that fits it, named or not ("gradients/l2_normalize/Sum_grad/" is the backward
+    of "l2_normalize/Sum", not of a named "Sum"); callers may pass only the nodes they
+    look through, and the named ops count among the graph's."""
+    nodes = list(nodes)
+    names = {n.name for n in nodes} | set(named)
     scopes = {}
     for n in nodes:
         k = n.name.find("_grad/")
         while k >= 0:
-            found = _forward_of_scope(n.name[:k], named)
+            found = _forward_of_scope(n.name[:k], named, names)
             if found is not None:
                 scopes.setdefault((found[0], n.name[:k + len("_grad/")]), []).append(n)
             k = n.name.find("_grad/", k + 1)
     return scopes
 
 
-def _forward_of_scope(head, named):
+def _forward_of_scope(head, named, names):
     """(op, j): the op of ``named`` whose backward scope is ``head + "_grad/"``, and
     where the scope tf.gradients opened ends (``head[j]`` is its "/"): head is
     "<scope>/<op>", or "<prefix><scope>/<op>" for the op "<prefix><op>"; the longest
-    op name that fits wins. None if no op of ``named`` fits."""
+    op name of the graph (``names``) that fits wins, and of one op name the one under
+    the scope's prefix (a replica's "replica_1/bn/mean" for "replica_1/gradients/bn/mean",
+    not replica 0's "bn/mean"). None if it is not one of ``named``."""
     slashes = [j for j, ch in enumerate(head) if ch == "/"]
     for j in slashes:
         op = head[j + 1:]
-        if op in named:
-            return op, j
-        for i in slashes:
-            if i >= j:
-                break
-            if head[:i + 1] + op in named:
-                return head[:i + 1] + op, j
+        for candidate in [head[:i + 1] + op for i in reversed(slashes) if i < j] + [op]:
+            if candidate in names:
+                return (candidate, j) if candidate in named else None
     return None
 
 
@@ -2084,6 +2090,9 @@ def _keeps_first_axis(reshape):
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
 _RANKINGS = frozenset(("TopKV2", "TopK"))
+# ops that can put the rows of two operands on two axes of their output (row_axes.py)
+_MEETING_OPS = frozenset(("MatMul", "Einsum", "Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivNoNan", "MulNoNan",
+                          "SquaredDifference", "Maximum", "Minimum", "Pow"))
 _ROW_SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
 _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
@@ -2569,6 +2578,11 @@ def static_rank(tensor, depth=0):
     if n.op in _BROADCASTING:
         ranks = [static_rank(t, depth + 1) for t in n.inputs]
         return None if not ranks or None in ranks else max(ranks)
+    if n.op in ("Transpose", "Identity", "Tanh", "Relu", "Sigmoid", "Neg", "Square", "Exp", "Log"):
+        return static_rank(n.inputs[0], depth + 1)
+    if n.op == "ExpandDims":
+        rank = static_rank(n.inputs[0], depth + 1)
+        return None if rank is None else rank + 1
     return None
 
 

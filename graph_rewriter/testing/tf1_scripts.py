@@ -642,15 +642,23 @@ def _hand_written_adam(pairs, step, lr=0.01, b1=0.9, b2=0.999, eps=1e-8):
         return step.assign_add(1).op
 
 
-def dual_encoder(negatives="in_batch"):
+# dual_encoder's in-batch logits, as scripts write them
+PRODUCT_FORMS = ("matmul", "transpose", "einsum", "tensordot", "broadcast", "distances")
+
+
+def dual_encoder(negatives="in_batch", form="matmul"):
     """A dual encoder trained with a contrastive loss, as retrieval and sentence-embedding
     scripts train one: queries q [batch, 6] and documents d [batch, 6] each through a
     tanh layer and normalised; with ``negatives`` "in_batch" the logits are every query
     against every document of the batch (``tf.matmul(q, d, transpose_b=True)``, the
     matching document on the diagonal); with "sampled", each query against its own
     document and one fixed random document per row (no row meets another row). Softmax
-    cross entropy, mean over the rows, SGD 0.1. Returns the GraphDef (loss:0, train_op,
-    init; variables wq, wd)."""
+    cross entropy, mean over the rows, SGD 0.1. ``form`` writes the in-batch logits
+    otherwise (the same values): "transpose" ``tf.matmul(q, tf.transpose(d))``, "einsum"
+    ``tf.einsum("id,jd->ij", q, d)``, "tensordot" ``tf.tensordot(q, d, [[1], [1]])``,
+    "broadcast" ``tf.reduce_sum(q[:, None, :] * d[None, :, :], -1)``, "distances" minus
+    half the squared distances by expand_dims (the same softmax: the norms are 1), each
+    named "similarity". Returns the GraphDef (loss:0, train_op, init; variables wq, wd)."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
@@ -661,7 +669,7 @@ def dual_encoder(negatives="in_batch"):
         eq = tf.math.l2_normalize(tf.tanh(tf.matmul(q, wq)), axis=1)
         ed = tf.math.l2_normalize(tf.tanh(tf.matmul(d, wd)), axis=1)
         if negatives == "in_batch":
-            logits = tf.matmul(eq, ed, transpose_b=True, name="similarity") * 5.0
+            logits = _in_batch_logits(tf, eq, ed, form) * 5.0
             labels = tf.range(tf.shape(q)[0])
         else:
             other = tf.math.l2_normalize(tf.tanh(tf.matmul(tf.reverse(d, [1]), wd)), axis=1)
@@ -672,6 +680,24 @@ def dual_encoder(negatives="in_batch"):
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
         tf1.global_variables_initializer()
     return g.as_graph_def()
+
+
+def _in_batch_logits(tf, eq, ed, form):
+    """[rows, rows]: every query against every document, as ``form`` writes it."""
+    if form == "matmul":
+        return tf.matmul(eq, ed, transpose_b=True, name="similarity")
+    if form == "transpose":
+        return tf.matmul(eq, tf.transpose(ed), name="similarity")
+    if form == "einsum":
+        return tf.einsum("id,jd->ij", eq, ed, name="similarity")
+    if form == "tensordot":
+        return tf.tensordot(eq, ed, [[1], [1]], name="similarity")
+    if form == "broadcast":
+        return tf.reduce_sum(tf.multiply(eq[:, None, :], ed[None, :, :], name="similarity"), -1)
+    if form == "distances":
+        return -0.5 * tf.reduce_sum(tf.square(tf.subtract(tf.expand_dims(eq, 1), tf.expand_dims(ed, 0),
+                                                          name="similarity")), -1)
+    raise ValueError(f"dual_encoder: unknown form {form!r}")
 
 
 def contrastive(kind="clip"):

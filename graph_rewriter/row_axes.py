@@ -1,0 +1,137 @@
+"""Where a tensor holds the batch's rows, and where two tensors' rows meet.
+
+A contrastive loss meets every row of the batch with every other in a product over the
+features, written in many ways: ``tf.matmul(q, d, transpose_b=True)``, ``tf.matmul(q,
+tf.transpose(d))``, ``tf.einsum("id,jd->ij", q, d)``, ``tf.tensordot(q, d, [[1], [1]])``,
+``tf.reduce_sum(q[:, None, :] * d[None, :, :], -1)``, pairwise distances
+``tf.expand_dims(q, 1) - tf.expand_dims(d, 0)``. Each holds the rows of one operand on one
+axis of its output and the rows of the other on another. ``rows_axis`` follows a tensor's
+rows from where the strict row walk finds them on axis 0 through the ops that move that
+axis (a transpose by a constant permutation, an expand_dims, a new axis by ``x[None]`` or
+``x[:, None]``, tf.tensordot's reshape of a transpose to its own shape); ``meets_rows``
+says whether an op's operands' rows land on different axes of its output.
+"""
+
+# element-wise ops of two operands that broadcast them against each other
+_BROADCASTING = frozenset(("Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivNoNan", "MulNoNan",
+                           "SquaredDifference", "Maximum", "Minimum", "Pow"))
+
+
+def rows_axis(tensor, holds_rows, depth=0):
+    """The axis of ``tensor`` holding the batch's rows (0 where ``holds_rows(tensor)``,
+    the strict walk), or None."""
+    from graph_rewriter.analysis import _strip_identity, static_rank
+    if holds_rows(tensor):
+        return 0
+    if depth > 8:
+        return None
+    t = _strip_identity(tensor)
+    n = t.node
+    if t is not tensor:
+        return rows_axis(t, holds_rows, depth + 1)
+    if n.op == "Transpose":
+        perm = _const_ints(n.inputs[1])
+        a = rows_axis(n.inputs[0], holds_rows, depth + 1)
+        return perm.index(a) if perm is not None and a in perm else None
+    if n.op == "ExpandDims":
+        at, rank = _const_ints(n.inputs[1]), static_rank(n.inputs[0])
+        a = rows_axis(n.inputs[0], holds_rows, depth + 1)
+        if a is None or not at or len(at) != 1 or (at[0] < 0 and rank is None):
+            return None
+        c = at[0] + rank + 1 if at[0] < 0 else at[0]
+        return a + 1 if c <= a else a
+    if n.op == "StridedSlice":
+        return _sliced_axis(n, rows_axis(n.inputs[0], holds_rows, depth + 1))
+    if n.op == "Reshape" and _tensordot_reshape(n):
+        return rows_axis(n.inputs[0], holds_rows, depth + 1)
+    return None
+
+
+def meets_rows(node, holds_rows):
+    """True if ``node`` puts the rows of its two operands on two different axes of its
+    output: a MatMul whose operands' rows are both free (not contracted), an Einsum
+    whose operands' row letters differ and are both kept, a broadcasting element-wise op
+    whose operands' rows, aligned from the last axis, differ."""
+    from graph_rewriter.analysis import static_rank
+    if node.op == "MatMul":
+        a, b = (rows_axis(t, holds_rows) for t in node.inputs[:2])
+        return a == (1 if node.attr["transpose_a"].b else 0) and b == (0 if node.attr["transpose_b"].b else 1)
+    if node.op == "Einsum" and len(node.inputs) == 2:
+        equation = node.attr["equation"].s.decode().replace(" ", "")
+        terms, _, out = equation.partition("->")
+        terms = terms.split(",")
+        if "." in equation or len(terms) != 2:
+            return False
+        letters = []
+        for term, t in zip(terms, node.inputs):
+            a = rows_axis(t, holds_rows)
+            if a is None or a >= len(term):
+                return False
+            letters.append(term[a])
+        return letters[0] != letters[1] and all(c in out for c in letters)
+    if node.op in _BROADCASTING and len(node.inputs) == 2:
+        ends = []
+        for t in node.inputs:
+            a, rank = rows_axis(t, holds_rows), static_rank(t)
+            if a is None or rank is None:
+                return False
+            ends.append(a - rank)   # (the axis counted from the last one)
+        return ends[0] != ends[1]
+    return False
+
+
+def _const_ints(tensor):
+    """The values of a constant integer vector, or of a ConcatV2 of constant vectors
+    along axis 0 (tf.tensordot's permutation), or None."""
+    from graph_rewriter.analysis import _int_const, _strip_identity
+    n = _strip_identity(tensor).node
+    if n.op == "ConcatV2" and len(n.inputs) >= 2 and _int_const(n.inputs[-1]) == [0]:
+        parts = [_int_const(t) for t in n.inputs[:-1]]
+        return None if None in parts else [v for p in parts for v in p]
+    return _int_const(tensor)
+
+
+def _sliced_axis(n, a):
+    """Where a StridedSlice that only adds new axes (``x[None, :, :]``, ``x[:, None]``)
+    puts input axis ``a``; None for any other slice."""
+    if a is None or n.attr["ellipsis_mask"].i or n.attr["shrink_axis_mask"].i:
+        return None
+    strides = _const_ints(n.inputs[3])
+    if strides is None or set(strides) - {1}:
+        return None
+    full = n.attr["begin_mask"].i & n.attr["end_mask"].i
+    new, out_axis, in_axis = n.attr["new_axis_mask"].i, 0, 0
+    for i in range(len(strides)):
+        if new >> i & 1:
+            out_axis += 1
+            continue
+        if not full >> i & 1:
+            return None   # (a slice of some entries of the axis)
+        if in_axis == a:
+            return out_axis
+        out_axis, in_axis = out_axis + 1, in_axis + 1
+    return out_axis + (a - in_axis) if a >= in_axis else None
+
+
+def _tensordot_reshape(n):
+    """True for tf.tensordot's Reshape of a transposed rank-2 operand to its own shape:
+    a Pack of two Prods, each of a one-entry GatherV2 of the transposed tensor's Shape,
+    in the transpose's order."""
+    from graph_rewriter.analysis import _int_const, _strip_identity
+    transpose, shape = _strip_identity(n.inputs[0]).node, _strip_identity(n.inputs[1]).node
+    if transpose.op != "Transpose" or shape.op != "Pack" or len(shape.inputs) != 2:
+        return False
+    perm = _const_ints(transpose.inputs[1])
+    if perm is None or len(perm) != 2:
+        return False
+    for k, part in enumerate(shape.inputs):
+        prod = _strip_identity(part).node
+        gather = _strip_identity(prod.inputs[0]).node if prod.op == "Prod" else None
+        if gather is None or gather.op != "GatherV2" or _int_const(gather.inputs[2]) != [0]:
+            return False
+        source = _strip_identity(gather.inputs[0]).node
+        if source.op != "Shape" or source.inputs[0].node is not transpose.inputs[0].node \
+                or _int_const(gather.inputs[1]) != [perm[k]]:
+            return False
+    return True
+

@@ -174,9 +174,9 @@ class Analysis:
     # (tf.random.categorical(logits): a policy's actions): a replica's clone draws for its
     # rows what one device draws for the batch's first rows
     sampled_rows: list = dataclasses.field(default_factory=list)
-    # the other moves (and those draws) that every replica can compute over every replica's rows, moved
-    # rows that come from the batch alone (graph_rewriter/row_moves.py: RowMoves), or
-    # None; and {move: why not} for the others
+    # the other moves and those draws that every replica can compute over every
+    # replica's rows: rows that come from the batch alone, draws from any rows
+    # (graph_rewriter/row_moves.py: RowMoves), or None; and {name: why not} for the others
     row_moves: object = None
     row_move_obstacles: dict = dataclasses.field(default_factory=dict)
     # names of forward ops that take rows of the batch by their position in it (its halves
@@ -314,6 +314,7 @@ class _Analyzer:
         self.order = topological_order(g)
         self.position = {n: i for i, n in enumerate(self.order)}
         self.gradient_scopes = named_gradient_scopes(self.order)
+        self._named_backward = None   # (any node in a tf.gradients scope: _from_backward)
         self.functions = {f.signature.name: f for f in g.library.function} if g.library is not None else {}
         self.variables = self._find_variables()
         self._find_writers()
@@ -364,13 +365,16 @@ class _Analyzer:
         drawing_loop_bounds = [name for name in outer_loop_bounds if self._loops_draw(bounded[name])]
         selected_means = self._find_selected_means(variant0, training)
         ranked_rows = [n for n in moved_rows if self.g.node(n).op in _RANKINGS]
+        # (a loss normalizer the head computes again is the whole batch's there: below)
         product_head, head_obstacle = self._find_product_head(
-            row_products + ranked_rows, seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
-                                            **dict.fromkeys(loss_sums, "a sum of the loss"),
+            row_products + ranked_rows, seeds, variant0, {**dict.fromkeys(loss_sums, "a sum of the loss"),
                                             **dict.fromkeys(batch_statistics, "a batch statistic"),
                                             **dict.fromkeys(loop_bounds, "a loop bound"),
                                             **dict.fromkeys(selected_means, "a mean over selected rows"),
                                             **dict.fromkeys(batch_draws, "a random draw per row")})
+        if product_head is not None:
+            normalizers, head_obstacle = _normalizers_beside(product_head, normalizers)
+            product_head = None if head_obstacle else product_head
         row_moves, move_obstacles = self._find_row_moves(
             [n for n in moved_rows + sampled_rows
              if n not in ranked_rows and n not in (product_head.head if product_head else ())],
@@ -396,9 +400,7 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
-            row_move_obstacles=move_obstacles,
-            positioned_rows=positioned_rows,
-            batch_statistics=batch_statistics,
+            row_move_obstacles=move_obstacles, positioned_rows=positioned_rows, batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -656,6 +658,8 @@ class _Analyzer:
             if "indices" in slices and "updates" in slices:
                 values = n.inputs[slices["updates"][0]]
                 indices = n.inputs[slices["indices"][0]]
+                if not self._from_backward(values):
+                    continue   # rows written into state (a center loss's centers): _find_row_gathers
                 dedup = _dedup_pair(indices)
                 if dedup is not None:
                     cut = GradientCut(values=dedup[0], indices=dedup[1], kind="sparse",
@@ -996,6 +1000,18 @@ class _Analyzer:
             out.append((t.name, readers))
         return out, regions, refused
 
+    def _from_backward(self, tensor, limit=4096):
+        """True if ``tensor`` is computed from the backward pass (a gradient, as an
+        optimizer's sparse update is), not from the forward pass and the batch alone.
+        Only tf.gradients' scope names tell: in a graph without them (renamed) every
+        update counts as from the backward pass, as before."""
+        if self._named_backward is None:
+            self._named_backward = any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order)
+        if not self._named_backward:
+            return True
+        return _search_back(tensor.node, lambda m: in_gradients_scope(m.name, self.gradient_scopes),
+                            lambda m: [t.node for t in m.inputs], limit) is not None
+
     def _state_like(self, cut):
         """True if ``cut`` is what _assign_roles makes a state (a plain assign of one
         variable from batch data)."""
@@ -1146,13 +1162,13 @@ class _Analyzer:
         replica would compute it over its own shard, so every row would meet R times
         fewer rows than on one device: product_heads computes its head over every
         replica's rows, or the plan says so."""
-        from graph_rewriter.row_axes import meets_rows
+        from graph_rewriter.row_axes import MEETING_OPS, meets_rows
         seed_nodes = {t.node for t in seeds}
 
         def holds_rows(t):
             return _reaches_rows(t, seed_nodes, strict=True)
         return [n.name for n in self.order
-                if n.op in _MEETING_OPS and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes)
+                if n.op in MEETING_OPS and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes)
                 and meets_rows(n, holds_rows)]
 
     def _find_product_head(self, meeting, seeds, variant0, elsewhere):
@@ -1997,6 +2013,23 @@ def _rows_follow(strict, limit):
     return follow
 
 
+def _normalizers_beside(head, normalizers):
+    """(the loss normalizers left to the normalizers pass, why the head cannot be
+    computed or None). A normalizer the head computes (a RankNet's count of ordered
+    pairs, ``reduce_sum(mask)``, copied from every replica's rows) is the whole batch's
+    there, one device's: no replica's to average, when the head, its copies and its
+    backward are all that read it."""
+    inside = set(head.head) | set(head.copied_ops)
+    readers = {name: {reader for reader, _ in found} for name, found in head.copied}
+    left = []
+    for t in normalizers:
+        if t.node.name not in inside:
+            left.append(t)
+        elif not {c.name for c, _ in t.node.consumers(t.index)} <= inside | readers.get(t.name, set()):
+            return normalizers, f"'{t.name}', a loss normalizer in it, is also read elsewhere"
+    return left, None
+
+
 def _split_pieces(split, follow, limit):
     """The tensors a ``tf.split(h, k, 0)`` splits back apart: SimCLR's two views, put
     through one encoder as ``tf.concat([view_1, view_2], 0)``, come out as ``tf.split(h,
@@ -2090,9 +2123,6 @@ def _keeps_first_axis(reshape):
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
 _RANKINGS = frozenset(("TopKV2", "TopK"))
-# ops that can put the rows of two operands on two axes of their output (row_axes.py)
-_MEETING_OPS = frozenset(("MatMul", "Einsum", "Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivNoNan", "MulNoNan",
-                          "SquaredDifference", "Maximum", "Minimum", "Pow"))
 _ROW_SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
 _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
@@ -2578,7 +2608,7 @@ def static_rank(tensor, depth=0):
     if n.op in _BROADCASTING:
         ranks = [static_rank(t, depth + 1) for t in n.inputs]
         return None if not ranks or None in ranks else max(ranks)
-    if n.op in ("Transpose", "Identity", "Tanh", "Relu", "Sigmoid", "Neg", "Square", "Exp", "Log"):
+    if n.op == "Transpose":
         return static_rank(n.inputs[0], depth + 1)
     if n.op == "ExpandDims":
         rank = static_rank(n.inputs[0], depth + 1)

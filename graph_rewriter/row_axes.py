@@ -15,6 +15,8 @@ says whether an op's operands' rows land on different axes of its output.
 # element-wise ops of two operands that broadcast them against each other
 _BROADCASTING = frozenset(("Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivNoNan", "MulNoNan",
                            "SquaredDifference", "Maximum", "Minimum", "Pow"))
+# the ops meets_rows looks at
+MEETING_OPS = frozenset(("MatMul", "Einsum")) | _BROADCASTING
 
 
 def rows_axis(tensor, holds_rows, depth=0):
@@ -92,24 +94,25 @@ def _const_ints(tensor):
 
 
 def _sliced_axis(n, a):
-    """Where a StridedSlice that only adds new axes (``x[None, :, :]``, ``x[:, None]``)
-    puts input axis ``a``; None for any other slice."""
-    if a is None or n.attr["ellipsis_mask"].i or n.attr["shrink_axis_mask"].i:
+    """Where a StridedSlice puts input axis ``a``, the rows, when it keeps them all in
+    order (``x[:, 0]``, ``x[:, :3]``, new axes by ``x[None, :, :]``, ``x[:, None]``);
+    None when it slices the rows or is not read from constants."""
+    if a is None or n.attr["ellipsis_mask"].i:
         return None
     strides = _const_ints(n.inputs[3])
-    if strides is None or set(strides) - {1}:
+    if strides is None:
         return None
     full = n.attr["begin_mask"].i & n.attr["end_mask"].i
-    new, out_axis, in_axis = n.attr["new_axis_mask"].i, 0, 0
-    for i in range(len(strides)):
+    new, shrink = n.attr["new_axis_mask"].i, n.attr["shrink_axis_mask"].i
+    out_axis = in_axis = 0
+    for i, stride in enumerate(strides):
         if new >> i & 1:
             out_axis += 1
             continue
-        if not full >> i & 1:
-            return None   # (a slice of some entries of the axis)
-        if in_axis == a:
-            return out_axis
-        out_axis, in_axis = out_axis + 1, in_axis + 1
+        if in_axis == a:   # the rows: every one of them, in order
+            return out_axis if not shrink >> i & 1 and full >> i & 1 and stride == 1 else None
+        in_axis += 1
+        out_axis += 0 if shrink >> i & 1 else 1
     return out_axis + (a - in_axis) if a >= in_axis else None
 
 

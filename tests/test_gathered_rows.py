@@ -18,7 +18,8 @@ import graph_rewriter as gr
 from graph_rewriter import GraphRewriteError, graph_io, inspect_report
 from graph_rewriter.analysis import analyze
 from graph_rewriter.testing import harness
-from graph_rewriter.testing.tf1_scripts import MOCO_QUEUE, moco, moco_batches
+from graph_rewriter.testing.tf1_scripts import (MOCO_QUEUE, center_loss_batches, center_loss_classifier, moco,
+                                                moco_batches)
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -188,6 +189,32 @@ def test_a_batch_input_written_as_it_is_is_gathered(replicas):
     with gr.Session(result) as sess:
         got = harness.train_and_read(sess, graph_def, feeds)
     harness.assert_trained_alike(f"{replicas} replicas", got, want, RTOL, ATOL)
+
+
+def test_a_center_loss_scatter_is_no_gradient():
+    """FaceNet's center loss moves the centers by a scatter_sub of the batch's features,
+    each row's step divided by its label's count in the batch. A scatter's values not
+    computed from the backward pass are no sparse gradient: the analysis had taken them
+    for one and refused ("cannot find the gradient of variable 'centers'"); now the
+    update is rows written into state, gathered, the counts taken over every replica's
+    labels."""
+    found = analyze(graph_io.load_graph(center_loss_classifier()))
+    # (the labels, the batch's centers and the features)
+    assert [t for t, _ in found.gathered_rows] == ["labels:0", "Relu:0", "Gather:0"]
+    assert found.variables["centers"].role != "trainable" and "centers" not in {c.variable for c in found.cuts}
+
+
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("allreduce", 4), ("ps", 2), ("hybrid", 2)])
+def test_a_center_loss_trains_as_one_device(strategy, replicas):
+    """The losses, the weights and the centers."""
+    graph_def, feeds = center_loss_classifier(), center_loss_batches(4, BATCH)
+    with harness.one_device_session(graph_def) as sess:
+        want = harness.train_and_read(sess, graph_def, feeds)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    with gr.Session(result) as sess:
+        got = harness.train_and_read(sess, graph_def, feeds)
+    harness.assert_trained_alike(f"{strategy}, {replicas} replicas", got, want, RTOL, ATOL)
+    assert np.abs(want[1]["centers"]).max() > 0.01   # (the centers moved)
 
 
 @pytest.mark.slow

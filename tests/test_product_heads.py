@@ -26,7 +26,7 @@ from graph_rewriter.analysis import analyze
 from graph_rewriter.planner import ROWS_MEET_START
 from graph_rewriter.testing import harness
 from graph_rewriter.testing.tf1_scripts import (PRODUCT_FORMS, contrastive, contrastive_batches, dropout_batches,
-                                                dual_encoder, rows_meeting_mlp)
+                                                dual_encoder, pairwise_ranking, rows_meeting_mlp)
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -39,13 +39,15 @@ RTOL, ATOL = 1e-5, 2e-6
 def _graph(kind):
     if kind.startswith("hardest"):
         return rows_meeting_mlp(kind)
+    if kind == "ranknet":
+        return pairwise_ranking()
     if kind.startswith("dual_encoder:"):
         return dual_encoder("in_batch", kind.partition(":")[2])
     return dual_encoder("in_batch") if kind == "dual_encoder" else contrastive(kind)
 
 
 def _batches(kind, steps=STEPS):
-    if kind.startswith("hardest"):
+    if kind.startswith("hardest") or kind == "ranknet":
         return dropout_batches(steps, 16)
     if kind.startswith("dual_encoder"):
         rng = np.random.RandomState(0)
@@ -109,6 +111,19 @@ def test_the_analysis_finds_a_product_however_it_is_written(form, product):
     assert [t for t, _ in found.product_head.gathered] == ["l2_normalize:0", "l2_normalize_1:0"]
 
 
+def test_a_normaliser_the_head_computes_is_the_whole_batchs():
+    """RankNet's pairs (``s[:, None] - s[None, :]``, s a column of the scores) meet every
+    row with every other, and its loss divides by the count of ordered pairs, a sum over
+    the batch: the head computes that count again from every replica's relevance, so it
+    is one device's there and no normaliser for the replicas to average. Before, the
+    pairs were not found (``s`` is a slice ``[:, 0]``) and RankNet trained 0.058 from one
+    device in the loss at 2 replicas, 0.57 at 4, with no note."""
+    found = analyze(graph_io.load_graph(_graph("ranknet")))
+    assert found.row_products == ["pairs"] and found.product_head.products == ["pairs"]
+    assert found.normalizers == [] and "Maximum" in found.product_head.copied_ops
+    assert [t for t, _ in found.product_head.gathered] == ["y:0", "MatMul_1:0"]   # (relevance, scores)
+
+
 @pytest.mark.parametrize("kind, head, gathered, count_leaves", [
     ("hardest_rows", ["hardest", "Mean", "loss"], ["Reshape:0"], ["Shape"]),
     ("hardest_gathered", ["hardest", "GatherV2", "Mean_1", "mul_2", "add", "loss"],
@@ -141,6 +156,7 @@ def test_the_analysis_finds_the_head_of_a_ranking(kind, head, gathered, count_le
     *((f"dual_encoder:{form}", "allreduce", 2) for form in PRODUCT_FORMS[1:]),
     ("dual_encoder:einsum", "allreduce", 4), ("dual_encoder:broadcast", "hybrid", 2),
     ("dual_encoder:distances", "allreduce", 4),
+    ("ranknet", "allreduce", 2), ("ranknet", "allreduce", 4), ("ranknet", "ps", 2),
 ])
 def test_trains_as_one_device(kind, strategy, replicas):
     """Losses at every step and every variable (Adam's and momentum's slots, CLIP's
@@ -155,7 +171,7 @@ def test_trains_as_one_device(kind, strategy, replicas):
 
 @pytest.mark.parametrize("kind", ["dual_encoder", "simclr", "simclr_stacked", "triplet", "triplet_norms",
                                   "hardest_rows", "hardest_gathered", "hardest_entries",
-                                  *(f"dual_encoder:{form}" for form in PRODUCT_FORMS[1:])])
+                                  *(f"dual_encoder:{form}" for form in PRODUCT_FORMS[1:]), "ranknet"])
 def test_each_replicas_own_rows_would_be_caught(kind):
     """The control: a given plan with ``"product_head": {}`` leaves each replica's rows
     meeting its own; the note comes back and the losses differ from the first step on,

@@ -845,6 +845,67 @@ def warm_started_mlp(checkpoint_dir, resource=True):
     return g.as_graph_def(), path
 
 
+def center_loss_classifier():
+    """A classifier with a center loss as FaceNet's code trains one: features x [None, 4]
+    -> dense 8 relu, logits by dense 3, labels [None] int32 (3 classes); the loss is the
+    cross entropy plus 0.1 times the features' mean squared distance to their class's
+    center, and the centers (a non-trainable [3, 8] variable) move towards the batch's
+    features by ``tf.compat.v1.scatter_sub(centers, labels, 0.5 * diff)``, each row's
+    step divided by 1 + the count of its label in the batch
+    (``tf.unique_with_counts``), before SGD 0.1. Returns the GraphDef (loss:0, train_op,
+    init; variables w1, w2, centers)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        labels = tf1.placeholder(tf.int32, [None], name="labels")
+        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        centers = tf1.get_variable("centers", [3, 8], initializer=tf1.zeros_initializer(), trainable=False)
+        features = tf.nn.relu(tf.matmul(x, w1))
+        xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=tf.matmul(features, w2)))
+        centers_batch = tf.gather(centers, labels)
+        loss = tf.identity(xent + 0.1 * tf.reduce_mean(tf.square(features - centers_batch)), name="loss")
+        _, index, count = tf.unique_with_counts(labels)
+        appearances = tf.reshape(tf.gather(count, index), [-1, 1])
+        diff = (centers_batch - features) / tf.cast(1 + appearances, tf.float32)
+        update = tf1.scatter_sub(centers, labels, 0.5 * diff, name="update_centers")
+        with tf.control_dependencies([update]):
+            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        tf.group(train, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def center_loss_batches(steps, batch, seed=0):
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, 4).astype(np.float32), "labels:0": rng.randint(0, 3, batch).astype(np.int32)}
+            for _ in range(steps)]
+
+
+def pairwise_ranking():
+    """RankNet over the batch's pairs, as learning-to-rank scripts write it: items x
+    [None, 4] with relevance y [None, 1] (dropout_batches' feeds), a score per item
+    (dense 16 relu, dense 1, ``s = h[:, 0]``), every pair's score difference ``s[:, None] -
+    s[None, :]`` and the mask of pairs whose first item is more relevant, the loss
+    ``sum(mask * softplus(-diff)) / max(sum(mask), 1)``, SGD 0.1. Returns the GraphDef
+    (loss:0, train_op, init; variables w1, w2)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x, y, w1, w2 = _mlp_inputs(None)
+        s = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)[:, 0]
+        relevance = y[:, 0]
+        diff = tf.subtract(s[:, None], s[None, :], name="pairs")
+        mask = tf.cast(relevance[:, None] > relevance[None, :], tf.float32)
+        loss = tf.reduce_sum(mask * tf.nn.softplus(-diff)) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        loss = tf.identity(loss, name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 def policy_gradient(kind="categorical"):
     """REINFORCE on a batch of states x [None, 4] with rewards y [None, 1] (dropout_batches'
     feeds): a policy x -> dense 16 relu -> 3 action logits; actions drawn per row by

@@ -14,8 +14,9 @@ those keep the note, and the log says why.
 
 A seeded ``tf.random.categorical(logits, 1, seed)`` (REINFORCE's actions) takes the same
 path: its kernel draws row b from its seeds skipped ahead by b, so each replica drew for
-its rows what one device draws for the batch's first rows, with no note (0.021 from one
-device in the loss after four steps at 2 replicas: the control below); now every replica
+its rows what one device draws for the batch's first rows, with no note (0.17 from one
+device in the loss after four steps at 2 replicas, the baseline synced: the control
+below); now every replica
 draws from every replica's logits and keeps its own rows' actions.
 """
 

@@ -1163,10 +1163,12 @@ class _Analyzer:
         fewer rows than on one device: product_heads computes its head over every
         replica's rows, or the plan says so."""
         from graph_rewriter.row_axes import MEETING_OPS, meets_rows
-        seed_nodes = {t.node for t in seeds}
+        seed_nodes, holds = {t.node for t in seeds}, {}
 
-        def holds_rows(t):
-            return _reaches_rows(t, seed_nodes, strict=True)
+        def holds_rows(t):   # (by node: _reaches_rows walks back from the node)
+            if t.node not in holds:
+                holds[t.node] = _reaches_rows(t, seed_nodes, strict=True)
+            return holds[t.node]
         return [n.name for n in self.order
                 if n.op in MEETING_OPS and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes)
                 and meets_rows(n, holds_rows)]
@@ -2569,16 +2571,27 @@ _BROADCASTING = ELEMENTWISE | frozenset((
     "LogicalNot", "Select", "SelectV2", "Relu", "ZerosLike", "OnesLike"))
 
 
-def static_rank(tensor, depth=0):
+def static_rank(tensor, depth=0, memo=None):
     """The rank of a tensor, from the graph alone (no shape inference), or None: known
     for placeholders and constants, carried through element-wise ops, Fill(Shape(t)),
     Reshape by a constant shape, StridedSlice, MatMul, reductions over constant axes and
     the cross-entropy ops. Enough to tell the
     sum of a [batch] weight vector (axes [0], every axis) from the sum over the time
-    axis of a time-major [time, batch] mask (axes [0], one of two)."""
-    n = tensor.node
+    axis of a time-major [time, batch] mask (axes [0], one of two). ``memo`` keeps the
+    ranks found in one call, by tensor and depth: a chain of element-wise ops reading a
+    value twice (a layer norm's) is otherwise walked once per path, exponentially."""
     if depth > 40:
         return None
+    memo = {} if memo is None else memo
+    key = (tensor, depth)
+    if key not in memo:
+        memo[key] = _static_rank(tensor, depth, memo)
+    return memo[key]
+
+
+def _static_rank(tensor, depth, memo):
+    """static_rank's cases, for one tensor."""
+    n = tensor.node
     if n.op in PLACEHOLDERS:
         shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
         return None if shape is None else len(shape)
@@ -2587,31 +2600,31 @@ def static_rank(tensor, depth=0):
     if n.op == "MatMul":
         return 2
     if n.op == "Fill" and n.inputs[0].node.op == "Shape":
-        return static_rank(n.inputs[0].node.inputs[0], depth + 1)
+        return static_rank(n.inputs[0].node.inputs[0], depth + 1, memo)
     if n.op == "Reshape" and n.inputs[1].node.op == "Const":
         dims = n.inputs[1].node.attr["value"].tensor.tensor_shape.dim
         return dims[0].size if len(dims) == 1 and dims[0].size >= 0 else None
     if n.op == "StridedSlice" and not n.attr["ellipsis_mask"].i:
-        rank = static_rank(n.inputs[0], depth + 1)
+        rank = static_rank(n.inputs[0], depth + 1, memo)
         return None if rank is None else (
             rank - bin(n.attr["shrink_axis_mask"].i).count("1") + bin(n.attr["new_axis_mask"].i).count("1"))
     if n.op in ("Sum", "Mean", "Max", "Min", "Prod") and n.inputs[1].node.op == "Const":
-        rank = static_rank(n.inputs[0], depth + 1)
+        rank = static_rank(n.inputs[0], depth + 1, memo)
         if rank is None or n.attr["keep_dims"].b:
             return rank
         axes = {a % rank for a in dtypes.int_values(n.inputs[1].node.attr["value"].tensor)} if rank else set()
         return rank - len(axes)
     if n.op == "SparseSoftmaxCrossEntropyWithLogits":
-        return static_rank(n.inputs[1], depth + 1) if tensor.index == 0 else 2
+        return static_rank(n.inputs[1], depth + 1, memo) if tensor.index == 0 else 2
     if n.op == "SoftmaxCrossEntropyWithLogits":
         return 1 if tensor.index == 0 else 2
     if n.op in _BROADCASTING:
-        ranks = [static_rank(t, depth + 1) for t in n.inputs]
+        ranks = [static_rank(t, depth + 1, memo) for t in n.inputs]
         return None if not ranks or None in ranks else max(ranks)
     if n.op == "Transpose":
-        return static_rank(n.inputs[0], depth + 1)
+        return static_rank(n.inputs[0], depth + 1, memo)
     if n.op == "ExpandDims":
-        rank = static_rank(n.inputs[0], depth + 1)
+        rank = static_rank(n.inputs[0], depth + 1, memo)
         return None if rank is None else rank + 1
     return None
 

@@ -286,7 +286,7 @@ def _plan_product_head(plan, analysis, cluster, log):
     if plan.num_replicas < 2 or head is None or plan.accumulation_steps > 1 or not _collectives_span(plan, cluster):
         plan.product_head = None
     elif given is None or given:
-        plan.product_head = head.to_dict()
+        plan.product_head = dataclasses.asdict(head)
         log(f"plan: the in-batch products {_listed(head.products)} and their head ({len(head.head)} ops) are "
             f"computed over every replica's rows: each replica gathers {_listed([t for t, _ in head.gathered])} "
             "and keeps its own rows' gradients")
@@ -306,7 +306,7 @@ def _plan_row_moves(plan, analysis, cluster, log):
     if plan.num_replicas < 2 or moves is None or plan.accumulation_steps > 1 or not _collectives_span(plan, cluster):
         plan.row_moves = None
     elif given is None or given:
-        plan.row_moves = moves.to_dict()
+        plan.row_moves = dataclasses.asdict(moves)
         log(f"plan: the rows moved within the batch by {_listed(moves.moves)} are moved over every replica's rows: "
             f"each replica gathers {_listed([t for t, _ in moves.gathered])} and keeps its own rows of the moves")
 

@@ -49,9 +49,6 @@ class ProductHead:
     copied: list      # [[tensor, [[reader, input position]]]]: their values the head reads
     gradients: list   # [[tensor, [[reader, input position]]]]: the head's gradients of rows
 
-    def to_dict(self):
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
 
 def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     """(ProductHead, None) for the in-batch ``products`` (nodes), or (None, why not).
@@ -161,12 +158,11 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     ordered = sorted(head, key=position.get)
     return ProductHead(
         products=[n.name for n in products], head=[n.name for n in ordered],
-        gathered=[[t.name, readers] for t, readers in sorted(gathered.items(), key=lambda e: _key(e[0], position))],
-        copied_ops=[n.name for n in sorted(chain, key=position.get)],
-        count_leaves=[n.name for n in sorted(leaves, key=position.get)],
-        copied=[[t.name, readers] for t, readers in sorted(copied.items(), key=lambda e: _key(e[0], position))],
-        gradients=[[t.name, readers] for t, readers in
-                   sorted(gradients.items(), key=lambda e: _key(e[0], position))]), None
+        gathered=tensors_in_order(gathered, position),
+        copied_ops=names_in_order(chain, position),
+        count_leaves=names_in_order(leaves, position),
+        copied=tensors_in_order(copied, position),
+        gradients=tensors_in_order(gradients, position)), None
 
 
 def holds_batch_rows(t, seed_nodes):
@@ -210,5 +206,13 @@ def is_seeded_shuffle(n):
     return n.op == "RandomShuffle" and bool(n.attr["seed"].i or n.attr["seed2"].i)
 
 
-def _key(tensor, position):
-    return position[tensor.node], tensor.index
+def tensors_in_order(readers_of, position):
+    """[[tensor name, its readers]] for {tensor: readers}, in the graph's order
+    (``position``: {node: its place}) and then by output index: a plan entry's lists."""
+    return [[t.name, readers] for t, readers in sorted(readers_of.items(),
+                                                       key=lambda e: (position[e[0].node], e[0].index))]
+
+
+def names_in_order(nodes, position):
+    """The names of ``nodes`` in the graph's order."""
+    return [n.name for n in sorted(nodes, key=position.get)]

@@ -72,13 +72,12 @@ def meets_rows(node, holds_rows):
             letters.append(term[a])
         return letters[0] != letters[1] and all(c in out for c in letters)
     if node.op in _BROADCASTING and len(node.inputs) == 2:
-        ends = []
-        for t in node.inputs:
-            a, rank = rows_axis(t, holds_rows), static_rank(t)
-            if a is None or rank is None:
-                return False
-            ends.append(a - rank)   # (the axis counted from the last one)
-        return ends[0] != ends[1]
+        axes = [rows_axis(t, holds_rows) for t in node.inputs]
+        if None in axes:   # (before the ranks: most element-wise ops hold no rows)
+            return False
+        ranks = [static_rank(t) for t in node.inputs]
+        # the axes counted from the last one
+        return None not in ranks and axes[0] - ranks[0] != axes[1] - ranks[1]
     return False
 
 

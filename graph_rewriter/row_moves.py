@@ -29,7 +29,8 @@ for each move it cannot take, why.
 
 import dataclasses
 
-from graph_rewriter.product_heads import holds_batch_rows, is_seeded_shuffle, recomputed_from_rows
+from graph_rewriter.product_heads import (holds_batch_rows, is_seeded_shuffle, names_in_order, recomputed_from_rows,
+                                          tensors_in_order)
 
 # variables: rows computed from one would need their gradients back on other replicas
 _VARIABLE_OPS = frozenset(("VariableV2", "Variable", "VarHandleOp"))
@@ -46,9 +47,6 @@ class RowMoves:
     copied_ops: list    # ops computing their indices from the batch's count of rows, computed again
     count_leaves: list  # the Shapes and Sizes of the batch's rows among them: R times the replica's
     copied: list        # [[tensor, [[reader, input position]]]]: their values the moves read
-
-    def to_dict(self):
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def find(order, moves, seed_nodes, variant0, scopes, elsewhere):
@@ -76,10 +74,10 @@ def find(order, moves, seed_nodes, variant0, scopes, elsewhere):
         return None, obstacles
     return RowMoves(
         moves=taken,
-        gathered=[[t.name, readers] for t, readers in sorted(gathered.items(), key=lambda e: _key(e[0], position))],
-        copied_ops=[n.name for n in sorted(chain, key=position.get)],
-        count_leaves=[n.name for n in sorted(leaves, key=position.get)],
-        copied=[[t.name, readers] for t, readers in sorted(copied.items(), key=lambda e: _key(e[0], position))]), \
+        gathered=tensors_in_order(gathered, position),
+        copied_ops=names_in_order(chain, position),
+        count_leaves=names_in_order(leaves, position),
+        copied=tensors_in_order(copied, position)), \
         obstacles
 
 
@@ -126,6 +124,3 @@ def _variable_above(node, seed_nodes, limit=4096):
         stack.extend(t.node for t in n.inputs)
     return None
 
-
-def _key(tensor, position):
-    return position[tensor.node], tensor.index

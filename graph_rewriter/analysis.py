@@ -365,16 +365,19 @@ class _Analyzer:
         drawing_loop_bounds = [name for name in outer_loop_bounds if self._loops_draw(bounded[name])]
         selected_means = self._find_selected_means(variant0, training)
         ranked_rows = [n for n in moved_rows if self.g.node(n).op in _RANKINGS]
-        # (a loss normalizer the head computes again is the whole batch's there: below)
+        # (a loss normalizer the head computes again is the whole batch's there: below;
+        # so are a sum of the loss in it, ListNet's over the batch's softmax, and a
+        # statistic over the rows, attention pooling's sum of the rows by their softmax)
         product_head, head_obstacle = self._find_product_head(
-            row_products + ranked_rows, seeds, variant0, {**dict.fromkeys(loss_sums, "a sum of the loss"),
-                                            **dict.fromkeys(batch_statistics, "a batch statistic"),
-                                            **dict.fromkeys(loop_bounds, "a loop bound"),
+            row_products + ranked_rows, seeds, variant0, {**dict.fromkeys(loop_bounds, "a loop bound"),
                                             **dict.fromkeys(selected_means, "a mean over selected rows"),
                                             **dict.fromkeys(batch_draws, "a random draw per row")})
         if product_head is not None:
             normalizers, head_obstacle = _normalizers_beside(product_head, normalizers)
             product_head = None if head_obstacle else product_head
+        if product_head is not None:
+            loss_sums = [name for name in loss_sums if name not in product_head.head]
+            batch_statistics = [name for name in batch_statistics if name not in product_head.head]
         row_moves, move_obstacles = self._find_row_moves(
             [n for n in moved_rows + sampled_rows
              if n not in ranked_rows and n not in (product_head.head if product_head else ())],
@@ -1229,7 +1232,8 @@ class _Analyzer:
             elif n.op == "RandomShuffle":
                 moves = True
             elif n.op in _RANKINGS:   # ranks the rows of a [rows] value (maybe a reshape) together
-                moves = static_rank(n.inputs[0]) == 1
+                moves = static_rank(n.inputs[0]) == 1 or (n.op in _ROW_SOFTMAXES
+                                                          and _rows_last(n.inputs[0], seed_nodes))
             else:   # a gather of the rows themselves, by moved indices
                 moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
                          and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
@@ -1296,11 +1300,22 @@ class _Analyzer:
                 # normalises its input, computed from the batch, over every axis but the
                 # channels', the rows' among them
                 found = (n.attr["is_training"].b if "is_training" in n.attr else True) and n in training.value
+            elif n.op == "Max" and _only_sizes_fixed_bincounts(n):
+                continue   # (tf.math.bincount's size, max(labels) + 1, clamped to a constant)
             elif n.op in _STATISTICS:
                 found = _const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
-                    n.inputs[0], seed_nodes, strict=True) and (
+                    n.inputs[0], seed_nodes, strict=True, slices=True) and (
                     n in training.value if n.op in _NON_LINEAR_STATISTICS
                     else _used_non_linearly(n, seed_nodes, divisors, training, self.gradient_scopes))
+            elif n.op in _COUNTED_STATISTICS:
+                # rows summed by their ids (a class's count of labels in the batch,
+                # unsorted_segment_sum(ones_like(labels), labels, C), or its features'
+                # sum), the bins of the rows' values, the counts of their unique values
+                # (not tf.gradients' own: it densifies a sparse gradient's sum so)
+                ids = n.inputs[1] if n.op == "UnsortedSegmentSum" else n.inputs[0]
+                found = not in_backward(n.name, self.gradient_scopes) and _reaches_rows(ids, seed_nodes) and (
+                    n.op != "UniqueWithCounts" or bool(n.consumers(2))) and _used_non_linearly(
+                    n, seed_nodes, divisors, training, self.gradient_scopes)
             elif n.op == "MatMul" and n.attr["transpose_a"].b and not n.attr["transpose_b"].b:
                 # a sum over the rows of products of their features: a covariance or
                 # cross-correlation of the batch (Barlow Twins' C = z_a^T z_b / n)
@@ -1438,9 +1453,19 @@ class _Analyzer:
         n = self.g.node(name)
         if n.op in _FUSED_BATCH_NORMS:
             return fused_batch_norm_obstacle(n)
+        if n.op == "UniqueWithCounts":
+            return ("it counts the unique values of the replica's rows, whose number differs from replica to "
+                    "replica; count them in a fixed number of classes, with tf.math.unsorted_segment_sum("
+                    "tf.ones_like(ids, tf.float32), ids, num_classes) or tf.reduce_sum(tf.one_hot(ids, "
+                    "num_classes), 0), which are synchronised")
+        if n.op in _COUNTED_STATISTICS and _fixed_size(n.inputs[2 if n.op == "UnsortedSegmentSum" else 1]) is None:
+            what = "number of segments" if n.op == "UnsortedSegmentSum" else "size (minlength = maxlength)"
+            return (f"its {what} is computed from the batch, so the replicas' shapes may differ; give it a "
+                    "constant one")
         if n.op != "Mean" and n.op not in _SUMMED_STATISTICS:
             return (f"it is a {n.op} over the rows; only means (tf.nn.moments, a BatchNorm's statistics), "
-                    "sums over the rows (a Sum, a MatMul contracting them) and fused BatchNorms are synchronised")
+                    "sums over the rows (a Sum, a MatMul contracting them, a segment sum, a bincount) and fused "
+                    "BatchNorms are synchronised")
         if name in selected_means:
             return "it is also a mean over rows a condition selects, which the normalizers pass scales"
         scopes = gradient_scopes(self.order, {name: n})
@@ -1981,7 +2006,7 @@ def _search_back(node, found, follow, limit):
     return None
 
 
-def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
+def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False, slices=False):
     """True if a value is computed from the rows of a batch input one by one along some
     path: through ops that keep rows apart, a reduction whose constant axes leave the
     first one, a MatMul's left operand (not transposed), a gather's indices. False when
@@ -1990,11 +2015,13 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False):
     mean features, is no sum over the rows). ``strict``: not through ops that may move
     rows (_MOVES_ROWS), so the value's first axis is the batch's rows; a Reshape that
     keeps its first axis (_keeps_first_axis: tf_keras' and tf.layers' Flatten) is no
-    such op."""
-    return _search_back(tensor.node, lambda n: n in batch_nodes, _rows_follow(strict, limit), limit) is not None
+    such op; with ``slices``, nor is a slice that keeps every row in order on axis 0
+    (``s[:, 0]``, a score per row)."""
+    return _search_back(tensor.node, lambda n: n in batch_nodes, _rows_follow(strict, limit, slices),
+                        limit) is not None
 
 
-def _rows_follow(strict, limit):
+def _rows_follow(strict, limit, slices=False):
     """_reaches_rows' step back from a node: the inputs through which it keeps rows."""
     def follow(n):
         if n.op in _REDUCTIONS:
@@ -2009,7 +2036,8 @@ def _rows_follow(strict, limit):
             return [n.inputs[1].node]
         elif n.op == "Split" and strict:
             return _split_pieces(n, follow, limit)
-        elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS and not _keeps_first_axis(n)):
+        elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS and not _keeps_first_axis(n)
+                                         and not (slices and _keeps_rows_in_order(n))):
             return [t.node for t in n.inputs]
         return []
     return follow
@@ -2108,6 +2136,21 @@ def _slices_rows(strided_slice):
     return stride != 1 or not whole_begin or not n.attr["end_mask"].i & 1
 
 
+def _rows_last(tensor, seed_nodes):
+    """True if the last axis of ``tensor`` holds the batch's rows (tf.nn.softmax(x,
+    axis=0) transposes them there): a softmax over it normalises the rows together."""
+    from graph_rewriter.row_axes import rows_axis
+    rank = static_rank(tensor)
+    return rank is not None and rank >= 2 and rows_axis(
+        tensor, lambda t: _reaches_rows(t, seed_nodes, strict=True)) == rank - 1
+
+
+def _keeps_rows_in_order(n):
+    """True for a StridedSlice that keeps every row, in order, on axis 0 (``s[:, 0]``)."""
+    from graph_rewriter.row_axes import sliced_axis
+    return n.op == "StridedSlice" and sliced_axis(n, 0) == 0
+
+
 def _keeps_first_axis(reshape):
     """True for a Reshape to ``[-1, d, ...]`` with constant d's or to ``[tf.shape(x)[0],
     ...]`` of its own input x (what Flatten builds, with static and with unknown inner
@@ -2124,7 +2167,10 @@ def _keeps_first_axis(reshape):
 
 
 # Forward ops that move a tensor's rows within it (along axis 0, for the first two).
-_RANKINGS = frozenset(("TopKV2", "TopK"))
+# (a softmax over a [rows] value normalises the rows together: ListNet's, the batch as
+# the list; computed in a head as a ranking is)
+_ROW_SOFTMAXES = frozenset(("Softmax", "LogSoftmax"))
+_RANKINGS = frozenset(("TopKV2", "TopK")) | _ROW_SOFTMAXES
 _ROW_SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
 _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
@@ -2135,7 +2181,10 @@ _BOUND_ARITHMETIC = frozenset(("Maximum", "Minimum", "Cast", "Identity", "Enter"
 _WHILES = frozenset(("While", "StatelessWhile"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
 # statistics the replicas sync by summing theirs: a sum over the rows, a product contracting them
-_SUMMED_STATISTICS = frozenset(("Sum", "MatMul"))
+# statistics over the rows counted by the rows' values: synced by summing, where their
+# shape is fixed (passes/batch_statistics.py), but for the counts of unique values
+_COUNTED_STATISTICS = frozenset(("UnsortedSegmentSum", "DenseBincount", "Bincount", "UniqueWithCounts"))
+_SUMMED_STATISTICS = frozenset(("Sum", "MatMul", "UnsortedSegmentSum", "DenseBincount", "Bincount"))
 
 
 class _Lazy:
@@ -2193,6 +2242,44 @@ def _sums_rows(n):
     if n.op in _STATISTICS:
         return len(n.inputs) > 1 and _const_axes_hold_rows(n.inputs[1], n.inputs[0])
     return n.op == "MatMul" and n.attr["transpose_a"].b
+
+
+def _fixed_size(tensor):
+    """The value of a bincount's size or a segment sum's number of segments when it is
+    fixed, whatever the batch: a constant, or tf.math.bincount's ``minimum(maxlength,
+    maximum(minlength, ...))`` with minlength = maxlength; else None."""
+    value = _int_const(tensor)
+    if value is not None:
+        return value
+    n = _strip_identity(tensor).node
+    if n.op == "Minimum" and len(n.inputs) == 2:
+        top = [v for v in map(_int_const, n.inputs) if v is not None]
+        inner = next((_strip_identity(t).node for t in n.inputs if _int_const(t) is None), None)
+        if len(top) == 1 and inner is not None and inner.op == "Maximum" and top[0] in map(_int_const, inner.inputs):
+            return top[0]
+    return None
+
+
+def _only_sizes_fixed_bincounts(stat, limit=16):
+    """True if every value computed from ``stat`` (a Max of the batch's values) ends in
+    the size of a bincount whose size is fixed (tf.math.bincount(labels, minlength=C,
+    maxlength=C) computes max(labels) + 1, then clamps it to C): its value does not
+    matter."""
+    seen, stack, ends = {stat}, [stat], 0
+    while stack:
+        for c, pos in stack.pop().consumers():
+            if c.op in ("DenseBincount", "Bincount") and pos == 1:
+                if _fixed_size(c.inputs[1]) is None:
+                    return False
+                ends += 1
+            elif c.op in ("AddV2", "Add", "Mul", "Maximum", "Minimum", "Cast") and c not in seen:
+                seen.add(c)
+                stack.append(c)
+                if len(seen) > limit:
+                    return False
+            elif c not in seen:
+                return False
+    return ends > 0
 
 
 def _used_non_linearly(stat, seed_nodes, divisors, training, gradient_scopes=(), limit=256):
@@ -2574,8 +2661,8 @@ _BROADCASTING = ELEMENTWISE | frozenset((
 def static_rank(tensor, depth=0, memo=None):
     """The rank of a tensor, from the graph alone (no shape inference), or None: known
     for placeholders and constants, carried through element-wise ops, Fill(Shape(t)),
-    Reshape by a constant shape, StridedSlice, MatMul, reductions over constant axes and
-    the cross-entropy ops. Enough to tell the
+    Reshape by a constant shape, StridedSlice, MatMul, reductions over constant axes,
+    one_hot, gathers along axis 0, unsorted segment sums and the cross-entropy ops. Enough to tell the
     sum of a [batch] weight vector (axes [0], every axis) from the sum over the time
     axis of a time-major [time, batch] mask (axes [0], one of two). ``memo`` keeps the
     ranks found in one call, by tensor and depth: a chain of element-wise ops reading a
@@ -2626,6 +2713,20 @@ def _static_rank(tensor, depth, memo):
     if n.op == "ExpandDims":
         rank = static_rank(n.inputs[0], depth + 1, memo)
         return None if rank is None else rank + 1
+    if n.op == "OneHot":
+        rank = static_rank(n.inputs[0], depth + 1, memo)
+        return None if rank is None else rank + 1
+    if n.op == "GatherV2" and not n.attr["batch_dims"].i and _int_const(n.inputs[2]) == [0]:
+        # tf.gather(params, indices): indices' axes, then params' after the first
+        params, indices = (static_rank(t, depth + 1, memo) for t in n.inputs[:2])
+        return None if params is None or indices is None else params - 1 + indices
+    if n.op in ("Unique", "UniqueWithCounts", "Bincount"):   # (vectors, whatever their input's rank)
+        return 1
+    if n.op == "DenseBincount":
+        return static_rank(n.inputs[0], depth + 1, memo)
+    if n.op == "UnsortedSegmentSum":   # [num_segments] + data's axes after the segment ids'
+        data, ids = (static_rank(t, depth + 1, memo) for t in n.inputs[:2])
+        return None if data is None or ids is None else data - ids + 1
     return None
 
 

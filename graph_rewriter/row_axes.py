@@ -43,7 +43,7 @@ def rows_axis(tensor, holds_rows, depth=0):
         c = at[0] + rank + 1 if at[0] < 0 else at[0]
         return a + 1 if c <= a else a
     if n.op == "StridedSlice":
-        return _sliced_axis(n, rows_axis(n.inputs[0], holds_rows, depth + 1))
+        return sliced_axis(n, rows_axis(n.inputs[0], holds_rows, depth + 1))
     if n.op == "Reshape" and _tensordot_reshape(n):
         return rows_axis(n.inputs[0], holds_rows, depth + 1)
     return None
@@ -81,18 +81,30 @@ def meets_rows(node, holds_rows):
     return False
 
 
-def _const_ints(tensor):
-    """The values of a constant integer vector, or of a ConcatV2 of constant vectors
-    along axis 0 (tf.tensordot's permutation), or None."""
+def _const_ints(tensor, depth=0):
+    """The values of an integer vector computed from constants alone, or None: a
+    constant, a ConcatV2 of such vectors along axis 0 (tf.tensordot's permutation), a
+    Range, Pack, Sub or AddV2 of such scalars (tf.nn.softmax(x, axis=0) swaps the axis
+    with the last by a permutation it builds so from the constant rank)."""
     from graph_rewriter.analysis import _int_const, _strip_identity
     n = _strip_identity(tensor).node
+    if depth > 8:
+        return None
     if n.op == "ConcatV2" and len(n.inputs) >= 2 and _int_const(n.inputs[-1]) == [0]:
-        parts = [_int_const(t) for t in n.inputs[:-1]]
+        parts = [_const_ints(t, depth + 1) for t in n.inputs[:-1]]
         return None if None in parts else [v for p in parts for v in p]
+    if n.op in ("Range", "Pack", "Sub", "AddV2"):
+        args = [_const_ints(t, depth + 1) for t in n.inputs]
+        if None in args or any(len(a) != 1 for a in args):
+            return None
+        a = [v[0] for v in args]
+        if n.op == "Range":
+            return list(range(*a)) if a[2] else None
+        return a if n.op == "Pack" else [a[0] - a[1] if n.op == "Sub" else a[0] + a[1]]
     return _int_const(tensor)
 
 
-def _sliced_axis(n, a):
+def sliced_axis(n, a):
     """Where a StridedSlice puts input axis ``a``, the rows, when it keeps them all in
     order (``x[:, 0]``, ``x[:, :3]``, new axes by ``x[None, :, :]``, ``x[:, None]``);
     None when it slices the rows or is not read from constants."""

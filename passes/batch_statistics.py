@@ -59,7 +59,9 @@ from graph_rewriter.traversal import topological_order, unread_ancestors
 
 _SHAPE_READERS = frozenset(("Shape", "ShapeN", "Size", "Rank"))
 _GRADIENTS = re.compile(r"^(?:.*/)?gradients(?:_\d+)?/")
-SUMMED = ("Sum", "MatMul")   # statistics synced by summing the replicas'
+# statistics synced by summing the replicas' (a segment sum's and a bincount's of a
+# fixed size, which the analysis checks)
+SUMMED = ("Sum", "MatMul", "UnsortedSegmentSum", "DenseBincount", "Bincount")
 FORWARD = ""   # the forward chain's name; a backward chain is named by its gradients scope
 
 

@@ -11,7 +11,11 @@ that reads it, forward and backward, by the mean over the replicas:
     replica r:  Y_r ─> CollectiveReduceV2(Add, Div) ─> Ȳ = Y / R ─> what read Y_r
 
 Replica r's loss is then N_r / Ȳ, the mean of the replicas' losses is N / Y (one
-device's), and the mean of their gradients is Σ ∇N_r / Y (one device's).
+device's), and the mean of their gradients is Σ ∇N_r / Y (one device's). A divisor
+clamped or shifted by constants, ``tf.maximum(count, 1.0)`` or ``count + 1e-5``, is
+f(count): the count below the clamps is summed instead, and the clamps are copied onto
+the sum, so every replica divides by f(Σ_r count_r) / R, one device's divisor over R (the
+mean of the replicas' f(count_r) is not that where a replica counts 0).
 
 A mean over rows a condition on the batch selects, ``reduce_mean(tf.boolean_mask(xent,
 labelled))`` (plan.selected_means), divides by a count of rows as well, inside the Mean:
@@ -33,7 +37,8 @@ every replica issues them in the same order.
 from graph_rewriter import dtypes
 from graph_rewriter.analysis import gradient_entries
 from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_instance_key
-from graph_rewriter.op_builder import make_op
+from graph_rewriter.ir import Tensor
+from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.pass_manager import Pass
 
 _SHAPE_READERS = frozenset(("Shape", "ShapeN", "Size", "Rank"))
@@ -58,18 +63,27 @@ class NormalizersPass(Pass):
         for i in rm.built:
             previous = None   # the chain's last all-reduce
 
-            def averaged(k, tensor):
+            def averaged(k, tensor, final_op="Div"):
                 with graph.adding_to_replica(i):
                     return all_reduce_mean(graph, f"{rm.prefixes[i]}normalizers/{k}", tensor, rm.group_size, gkey,
                                            normalizer_instance_key(plan, k), rm.devices[i],
-                                           control_inputs=[previous] if previous is not None else [])
+                                           control_inputs=[previous] if previous is not None else [],
+                                           final_op=final_op)
 
             for k, name in enumerate(divisors):
                 divisor = rm.tensor(graph, i, name)
                 readers = divisor.node.consumers(divisor.index)
-                previous = averaged(k, divisor)
+                count, above = _clamped_count(divisor)
+                if above:   # the count summed, then clamped as one device clamps it
+                    previous = averaged(k, count, final_op="Id")
+                    with graph.adding_to_replica(i):
+                        mean = _clamped_over_replicas(graph, above, count, previous.output(0), rm.group_size,
+                                                      rm.devices[i])
+                else:
+                    previous = averaged(k, divisor)
+                    mean = previous.output(0)
                 for c, pos in readers:
-                    c.set_input(pos, previous.output(0))
+                    c.set_input(pos, mean)
             for k, name in enumerate(means, start=len(divisors)):
                 mean = rm.node(graph, i, name)
                 with graph.adding_to_replica(i):
@@ -80,6 +94,42 @@ class NormalizersPass(Pass):
         graph.rename_nodes(dict(t for _, t in renames))
         graph.touch()
         return True
+
+
+def _clamped_count(divisor):
+    """(the count below the clamps, [the clamps and casts above it, bottom up]) for a
+    divisor clamped or shifted by constants, ``tf.maximum(tf.reduce_sum(positives), 1.0)``
+    (a detector's count of positive anchors) or ``reduce_sum(weights) + 1e-5`` (BERT's
+    masked LM); (None, []) when none is (the divisor is a Sum through casts)."""
+    chain, node, clamped = [], divisor.node, []
+    while node.op != "Sum":
+        chain.append(node)
+        if node.op not in ("Cast", "Identity"):
+            clamped.append(node)
+        node = next(t.node for t in node.inputs if t.node.op != "Const")
+    if not clamped:
+        return None, []
+    deepest = chain.index(clamped[-1])
+    count = next(t for t in clamped[-1].inputs if t.node.op != "Const")
+    return count, chain[deepest::-1]
+
+
+def _clamped_over_replicas(graph, above, count, total, r, device):
+    """One device's divisor over R, the divisor every replica's share divides by: the
+    clamps ``above`` copied onto the replicas' ``total`` of the ``count``, then divided by
+    R. The mean of the replicas' clamped counts is not it: a replica with no positive
+    anchors clamps its 0 to 1 where one device counts the whole batch's."""
+    copies = {}
+    for node in above:
+        copy = graph.clone_node(node, graph.unique_name(f"{node.name}/every_replica"), device=device)
+        copy.set_inputs([total if t == count else Tensor(copies[t.node], t.index) if t.node in copies else t
+                         for t in node.inputs])
+        copies[node] = copy
+    clamped = copies[above[-1]].output(0)
+    replicas = const(graph, f"{above[-1].name}/every_replica/replicas", r, dtypes.as_dtype(dtype_of(clamped)).name,
+                     device)
+    return make_op(graph, "RealDiv", f"{above[-1].name}/every_replica/mean", [clamped, replicas],
+                   device=device).output(0)
 
 
 def _rows_of(graph, mean, device):

@@ -87,6 +87,56 @@ def test_two_replicas_train_as_one_device(loss, strategy, options):
         np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{loss}, {strategy}: {name}")
 
 
+def _padded_batches(steps, batch):
+    """A fixed-shape pipeline's last batches: the second half is padding, sequences of
+    no tokens, so a replica holding it counts 0 tokens."""
+    feeds = masked_sequence_batches(steps, batch)
+    for feed in feeds:
+        feed["lengths:0"] = np.array([3] * (batch // 4) + [1] * (batch // 4) + [0] * (batch // 2), np.int32)
+    return feeds
+
+
+@pytest.mark.parametrize("loss", ["clamped", "shifted"])
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("allreduce", 4), ("ps", 2), ("hybrid", 2)])
+def test_a_clamped_count_is_clamped_as_one_device_clamps_it(loss, strategy, replicas):
+    """``tf.maximum(count, 1.0)`` (a detector's count of positive anchors) and ``count +
+    1e-5`` (BERT's masked LM): one device clamps the batch's count. The mean of the
+    replicas' clamped counts is not that where a replica counts no tokens (its 0 clamped
+    to 1): every replica divides by one device's clamped count over R instead."""
+    feeds = _padded_batches(STEPS, BATCH)
+    want_losses, want = _one_device(loss, feeds)
+    result = gr.rewrite(masked_sequence_model(loss), devices_per_worker=replicas, device_type="CPU",
+                        strategy=strategy)
+    with gr.Session(result) as sess:
+        sess.run("init")
+        losses = [sess.run(["loss:0", "train_op"], feed)[0] for feed in feeds]
+        got = sess.run(READS)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for name in READS:
+        np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=f"{loss}: {name}")
+
+
+def test_a_clamped_count_is_summed_then_clamped():
+    """The control of the test above, in the graph: the count below the clamp is summed
+    over the replicas (final_op Id) and the clamp is copied onto the sum; the loss of a
+    half that counts no tokens, clamped by itself, is not one device's share."""
+    result = gr.rewrite(masked_sequence_model("clamped"), devices_per_worker=2, device_type="CPU")
+    nodes = {n.name: n for n in result.graph_def.node}
+    reduce = nodes["normalizers/0/all_reduce"]
+    assert reduce.attr["final_op"].s == b"Id" and reduce.input[0] == "Sum_1"
+    clamp = nodes["Maximum/every_replica"]
+    assert clamp.input[0] == "normalizers/0/all_reduce" and nodes["Maximum/every_replica/mean"].input[0] == clamp.name
+    assert not [n for n in nodes.values() if "Maximum" in n.input and n.name != "Maximum/every_replica"
+                and not n.name.startswith("replica_")]
+    # the data: the first half's n tokens are all the batch's, and the mean of the halves'
+    # clamped counts, (n + 1) / 2, would divide its sum by n + 1 where one device divides by n
+    feed = _padded_batches(1, BATCH)[0]
+    first = {k: v[:BATCH // 2] for k, v in feed.items()}
+    assert _loss_of("clamped", first) == _loss_of("clamped", feed)
+    n = float(np.sum(feed["lengths:0"]))
+    assert abs(_loss_of("clamped", feed) * (n / (n + 1) - 1)) > 1e-2
+
+
 def test_the_plan_lists_the_normalizers_and_each_replica_reduces_them_in_one_group():
     result = gr.rewrite(masked_sequence_model("masked"), PS2_WORKERS2, devices_per_worker=2, device_type="GPU",
                         allreduce_algorithm="hierarchical")

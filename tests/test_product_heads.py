@@ -25,8 +25,9 @@ from graph_rewriter import graph_io, inspect_report
 from graph_rewriter.analysis import analyze
 from graph_rewriter.planner import ROWS_MEET_START
 from graph_rewriter.testing import harness
-from graph_rewriter.testing.tf1_scripts import (PRODUCT_FORMS, contrastive, contrastive_batches, dropout_batches,
-                                                dual_encoder, pairwise_ranking, rows_meeting_mlp)
+from graph_rewriter.testing.tf1_scripts import (LISTWISE_FORMS, PRODUCT_FORMS, contrastive, contrastive_batches,
+                                                dropout_batches, dual_encoder, listwise_softmax, pairwise_ranking,
+                                                rows_meeting_mlp)
 
 import test_cluster as tc
 from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
@@ -41,13 +42,15 @@ def _graph(kind):
         return rows_meeting_mlp(kind)
     if kind == "ranknet":
         return pairwise_ranking()
+    if kind in LISTWISE_FORMS:
+        return listwise_softmax(kind)
     if kind.startswith("dual_encoder:"):
         return dual_encoder("in_batch", kind.partition(":")[2])
     return dual_encoder("in_batch") if kind == "dual_encoder" else contrastive(kind)
 
 
 def _batches(kind, steps=STEPS):
-    if kind.startswith("hardest") or kind == "ranknet":
+    if kind.startswith("hardest") or kind == "ranknet" or kind in LISTWISE_FORMS:
         return dropout_batches(steps, 16)
     if kind.startswith("dual_encoder"):
         rng = np.random.RandomState(0)
@@ -124,6 +127,22 @@ def test_a_normaliser_the_head_computes_is_the_whole_batchs():
     assert [t for t, _ in found.product_head.gathered] == ["y:0", "MatMul_1:0"]   # (relevance, scores)
 
 
+@pytest.mark.parametrize("kind, ranked", [
+    ("listnet", ["Softmax", "LogSoftmax"]), ("softmax_axis0", ["Softmax", "LogSoftmax"]),
+    ("attention_pooling", ["Softmax"])])
+def test_a_softmax_over_the_rows_starts_a_head(kind, ranked):
+    """A softmax over the batch's rows (of a [rows] value, or of the rows moved to the
+    last axis by tf.nn.softmax(axis=0)'s transpose) normalises them together: ListNet's
+    list, attention pooling's bag. It starts a head, as a ranking does; the loss's sum
+    and the bag's sum over the rows in the head are the whole batch's there, neither a
+    loss sum to scale nor a statistic to note. Before, the first two trained 0.75 and
+    0.86 from one device in the loss at 2 replicas with no note, and the third was noted."""
+    found = analyze(graph_io.load_graph(_graph(kind)))
+    assert found.ranked_rows == ranked and found.product_head.products == ranked
+    assert found.loss_sums == [] and found.batch_statistics == []
+    assert "loss" in found.product_head.head
+
+
 @pytest.mark.parametrize("kind, head, gathered, count_leaves", [
     ("hardest_rows", ["hardest", "Mean", "loss"], ["Reshape:0"], ["Shape"]),
     ("hardest_gathered", ["hardest", "GatherV2", "Mean_1", "mul_2", "add", "loss"],
@@ -157,6 +176,9 @@ def test_the_analysis_finds_the_head_of_a_ranking(kind, head, gathered, count_le
     ("dual_encoder:einsum", "allreduce", 4), ("dual_encoder:broadcast", "hybrid", 2),
     ("dual_encoder:distances", "allreduce", 4),
     ("ranknet", "allreduce", 2), ("ranknet", "allreduce", 4), ("ranknet", "ps", 2),
+    ("listnet", "allreduce", 2), ("listnet", "allreduce", 4), ("listnet", "ps", 2),
+    ("softmax_axis0", "allreduce", 2), ("softmax_axis0", "hybrid", 2),
+    ("attention_pooling", "allreduce", 2), ("attention_pooling", "allreduce", 4), ("attention_pooling", "ps", 2),
 ])
 def test_trains_as_one_device(kind, strategy, replicas):
     """Losses at every step and every variable (Adam's and momentum's slots, CLIP's
@@ -171,7 +193,8 @@ def test_trains_as_one_device(kind, strategy, replicas):
 
 @pytest.mark.parametrize("kind", ["dual_encoder", "simclr", "simclr_stacked", "triplet", "triplet_norms",
                                   "hardest_rows", "hardest_gathered", "hardest_entries",
-                                  *(f"dual_encoder:{form}" for form in PRODUCT_FORMS[1:]), "ranknet"])
+                                  *(f"dual_encoder:{form}" for form in PRODUCT_FORMS[1:]), "ranknet",
+                                  *LISTWISE_FORMS])
 def test_each_replicas_own_rows_would_be_caught(kind):
     """The control: a given plan with ``"product_head": {}`` leaves each replica's rows
     meeting its own; the note comes back and the losses differ from the first step on,

@@ -342,7 +342,8 @@ def masked_sequence_model(loss="masked"):
     ``loss``: "masked", reduce_sum(xent * mask) / reduce_sum(mask) (the tokens' mean);
     "losses", tf.compat.v1.losses.sparse_softmax_cross_entropy(weights=mask) (divides by
     the count of non-zero weights); "clamped", the sum divided by
-    tf.maximum(reduce_sum(mask), 1.0); "per_sequence", each sequence's mean over its own
+    tf.maximum(reduce_sum(mask), 1.0); "shifted", by reduce_sum(mask) + 1e-5 (BERT's masked
+    LM); "per_sequence", each sequence's mean over its own
     tokens, then the mean over the batch (nothing to synchronise); "time_major", the same
     computed on [steps, batch] tensors (a sum over axis 0, the time axis); "example_weights",
     the first step's prediction only, tf.compat.v1.losses with per-example weights [batch]
@@ -365,6 +366,8 @@ def masked_sequence_model(loss="masked"):
             value = tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=mask)
         elif loss == "clamped":
             value = tf.reduce_sum(xent * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        elif loss == "shifted":
+            value = tf.reduce_sum(xent * mask) / (tf.reduce_sum(mask) + 1e-5)
         elif loss == "time_major":
             value = tf.reduce_mean(tf.reduce_sum(tf.transpose(xent * mask), 0) / tf.reduce_sum(tf.transpose(mask), 0))
         elif loss == "example_weights":
@@ -878,6 +881,49 @@ def center_loss_classifier():
     return g.as_graph_def()
 
 
+CLASS_COUNTS = ("one_hot", "segment_sum", "bincount", "bincount_open", "unique")
+
+
+def class_balanced_classifier(counts="one_hot"):
+    """A classifier whose loss weights each row by the inverse of its class's count in
+    the batch, as class-balanced losses for long-tailed data do: features x [None, 4]
+    -> dense 8 relu -> logits [None, 3], labels [None] int32; the weight of a row is
+    1 / max(count of its label, 1), the loss the sum of the weighted cross entropies over
+    3 (one device's mean over the classes present), SGD 0.5. ``counts``: how the batch's
+    counts of labels are taken: "one_hot", tf.reduce_sum(tf.one_hot(labels, 3), 0);
+    "segment_sum", tf.math.unsorted_segment_sum(tf.ones_like(labels, tf.float32),
+    labels, 3); "bincount", tf.math.bincount(labels, minlength=3, maxlength=3,
+    dtype=tf.float32); "bincount_open", the same without maxlength (its size is the
+    batch's largest label + 1, clamped below by 3); "unique", tf.unique_with_counts
+    (the count of each row's own label). Returns the GraphDef (loss:0, train_op, init;
+    variables w1, w2)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        labels = tf1.placeholder(tf.int32, [None], name="labels")
+        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        if counts == "unique":
+            _, index, count = tf.unique_with_counts(labels)
+            weights = 1.0 / tf.cast(tf.gather(count, index), tf.float32)
+        else:
+            if counts == "one_hot":
+                per_class = tf.reduce_sum(tf.one_hot(labels, 3), 0)
+            elif counts == "segment_sum":
+                per_class = tf.math.unsorted_segment_sum(tf.ones_like(labels, tf.float32), labels, 3)
+            else:
+                per_class = tf.math.bincount(labels, minlength=3, maxlength=3 if counts == "bincount" else None,
+                                             dtype=tf.float32)
+            weights = tf.gather(1.0 / tf.maximum(per_class, 1.0), labels)
+        loss = tf.identity(tf.reduce_sum(weights * xent) / 3.0, name="loss")
+        tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 def center_loss_batches(steps, batch, seed=0):
     rng = np.random.RandomState(seed)
     return [{"x:0": rng.randn(batch, 4).astype(np.float32), "labels:0": rng.randint(0, 3, batch).astype(np.int32)}
@@ -900,6 +946,38 @@ def pairwise_ranking():
         diff = tf.subtract(s[:, None], s[None, :], name="pairs")
         mask = tf.cast(relevance[:, None] > relevance[None, :], tf.float32)
         loss = tf.reduce_sum(mask * tf.nn.softplus(-diff)) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        loss = tf.identity(loss, name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+LISTWISE_FORMS = ("listnet", "softmax_axis0", "attention_pooling")
+
+
+def listwise_softmax(form="listnet"):
+    """A softmax over the batch's rows, the batch as one list or bag, on items x [None, 4]
+    with relevance y [None, 1] (dropout_batches' feeds) and a score per item (dense 16
+    relu, dense 1). ``form``: "listnet", ListNet's top-one cross entropy
+    ``-sum(softmax(y[:, 0]) * log_softmax(s[:, 0]))``; "softmax_axis0", the same on the
+    [rows, 1] columns with ``axis=0`` (tf.nn.softmax transposes the rows to the last
+    axis); "attention_pooling", attention-based multiple-instance learning's bag
+    embedding ``z = sum(softmax(s, axis=0) * h, 0)`` of the hidden units h, the loss
+    ``sum(square(z - 0.5))``. SGD 0.1. Returns the GraphDef (loss:0, train_op, init;
+    variables w1, w2)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x, y, w1, w2 = _mlp_inputs(None)
+        h = tf.nn.relu(tf.matmul(x, w1))
+        s = tf.matmul(h, w2)
+        if form == "listnet":
+            loss = -tf.reduce_sum(tf.nn.softmax(y[:, 0]) * tf.nn.log_softmax(s[:, 0]))
+        elif form == "softmax_axis0":
+            loss = -tf.reduce_sum(tf.nn.softmax(y, axis=0) * tf.nn.log_softmax(s, axis=0))
+        else:
+            bag = tf.reduce_sum(tf.nn.softmax(s, axis=0) * h, 0)
+            loss = tf.reduce_sum(tf.square(bag - 0.5))
         loss = tf.identity(loss, name="loss")
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")

@@ -1303,8 +1303,9 @@ class _Analyzer:
             elif n.op == "Max" and _only_sizes_fixed_bincounts(n):
                 continue   # (tf.math.bincount's size, max(labels) + 1, clamped to a constant)
             elif n.op in _STATISTICS:
-                found = _const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
-                    n.inputs[0], seed_nodes, strict=True, slices=True) and (
+                found = (_const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
+                    n.inputs[0], seed_nodes, strict=True, slices=True)
+                    or _reduces_moved_rows(n, seed_nodes)) and (
                     n in training.value if n.op in _NON_LINEAR_STATISTICS
                     else _used_non_linearly(n, seed_nodes, divisors, training, self.gradient_scopes))
             elif n.op in _COUNTED_STATISTICS:
@@ -2145,6 +2146,18 @@ def _rows_last(tensor, seed_nodes):
         tensor, lambda t: _reaches_rows(t, seed_nodes, strict=True)) == rank - 1
 
 
+def _reduces_moved_rows(n, seed_nodes):
+    """True if a reduction over constant axes reduces the axis that holds the batch's
+    rows after transposes and element-wise ops (row_axes.rows_axis): SwAV's Sinkhorn
+    sums a [classes, rows] matrix over axis 1."""
+    from graph_rewriter.row_axes import rows_axis
+    axes, rank = _int_const(n.inputs[1]), static_rank(n.inputs[0])
+    if not axes or rank is None or not _reaches_rows(n.inputs[0], seed_nodes):
+        return False
+    a = rows_axis(n.inputs[0], lambda t: _reaches_rows(t, seed_nodes, strict=True), elementwise=True)
+    return a is not None and rank > 0 and any(v % rank == a for v in axes)
+
+
 def _keeps_rows_in_order(n):
     """True for a StridedSlice that keeps every row, in order, on axis 0 (``s[:, 0]``)."""
     from graph_rewriter.row_axes import sliced_axis
@@ -2180,10 +2193,10 @@ _BOUND_ARITHMETIC = frozenset(("Maximum", "Minimum", "Cast", "Identity", "Enter"
                                "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot"))
 _WHILES = frozenset(("While", "StatelessWhile"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
-# statistics the replicas sync by summing theirs: a sum over the rows, a product contracting them
-# statistics over the rows counted by the rows' values: synced by summing, where their
-# shape is fixed (passes/batch_statistics.py), but for the counts of unique values
+# statistics over the rows counted by the rows' values (a class's count of labels)
 _COUNTED_STATISTICS = frozenset(("UnsortedSegmentSum", "DenseBincount", "Bincount", "UniqueWithCounts"))
+# statistics the replicas sync by summing theirs: a sum over the rows, a product contracting
+# them, the counted ones but the counts of unique values (where their size is fixed)
 _SUMMED_STATISTICS = frozenset(("Sum", "MatMul", "UnsortedSegmentSum", "DenseBincount", "Bincount"))
 
 
@@ -2618,9 +2631,17 @@ def loop_frames(node):
 def _the_sum(node):
     """The Sum ``node`` is, through casts and arithmetic with a constant
     (``tf.maximum(count, 1.0)``, ``count + epsilon``), or None."""
+    return sum_and_clamps(node)[0]
+
+
+def sum_and_clamps(node):
+    """(the Sum ``node`` is, [the casts and the arithmetic with a constant between them,
+    from ``node`` down]), or (None, [...]) when ``node`` is no such Sum."""
+    chain = []
     while True:
         if node.op == "Sum":
-            return node
+            return node, chain
+        chain.append(node)
         if node.op in ("Cast", "Identity"):
             node = node.inputs[0].node
             continue
@@ -2629,7 +2650,7 @@ def _the_sum(node):
             if len(consts) == 1:
                 node = next(t.node for t in node.inputs if t.node.op != "Const")
                 continue
-        return None
+        return None, chain
 
 
 def _sums_every_axis(total):
@@ -2660,11 +2681,12 @@ _BROADCASTING = ELEMENTWISE | frozenset((
 
 def static_rank(tensor, depth=0, memo=None):
     """The rank of a tensor, from the graph alone (no shape inference), or None: known
-    for placeholders and constants, carried through element-wise ops, Fill(Shape(t)),
-    Reshape by a constant shape, StridedSlice, MatMul, reductions over constant axes,
-    one_hot, gathers along axis 0, unsorted segment sums and the cross-entropy ops. Enough to tell the
-    sum of a [batch] weight vector (axes [0], every axis) from the sum over the time
-    axis of a time-major [time, batch] mask (axes [0], one of two). ``memo`` keeps the
+    for placeholders, constants and shapes, carried through element-wise ops,
+    Fill(Shape(t)), Reshape by a constant shape, StridedSlice, MatMul, reductions over
+    constant axes, one_hot, gathers along axis 0, unsorted segment sums, bincounts and
+    the cross-entropy ops. Enough to tell the sum of a [batch] weight vector (axes [0],
+    every axis) from the sum over the time axis of a time-major [time, batch] mask (axes
+    [0], one of two). ``memo`` keeps the
     ranks found in one call, by tensor and depth: a chain of element-wise ops reading a
     value twice (a layer norm's) is otherwise walked once per path, exponentially."""
     if depth > 40:
@@ -2686,6 +2708,8 @@ def _static_rank(tensor, depth, memo):
         return len(n.attr["value"].tensor.tensor_shape.dim)
     if n.op == "MatMul":
         return 2
+    if n.op in ("Shape", "Size", "Rank"):   # (a count divides by tf.shape(q)[1], a scalar)
+        return 1 if n.op == "Shape" else 0
     if n.op == "Fill" and n.inputs[0].node.op == "Shape":
         return static_rank(n.inputs[0].node.inputs[0], depth + 1, memo)
     if n.op == "Reshape" and n.inputs[1].node.op == "Const":

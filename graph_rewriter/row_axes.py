@@ -12,6 +12,8 @@ axis (a transpose by a constant permutation, an expand_dims, a new axis by ``x[N
 says whether an op's operands' rows land on different axes of its output.
 """
 
+from graph_rewriter.op_vocabulary import ELEMENTWISE
+
 # element-wise ops of two operands that broadcast them against each other
 _BROADCASTING = frozenset(("Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivNoNan", "MulNoNan",
                            "SquaredDifference", "Maximum", "Minimum", "Pow"))
@@ -19,33 +21,57 @@ _BROADCASTING = frozenset(("Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivN
 MEETING_OPS = frozenset(("MatMul", "Einsum")) | _BROADCASTING
 
 
-def rows_axis(tensor, holds_rows, depth=0):
+def rows_axis(tensor, holds_rows, depth=0, elementwise=False, memo=None):
     """The axis of ``tensor`` holding the batch's rows (0 where ``holds_rows(tensor)``,
-    the strict walk), or None."""
+    the strict walk), or None. ``elementwise``: also through element-wise ops, whose
+    operands holding rows hold them on one axis counted from the last (SwAV's
+    Sinkhorn normalises a transposed [classes, rows] matrix so, step after step: up to
+    40 ops deep, each tensor looked at once)."""
+    if memo is None:
+        memo = {}
+    if tensor not in memo:
+        memo[tensor] = _rows_axis(tensor, holds_rows, depth, elementwise, memo)
+    return memo[tensor]
+
+
+def _rows_axis(tensor, holds_rows, depth, elementwise, memo):
+    """rows_axis' cases, for one tensor."""
     from graph_rewriter.analysis import _strip_identity, static_rank
     if holds_rows(tensor):
         return 0
-    if depth > 8:
+    if depth > (40 if elementwise else 8):
         return None
     t = _strip_identity(tensor)
     n = t.node
+
+    def inner(u):
+        return rows_axis(u, holds_rows, depth + 1, elementwise, memo)
     if t is not tensor:
-        return rows_axis(t, holds_rows, depth + 1)
+        return inner(t)
     if n.op == "Transpose":
         perm = _const_ints(n.inputs[1])
-        a = rows_axis(n.inputs[0], holds_rows, depth + 1)
+        a = inner(n.inputs[0])
         return perm.index(a) if perm is not None and a in perm else None
     if n.op == "ExpandDims":
         at, rank = _const_ints(n.inputs[1]), static_rank(n.inputs[0])
-        a = rows_axis(n.inputs[0], holds_rows, depth + 1)
+        a = inner(n.inputs[0])
         if a is None or not at or len(at) != 1 or (at[0] < 0 and rank is None):
             return None
         c = at[0] + rank + 1 if at[0] < 0 else at[0]
         return a + 1 if c <= a else a
     if n.op == "StridedSlice":
-        return sliced_axis(n, rows_axis(n.inputs[0], holds_rows, depth + 1))
+        return sliced_axis(n, inner(n.inputs[0]))
     if n.op == "Reshape" and _tensordot_reshape(n):
-        return rows_axis(n.inputs[0], holds_rows, depth + 1)
+        return inner(n.inputs[0])
+    if elementwise and n.op in _BROADCASTING | ELEMENTWISE:
+        ends = set()
+        for u in n.inputs:
+            a = inner(u)
+            if a is not None:
+                rank = static_rank(u)
+                ends.add(None if rank is None else a - rank)
+        rank = static_rank(tensor)
+        return rank + ends.pop() if len(ends) == 1 and None not in ends and rank is not None else None
     return None
 
 

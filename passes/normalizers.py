@@ -35,7 +35,7 @@ every replica issues them in the same order.
 """
 
 from graph_rewriter import dtypes
-from graph_rewriter.analysis import gradient_entries
+from graph_rewriter.analysis import gradient_entries, sum_and_clamps
 from graph_rewriter.collectives import all_reduce_mean, group_key, normalizer_instance_key
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, dtype_of, make_op
@@ -101,12 +101,8 @@ def _clamped_count(divisor):
     divisor clamped or shifted by constants, ``tf.maximum(tf.reduce_sum(positives), 1.0)``
     (a detector's count of positive anchors) or ``reduce_sum(weights) + 1e-5`` (BERT's
     masked LM); (None, []) when none is (the divisor is a Sum through casts)."""
-    chain, node, clamped = [], divisor.node, []
-    while node.op != "Sum":
-        chain.append(node)
-        if node.op not in ("Cast", "Identity"):
-            clamped.append(node)
-        node = next(t.node for t in node.inputs if t.node.op != "Const")
+    _, chain = sum_and_clamps(divisor.node)
+    clamped = [n for n in chain if n.op not in ("Cast", "Identity")]
     if not clamped:
         return None, []
     deepest = chain.index(clamped[-1])

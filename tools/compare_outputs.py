@@ -120,6 +120,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_attention_pooling"] = tf1_scripts.listwise_softmax("attention_pooling")
     graphs["script_class_counts"] = tf1_scripts.class_balanced_classifier("bincount")   # counts of labels
     graphs["script_loss_clamped"] = tf1_scripts.masked_sequence_model("clamped")   # a clamped normalizer
+    graphs["script_sinkhorn"] = tf1_scripts.batch_assignments("sinkhorn")   # sums over transposed rows
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder

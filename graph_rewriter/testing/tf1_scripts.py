@@ -984,6 +984,50 @@ def listwise_softmax(form="listnet"):
     return g.as_graph_def()
 
 
+def batch_assignments(kind="sinkhorn"):
+    """Self-labelling over the batch's class assignments: features x [None, 4] -> dense 8
+    relu -> logits [None, 3]. ``kind`` "sinkhorn": SwAV's codes, the Sinkhorn-Knopp
+    equipartition of ``exp(stop_gradient(logits) / 0.5)`` transposed to [classes, rows],
+    divided by its total, then three times by its sums over the rows (axis 1) and over
+    the classes (axis 0), with SwAV's ``/ K`` and ``/ B`` (B = tf.shape(q)[1]), the codes
+    the targets of a cross entropy with the logits; "marginal": the mean entropy of the
+    rows' predictions minus the entropy of the batch's mean prediction (an information-
+    maximising clustering loss). SGD 0.5. Returns the GraphDef (loss:0, train_op, init;
+    variables w1, w2)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        if kind == "sinkhorn":
+            q = tf.transpose(tf.exp(tf.stop_gradient(logits) / 0.5))
+            q /= tf.reduce_sum(q)
+            classes, rows = 3.0, tf.cast(tf.shape(q)[1], tf.float32)
+            for _ in range(3):
+                q /= tf.reduce_sum(q, axis=1, keepdims=True)
+                q /= classes
+                q /= tf.reduce_sum(q, axis=0, keepdims=True)
+                q /= rows
+            codes = tf.transpose(q * rows)
+            loss = -tf.reduce_mean(tf.reduce_sum(codes * tf.nn.log_softmax(logits), 1))
+        else:
+            p = tf.nn.softmax(logits)
+            mean = tf.reduce_mean(p, 0)
+            loss = (-tf.reduce_mean(tf.reduce_sum(p * tf.math.log(p + 1e-8), 1))
+                    + tf.reduce_sum(mean * tf.math.log(mean + 1e-8)))
+        tf.identity(loss, name="loss")
+        tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def assignment_batches(steps, batch, seed=0):
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, 4).astype(np.float32)} for _ in range(steps)]
+
+
 def policy_gradient(kind="categorical"):
     """REINFORCE on a batch of states x [None, 4] with rewards y [None, 1] (dropout_batches'
     feeds): a policy x -> dense 16 relu -> 3 action logits; actions drawn per row by

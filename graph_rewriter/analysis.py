@@ -1463,13 +1463,18 @@ class _Analyzer:
             what = "number of segments" if n.op == "UnsortedSegmentSum" else "size (minlength = maxlength)"
             return (f"its {what} is computed from the batch, so the replicas' shapes may differ; give it a "
                     "constant one")
-        if n.op != "Mean" and n.op not in _SUMMED_STATISTICS:
+        extreme = n.op in _EXTREMES
+        if n.op != "Mean" and n.op not in _SUMMED_STATISTICS and not extreme:
             return (f"it is a {n.op} over the rows; only means (tf.nn.moments, a BatchNorm's statistics), "
-                    "sums over the rows (a Sum, a MatMul contracting them, a segment sum, a bincount) and fused "
-                    "BatchNorms are synchronised")
+                    "sums over the rows (a Sum, a MatMul contracting them, a segment sum, a bincount), maxima "
+                    "and minima with no gradient, and fused BatchNorms are synchronised")
         if name in selected_means:
             return "it is also a mean over rows a condition selects, which the normalizers pass scales"
         scopes = gradient_scopes(self.order, {name: n})
+        if extreme and scopes:
+            return (f"it is a {n.op} over the rows with a gradient (its backward pass routes it to the rows that "
+                    f"reach the {n.op.lower()}), which is not synchronised; stop its gradient (tf.stop_gradient, "
+                    "as tf.reduce_logsumexp does) or drop the option")
         if scopes and not gradient_entries(self.order, {name: n}):
             return "its backward pass reads the gradient from more than one tensor"
         if not scopes:   # its backward under a scope not named "gradients": its forward alone would be synced
@@ -2193,6 +2198,8 @@ _BOUND_ARITHMETIC = frozenset(("Maximum", "Minimum", "Cast", "Identity", "Enter"
                                "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot"))
 _WHILES = frozenset(("While", "StatelessWhile"))
 _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
+# statistics synced by the replicas' maximum or minimum, when no gradient goes through them
+_EXTREMES = frozenset(("Max", "Min"))
 # statistics over the rows counted by the rows' values (a class's count of labels)
 _COUNTED_STATISTICS = frozenset(("UnsortedSegmentSum", "DenseBincount", "Bincount", "UniqueWithCounts"))
 # statistics the replicas sync by summing theirs: a sum over the rows, a product contracting

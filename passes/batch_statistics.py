@@ -51,7 +51,7 @@ import re
 from graph_rewriter import dtypes
 from graph_rewriter.analysis import (BATCH_NORM_AXES, FUSED_BATCH_NORM_GRADS, dead_zeros_like, gradient_entries,
                                      gradient_scopes)
-from graph_rewriter.collectives import all_reduce_mean, counted_down_start, group_key, normalizer_instance_key
+from graph_rewriter.collectives import all_reduce, counted_down_start, group_key, normalizer_instance_key
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import const, make_op
 from graph_rewriter.pass_manager import Pass
@@ -62,6 +62,7 @@ _GRADIENTS = re.compile(r"^(?:.*/)?gradients(?:_\d+)?/")
 # statistics synced by summing the replicas' (a segment sum's and a bincount's of a
 # fixed size, which the analysis checks)
 SUMMED = ("Sum", "MatMul", "UnsortedSegmentSum", "DenseBincount", "Bincount")
+EXTREMES = ("Max", "Min")   # synced by the replicas' maximum or minimum: no gradient goes through them
 FORWARD = ""   # the forward chain's name; a backward chain is named by its gradients scope
 
 
@@ -95,6 +96,8 @@ class BatchStatisticsPass(Pass):
                         sync.mean(node, at)
                     elif node.op in SUMMED:
                         sync.summed(node, at)
+                    elif node.op in EXTREMES:
+                        sync.extreme(node)
                     else:
                         sync.fused_batch_norm(node)
                 sync.whole_counts(counts)
@@ -173,12 +176,12 @@ class _Sync:
     def const(self, name, value, dtype):
         return const(self.g, name, value, dtype, self.device)
 
-    def all_reduce(self, scope, tensor, chain, final_op="Div"):
-        """The replicas' mean of ``tensor`` (``final_op="Id"``: their sum), a collective
-        of the chain ``chain``."""
-        node = all_reduce_mean(self.g, scope, tensor, self.rm.group_size,
-                               self.gkey, normalizer_instance_key(self.plan, self.next_key), self.device,
-                               final_op=final_op)
+    def all_reduce(self, scope, tensor, chain, final_op="Div", merge_op="Add"):
+        """The replicas' mean of ``tensor`` (``final_op="Id"``: their sum; ``merge_op``
+        "Max" or "Min" with "Id": their maximum or minimum), a collective of the chain
+        ``chain``."""
+        node = all_reduce(self.g, scope, tensor, self.rm.group_size, self.gkey,
+                          normalizer_instance_key(self.plan, self.next_key), self.device, merge_op, final_op)
         self.next_key += 1
         self.collectives.append((chain, node))
         return node.output(0)
@@ -229,6 +232,15 @@ class _Sync:
         ``entries`` ([(reader, position)]) the replicas' sum of the gradient."""
         self._synced(node, entries, lambda: self.all_reduce(f"{node.name}/sync", node.output(0), FORWARD, final_op="Id"),
                      lambda scope, gradient, chain: self.all_reduce(scope, gradient, chain, final_op="Id"))
+
+    # ---- a maximum or minimum over the rows, with no gradient --------------------------------
+    def extreme(self, node):
+        """``node``'s readers read the replicas' maximum (minimum) of it: one device's. No
+        gradient goes through it (the analysis checks): tf.reduce_logsumexp's shift, under
+        tf.stop_gradient, cancels in its value but must be one on every replica for the
+        synced sum of exp(x - max) to be one device's."""
+        self._synced(node, [], lambda: self.all_reduce(f"{node.name}/sync", node.output(0), FORWARD, final_op="Id",
+                                                       merge_op=node.op), None)
 
     def whole_counts(self, counts):
         """Where a synced sum's value meets a count of the batch's rows (``counts``:

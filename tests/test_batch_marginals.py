@@ -1,7 +1,9 @@
 """Statistics of the batch's class assignments (graph_rewriter.testing.tf1_scripts.
 batch_assignments): SwAV's Sinkhorn-Knopp equipartition, which normalises the transposed
 [classes, rows] matrix of the batch's scores over its rows and over its classes, three
-times, and an information-maximising loss's entropy of the batch's mean prediction.
+times, an information-maximising loss's entropy of the batch's mean prediction, and a
+log partition over the batch's rows (tf.reduce_logsumexp, whose Max has no gradient:
+synced as the replicas' maximum).
 
 One device normalises over the whole batch's rows; a replica over its own. Before, the
 Sinkhorn's sums over axis 1 of the transposed matrix were not found (the strict row walk
@@ -26,7 +28,8 @@ from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, 
 
 STEPS, BATCH = 3, 8
 RTOL, ATOL = 1e-5, 1e-6
-STATISTICS = {"sinkhorn": ["Sum", "Sum_1", "Sum_3", "Sum_5"], "marginal": ["Mean"]}
+STATISTICS = {"sinkhorn": ["Sum", "Sum_1", "Sum_3", "Sum_5"], "marginal": ["Mean"],
+              "logsumexp": ["ReduceLogSumExp/Max", "ReduceLogSumExp/Sum"]}
 
 
 def _one_device(kind, feeds):

@@ -90,10 +90,12 @@ def test_synced_counts_train_as_one_device(counts, strategy, replicas, options):
 
 @pytest.mark.parametrize("counts, why", [
     ("unique", "counts the unique values of the replica's rows"),
-    ("bincount_open", "'bincount/Max' cannot be synchronised: it is a Max over the rows")])
+    ("bincount_open", "'bincount/DenseBincount' cannot be synchronised: its size")])
 def test_counts_of_no_fixed_shape_are_refused_under_the_option(counts, why):
     """Their shape depends on the replica's values (a count per unique label; a
-    bincount sized by the shard's largest label): the replicas' could not be summed."""
+    bincount sized by the shard's largest label, a Max with no gradient, which is
+    synced, but the bincount's size is not read from it): the replicas' could not be
+    summed."""
     with pytest.raises(gr.GraphRewriteError, match="sync_batch_statistics") as error:
         gr.rewrite(class_balanced_classifier(counts), devices_per_worker=2, device_type="CPU",
                    sync_batch_statistics=True)

@@ -312,7 +312,7 @@ def test_micro_batches_are_noted_and_train():
 
 @pytest.mark.parametrize("graph_def, sync, message", [
     (lambda: rows_meeting_mlp("batch_max"), True,
-     "the batch statistic 'center' cannot be synchronised: it is a Max over the rows"),
+     "the batch statistic 'center' cannot be synchronised: it is a Max over the rows with a gradient"),
     (lambda: rows_meeting_mlp("mixed_count"), True,
      "the batch statistic 'center' cannot be synchronised: 'truediv' meets a count of the batch's rows with a "
      "sum over the replica's rows plus a value of the statistic alone"),

@@ -848,6 +848,17 @@ def warm_started_mlp(checkpoint_dir, resource=True):
     return g.as_graph_def(), path
 
 
+def _classifier_inputs(labelled=True):
+    """The placeholders x [None, 4] and (``labelled``) labels [None] int32, and the weights
+    w1 [4, 8] and w2 [8, 3] (seeds 2 and 3) of the 3-class classifiers below."""
+    tf, tf1 = _tf()
+    x = tf1.placeholder(tf.float32, [None, 4], name="x")
+    labels = tf1.placeholder(tf.int32, [None], name="labels") if labelled else None
+    w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
+    w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+    return x, labels, w1, w2
+
+
 def center_loss_classifier():
     """A classifier with a center loss as FaceNet's code trains one: features x [None, 4]
     -> dense 8 relu, logits by dense 3, labels [None] int32 (3 classes); the loss is the
@@ -860,10 +871,7 @@ def center_loss_classifier():
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        labels = tf1.placeholder(tf.int32, [None], name="labels")
-        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        x, labels, w1, w2 = _classifier_inputs()
         centers = tf1.get_variable("centers", [3, 8], initializer=tf1.zeros_initializer(), trainable=False)
         features = tf.nn.relu(tf.matmul(x, w1))
         xent = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -900,10 +908,7 @@ def class_balanced_classifier(counts="one_hot"):
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        labels = tf1.placeholder(tf.int32, [None], name="labels")
-        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        x, labels, w1, w2 = _classifier_inputs()
         logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         if counts == "unique":
@@ -992,14 +997,14 @@ def batch_assignments(kind="sinkhorn"):
     the classes (axis 0), with SwAV's ``/ K`` and ``/ B`` (B = tf.shape(q)[1]), the codes
     the targets of a cross entropy with the logits; "marginal": the mean entropy of the
     rows' predictions minus the entropy of the batch's mean prediction (an information-
-    maximising clustering loss). SGD 0.5. Returns the GraphDef (loss:0, train_op, init;
+    maximising clustering loss); "logsumexp": a log partition over the batch's rows,
+    ``tf.reduce_logsumexp(logits[:, 0])`` (its Max under tf.stop_gradient), minus their
+    mean. SGD 0.5. Returns the GraphDef (loss:0, train_op, init;
     variables w1, w2)."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [8, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        x, _, w1, w2 = _classifier_inputs(labelled=False)
         logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
         if kind == "sinkhorn":
             q = tf.transpose(tf.exp(tf.stop_gradient(logits) / 0.5))
@@ -1012,6 +1017,8 @@ def batch_assignments(kind="sinkhorn"):
                 q /= rows
             codes = tf.transpose(q * rows)
             loss = -tf.reduce_mean(tf.reduce_sum(codes * tf.nn.log_softmax(logits), 1))
+        elif kind == "logsumexp":
+            loss = tf.reduce_logsumexp(logits[:, 0]) - tf.reduce_mean(logits[:, 0])
         else:
             p = tf.nn.softmax(logits)
             mean = tf.reduce_mean(p, 0)

@@ -839,6 +839,17 @@ def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds
         return {t: got[f"read/{t}"] for t in reads}
 
 
+def two_workers_variables(pool, procs, tmp_path, graph_def, strategy, steps, feeds, options=None):
+    """{variable: value} of every resource variable of ``graph_def`` (harness.resource_reads)
+    after two_workers_read trains it between-graph on 2 workers x 1 replica, each fed its
+    half of every batch of ``feeds``: what a loopback test compares with one device's."""
+    from graph_rewriter.testing import harness
+    reads = harness.resource_reads(graph_def)
+    got = two_workers_read(pool, procs, tmp_path, graph_def, strategy, steps, reads.values(), feeds,
+                           options=options)
+    return {name: got[tensor] for name, tensor in reads.items()}
+
+
 def _tutorial_variables(meta, steps):
     """{variable: value} of the CIFAR-10 tutorial's graph trained ``steps`` steps on one
     device under MonitoredTrainingSession (which starts its QueueRunners), and the

@@ -179,6 +179,13 @@ class Analysis:
     # (graph_rewriter/row_moves.py: RowMoves), or None; and {name: why not} for the others
     row_moves: object = None
     row_move_obstacles: dict = dataclasses.field(default_factory=dict)
+    # {loop: [the ops stacking its values over the rows]} for the forward while loops
+    # over the batch's rows that run a seeded stateful random op (tf.map_fn's per-image
+    # augmentation: a v1 loop by its LoopCond, a v2 one by its While): a replica's loop
+    # draws for its rows what one device draws for the batch's first rows. Those row_moves
+    # computes over every replica's rows list their stacks ([] where it cannot: why in
+    # row_move_obstacles)
+    looped_draws: dict = dataclasses.field(default_factory=dict)
     # names of forward ops that take rows of the batch by their position in it (its halves
     # by tf.split(h, 2, 0), h[:n]): a replica's batch is a shard, its halves not the batch's
     positioned_rows: list = dataclasses.field(default_factory=list)
@@ -378,9 +385,10 @@ class _Analyzer:
         if product_head is not None:
             loss_sums = [name for name in loss_sums if name not in product_head.head]
             batch_statistics = [name for name in batch_statistics if name not in product_head.head]
-        row_moves, move_obstacles = self._find_row_moves(
+        row_moves, move_obstacles, looped_draws = self._find_row_moves(
             [n for n in moved_rows + sampled_rows
              if n not in ranked_rows and n not in (product_head.head if product_head else ())],
+            self._find_looped_draws(variant0, training, batch_draws),
             seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
                               **dict.fromkeys(batch_statistics, "a batch statistic"),
                               **dict.fromkeys(batch_draws, "a random draw per row")})
@@ -403,7 +411,7 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
-            row_move_obstacles=move_obstacles, positioned_rows=positioned_rows, batch_statistics=batch_statistics,
+            row_move_obstacles=move_obstacles, looped_draws=looped_draws, positioned_rows=positioned_rows, batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -1186,15 +1194,69 @@ class _Analyzer:
         return product_heads.find(self.order, [self.g.node(n) for n in meeting], {t.node for t in seeds},
                                   variant0, self.gradient_scopes, elsewhere)
 
-    def _find_row_moves(self, moves, seeds, variant0, elsewhere):
-        """The moves of the batch's rows (``moves``: their names) that every replica can
-        compute over every replica's rows (graph_rewriter/row_moves.py), and why not for
-        the others."""
-        if not moves:
-            return None, {}
+    def _find_row_moves(self, moves, loops, seeds, variant0, elsewhere):
+        """The moves of the batch's rows (``moves``: their names) and the loops over them
+        (``loops``: {name: the nodes to start from}) that every replica can compute over
+        every replica's rows (graph_rewriter/row_moves.py), why not for the others, and
+        {loop: its stacks of rows}."""
+        if not moves and not loops:
+            return None, {}, {}
         from graph_rewriter import row_moves
         return row_moves.find(self.order, [self.g.node(n) for n in moves], {t.node for t in seeds}, variant0,
-                              self.gradient_scopes, elsewhere)
+                              self.gradient_scopes, elsewhere, loops)
+
+    def _find_looped_draws(self, variant0, training, batch_draws):
+        """{loop name: [nodes]} of the forward while loops whose count of steps the batch
+        decides and that run a seeded stateful random op the random_draws pass does not
+        take: tf.map_fn over the rows (a random flip or crop per image) runs one step per
+        row, and each step draws from the kernel's state, so a replica's loop over its n
+        rows draws what one device draws for the batch's first n. A v1 loop is named by
+        its LoopCond (a draw's outermost frame, its condition computed from the batch),
+        a v2 one by its While (its cond's result computed from an argument the call
+        passes from the batch). The nodes are where graph_rewriter/row_moves.py starts
+        the loop's region."""
+        found, conds, taken = {}, None, set(batch_draws)
+        for n in self.order:
+            if n.name in taken or in_gradients_scope(n.name, self.gradient_scopes):
+                continue
+            frames = _is_stateful_draw(n) and loop_frames(n)
+            if frames:
+                if conds is None:
+                    conds = {loop_frames(c)[-1].attr["frame_name"].s: c for c in self.order if c.op == "LoopCond"}
+                cond = conds.get(frames[0].attr["frame_name"].s)
+                if cond is not None and cond in variant0 and cond in training.value:
+                    found.setdefault(cond.name, [cond])
+            elif n.op in _WHILES and n in variant0 and n in training.value and self._while_over_batch(n, variant0) \
+                    and self._unhandled_draws(n, taken):
+                found[n.name] = [n]
+        return found
+
+    def _while_over_batch(self, loop, variant0):
+        """True if the v2 While ``loop``'s cond computes its result from an argument
+        the call passes from the batch (tf.map_fn's count of rows)."""
+        cond = self.functions.get(loop.attr["cond"].func.name)
+        if cond is None:
+            return False
+        args = [a.name for a in cond.signature.input_arg]
+        reached = _Body(cond).reached_from({arg for arg, t in zip(args, loop.inputs) if t.node in variant0})
+        return any(ref.split(":")[0] in reached for ref in cond.ret.values())
+
+    def _unhandled_draws(self, loop, batch_draws):
+        """True if the v2 While ``loop``'s functions run a seeded stateful random op that
+        is not a draw of the batch's rows the random_draws pass takes (those are named
+        ``call:function:node``), or call a function that runs one."""
+        for _, name in called_functions(loop):
+            fn = self.functions.get(name)
+            if fn is None:
+                continue
+            if any(_is_stateful_draw(_BodyNode(None, nd.name, nd)) and f"{loop.name}:{name}:{nd.name}" not in batch_draws
+                   for nd in fn.node_def):
+                return True
+            if any(self._function_draws(f.name, {name}) for nd in fn.node_def for value in nd.attr.values()
+                   for f in (list(value.list.func) if value.HasField("list") else
+                             [value.func] if value.HasField("func") else [])):
+                return True
+        return False
 
     def _find_sampled_rows(self, seeds, variant0, training):
         """Seeded draws of samples per row from each row's own values, whose value

@@ -307,8 +307,9 @@ def _plan_row_moves(plan, analysis, cluster, log):
         plan.row_moves = None
     elif given is None or given:
         plan.row_moves = dataclasses.asdict(moves)
-        log(f"plan: the rows moved within the batch by {_listed(moves.moves)} are moved over every replica's rows: "
-            f"each replica gathers {_listed([t for t, _ in moves.gathered])} and keeps its own rows of the moves")
+        log(f"plan: the rows moved within the batch by {_listed(moves.moves)} (or stacked by loops that draw "
+            f"at every step) are moved over every replica's rows: each replica gathers "
+            f"{_listed([t for t, _ in moves.gathered])} and keeps its own rows of the moves")
 
 
 def _plan_loss_sums(plan, analysis, log):
@@ -409,6 +410,11 @@ LOOP_BOUNDS = (LOOP_BOUNDS_START + " ({names}: the longest sequence, as tf.nn.dy
 SAMPLED_ROWS = (ROWS_MEET_START + " in {names} (seeded draws of samples per row from the rows' own values, e.g. "
                 "tf.random.categorical(logits, 1, seed)): each replica's kernel draws for its rows what one device "
                 "draws for the batch's first rows, so the samples, and the step, differ from one device's")
+LOOPED_DRAWS_START = "seeded random ops draw in while loops over the batch's rows"
+LOOPED_DRAWS = (LOOPED_DRAWS_START + " ({names}, e.g. tf.map_fn's random flip or crop per image): each replica's "
+                "loop runs a step per row of its own rows, and its kernel draws for them what one device draws "
+                "for the batch's first rows, so the draws, and the step, differ from one device's (the "
+                "replicas' draws coincide)")
 SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
                   "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
                   "rows and the replicas' means are averaged alike, so unless every replica selects as many "
@@ -420,7 +426,7 @@ def _note_rows_meeting(plan, analysis, log):
     mixup, batch statistics, a mean over selected rows left unsynced), each replica
     computes with its own rows: the plan's notes and the log say so (docs/semantics.md,
     "Rows that meet other rows")."""
-    notes = [n for n in plan.notes or [] if not n.startswith((ROWS_MEET_START, LOOP_BOUNDS_START))]
+    notes = [n for n in plan.notes or [] if not n.startswith((ROWS_MEET_START, LOOP_BOUNDS_START, LOOPED_DRAWS_START))]
     unsynced = [n for n in analysis.loop_bounds if n not in (plan.loop_bounds or ())]
     if plan.num_replicas > 1 and unsynced:
         notes.append(LOOP_BOUNDS.format(names=_listed(unsynced)))
@@ -434,12 +440,18 @@ def _note_rows_meeting(plan, analysis, log):
         if left and analysis.product_head_obstacle:
             log(f"plan: the head of {_listed(left)} (rows meeting every row of the batch) cannot be computed "
                 f"over every replica's rows: {analysis.product_head_obstacle}")
+        looped = [name for name, stacks in analysis.looped_draws.items()
+                  if not stacks or not computed.issuperset(stacks)]
         for name in moved + sampled:
             if name in analysis.row_move_obstacles:
                 log(f"plan: the rows '{name}' moves cannot be moved over every replica's rows: "
                     f"{analysis.row_move_obstacles[name]}")
+        for name in looped:
+            if name in analysis.row_move_obstacles:
+                log(f"plan: the loop '{name}' cannot run over every replica's rows: "
+                    f"{analysis.row_move_obstacles[name]}")
         for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, moved), (POSITIONED_ROWS, positioned),
-                                (SAMPLED_ROWS, sampled),
+                                (SAMPLED_ROWS, sampled), (LOOPED_DRAWS, looped),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics
                                                     if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means

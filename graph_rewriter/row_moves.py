@@ -23,8 +23,22 @@ seeds skipped ahead by b, so a replica's clone would draw for its rows what one 
 draws for the batch's first rows. It has no gradient, so its logits may come from
 variables.
 
-``find`` returns the moves (the plan stores them, passes/row_moves.py builds them) and,
-for each move it cannot take, why.
+A while loop over the batch's rows that runs a seeded stateful random op, tf.map_fn's
+random flip or crop per image, takes it too: it runs a step per row and each step draws
+from its kernel's state, so a replica's loop over its n rows would draw what one device
+draws for the batch's first n rows. Where the loop reads the batch alone, every replica
+runs it over every replica's rows, gathered, and keeps its own rows of the loop's
+stacked values (the moves here are those stacks):
+
+    replica r:  x_r ─> CollectiveGatherV2 ─> x [B rows] ─> the loop (B steps) ─> stack [B rows]
+                stack ─> StridedSlice[r n : (r + 1) n] ─> what read the stack
+
+Its kernel then draws, step by step, what one device's draws over the batch, and its
+state goes on from where one device's does. The loop is not copied: its region, the
+ops between the rows it reads and its stacks, reads the gathered rows instead.
+
+``find`` returns the moves (the plan stores them, passes/row_moves.py builds them), for
+each move or loop it cannot take, why, and each loop's stacks.
 """
 
 import dataclasses
@@ -49,20 +63,33 @@ class RowMoves:
     copied: list        # [[tensor, [[reader, input position]]]]: their values the moves read
 
 
-def find(order, moves, seed_nodes, variant0, scopes, elsewhere):
-    """(RowMoves or None, {move name: why it cannot be moved as one device does}) for the
-    ``moves`` (nodes: forward ops moving the batch's rows, the analysis' moved_rows).
+def find(order, moves, seed_nodes, variant0, scopes, elsewhere, loops=None):
+    """(RowMoves or None, {move or loop name: why it cannot be moved as one device does},
+    {loop name: its stacks, [] if not taken}) for the ``moves`` (nodes: forward ops moving
+    the batch's rows, the analysis' moved_rows) and the ``loops`` ({name: nodes to start
+    its region from}: loops over the rows that draw, the analysis' looped_draws).
     ``order``: the graph's nodes in topological order; ``seed_nodes``: the batch
     inputs' nodes; ``variant0``: the nodes that depend on the batch; ``scopes``: the
     graph's named gradient scopes; ``elsewhere``: names of nodes other passes rewrite."""
     position = {n: i for i, n in enumerate(order)}
     gathered, copied, chain, leaves, taken, obstacles = {}, {}, set(), set(), [], {}
+    stacks = {}
+    for name, starts in (loops or {}).items():
+        why, found = loop_region(starts, seed_nodes, variant0, scopes, elsewhere)
+        if why is not None:
+            obstacles[name], stacks[name] = why, []
+            continue
+        ends, rows = found
+        stacks[name] = names_in_order(ends, position)
+        taken += ends
+        for t, readers in rows.items():
+            gathered.setdefault(t, []).extend(readers)
     for m in sorted(moves, key=position.get):
         why, found = _obstacle(m, seed_nodes, variant0, scopes, elsewhere)
         if why is not None:
             obstacles[m.name] = why
             continue
-        taken.append(m.name)
+        taken.append(m)
         gathered.setdefault(m.inputs[0], []).append([m.name, 0])
         for t, (ops, rows, counts) in found.items():
             copied.setdefault(t[0], []).append([m.name, t[1]])
@@ -71,14 +98,14 @@ def find(order, moves, seed_nodes, variant0, scopes, elsewhere):
             for r, readers in rows.items():
                 gathered.setdefault(r, []).extend(readers)
     if not taken:
-        return None, obstacles
+        return None, obstacles, stacks
     return RowMoves(
-        moves=taken,
+        moves=names_in_order(taken, position),
         gathered=tensors_in_order(gathered, position),
         copied_ops=names_in_order(chain, position),
         count_leaves=names_in_order(leaves, position),
         copied=tensors_in_order(copied, position)), \
-        obstacles
+        obstacles, stacks
 
 
 def _obstacle(move, seed_nodes, variant0, scopes, elsewhere):
@@ -108,6 +135,90 @@ def _obstacle(move, seed_nodes, variant0, scopes, elsewhere):
             return f"'{t.name}', its indices, is computed from the batch otherwise than from its count of rows", None
         found[(t, pos)] = got
     return None, found
+
+
+def loop_region(starts, seed_nodes, variant0, scopes, elsewhere, limit=4096):
+    """(why the loop of ``starts`` cannot run over every replica's rows, None) or (None,
+    (its stacks: nodes, {tensor of the batch's rows: [[reader, input position]]})).
+
+    The region is the closure of ``starts`` under the batch-dependent inputs of its
+    nodes (stopping at tensors that hold the batch's rows, which are gathered) and the
+    readers of its nodes' values, except those of a stack: a TensorArrayGatherV3 of a v1
+    TensorArray, or a TensorListStack of a v2 loop's TensorList, sized by the batch's
+    count of rows (tf.map_fn's results), whose readers keep the replica's rows. The
+    loop must read the batch alone: no variable above a gathered tensor or among the
+    region's inputs (no gradient may go back through a gather), no op another rule
+    rewrites, nothing of the backward pass."""
+    from graph_rewriter.analysis import in_backward
+    region, stacks, rows, stack, readers = set(), [], {}, list(starts), []
+    outside = set()   # the region's inputs that do not depend on the batch (constants, variables)
+    while stack or readers:
+        # (the region's inputs first: a variable above the loop is what to report)
+        n = stack.pop() if stack else readers.pop()
+        if n in region:
+            continue
+        if n.name in elsewhere:
+            return f"'{n.name}' in it is rewritten for another reason ({elsewhere[n.name]})", None
+        if in_backward(n.name, scopes):
+            return f"its values reach the backward pass ('{n.name}') other than through stacks of the rows", None
+        if len(region) > limit:
+            return f"it reaches more than {limit} ops before its values are stacks of the rows", None
+        region.add(n)
+        for pos, t in enumerate(n.inputs):
+            if t.node in region:
+                continue
+            if holds_batch_rows(t, seed_nodes):
+                held = None if t in rows else _variable_above(t.node, seed_nodes)
+                if held is not None:
+                    return f"the rows it reads ('{t.name}') are computed from the variable '{held}'", None
+                rows.setdefault(t, []).append([n.name, pos])
+            elif t.node in seed_nodes:
+                return f"it reads '{t.name}', an input that does not hold the batch's rows", None
+            elif t.node in variant0:
+                stack.append(t.node)
+            else:
+                outside.add(t.node)
+        if _stacks_rows(n, seed_nodes):
+            stacks.append(n)
+            continue
+        readers.extend(c for c, _ in n.consumers() if c not in region)
+    for n in outside:
+        held = _variable_above(n, seed_nodes)
+        if held is not None:
+            return f"it reads the variable '{held}'", None
+    if not stacks:
+        return "none of its values is a stack of the batch's rows", None
+    return None, (stacks, rows)
+
+
+def _stacks_rows(node, seed_nodes):
+    """True if ``node`` stacks one value per row of the batch: a TensorArrayGatherV3 of
+    every element (``Range(0, count)``) of a TensorArrayV3 whose size is the count of a
+    tensor of the batch's rows, or a TensorListStack of a v2 loop's list reserved with
+    such a count (tf.map_fn's results, v1 and v2)."""
+    from graph_rewriter.analysis import _WHILES, _first_int, _strip_identity
+    if node.op == "TensorArrayGatherV3":
+        array, indices = _strip_identity(node.inputs[0]).node, _strip_identity(node.inputs[1]).node
+        return array.op == "TensorArrayV3" and _row_count(array.inputs[0], seed_nodes) and indices.op == "Range" \
+            and _first_int(indices.inputs[0]) == 0 and _first_int(indices.inputs[2]) == 1 \
+            and _row_count(indices.inputs[1], seed_nodes)
+    if node.op == "TensorListStack":
+        out = _strip_identity(node.inputs[0])
+        if out.node.op not in _WHILES:
+            return False
+        reserved = _strip_identity(out.node.inputs[out.index]).node
+        return reserved.op == "TensorListReserve" and _row_count(reserved.inputs[1], seed_nodes)
+    return False
+
+
+def _row_count(tensor, seed_nodes):
+    """True if ``tensor`` is ``tf.shape(x)[0]`` of a tensor x of the batch's rows."""
+    from graph_rewriter.analysis import _is_scalar_slice, _leading_rows, _starts_at_0, _strip_identity
+    n = _strip_identity(tensor).node
+    if not (_is_scalar_slice(n) and _starts_at_0(n)):
+        return False
+    rows = _leading_rows(n.inputs[0])
+    return rows is not None and holds_batch_rows(rows, seed_nodes)
 
 
 def _variable_above(node, seed_nodes, limit=4096):

@@ -18,6 +18,11 @@ each replica
 The move is renamed ``<name>/every_replica`` and the slice takes its name, so a fetch of
 the move returns the replicas' rows concatenated: one device's. The gathers run one
 after the other and take the instance keys after the product head's.
+
+A while loop over the rows that draws at every step (tf.map_fn's random flip per image)
+is not copied: its ops that read the batch's rows read the gathered rows instead, so it
+runs over the whole batch, and its stacks of results are the moves whose own rows the
+replica keeps.
 """
 
 from graph_rewriter.pass_manager import Pass

@@ -6,7 +6,7 @@ Transformer block, dropout, losses summed over the batch, BatchNorm written five
 applied twice, a multi-task model whose two train ops share an encoder, Wide & Deep
 models over SparseTensor features (by hand, and with tf.compat.v1.feature_column), a
 speech model's CTC loss over SparseTensor transcripts, a BiLSTM tagger, MoCo's queue of keys,
-a decoder trained with scheduled sampling.
+a decoder trained with scheduled sampling, inputs augmented per row in a tf.map_fn.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1066,6 +1066,57 @@ def policy_gradient(kind="categorical"):
         advantage = y[:, 0] - tf.reduce_mean(y)
         loss = tf.identity(-tf.reduce_mean(log_pi * advantage), name="loss")
         tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+# augmented_mlp's kinds: each draws in a tf.map_fn over the batch's rows, at every step
+LOOPED_AUGMENTATIONS = ("flip", "crop", "noise", "coin")
+
+
+def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=True):
+    """dropout_mlp's regression (x [None, 4], y [None, 1], w1, w2; SGD 0.1 with a global
+    step) on inputs augmented per row in a ``tf.map_fn`` over the batch, as TF1 scripts
+    augment images in the graph: x is read as 2x2 one-channel images and ``kind``
+    "flip" (``tf.image.random_flip_left_right``), "crop" (``tf.image.random_crop`` of the
+    image padded by one pixel), "noise" (Gaussian noise per row) or "coin" (a reversed
+    row when a uniform draw is below 0.5, in a tf.cond) draws once per row, graph seed 1
+    (none unless ``seeded``). "hidden_noise" adds the noise to the hidden layer instead,
+    rows computed from w1. ``parallel_iterations`` 1 runs the loop's steps, and so its
+    draws, in order (more make one device's own draws vary from run to run);
+    ``control_flow`` "v1" or "v2" builds tf.map_fn's loop so. Returns the GraphDef
+    (fetch loss:0 and augmented:0, run train_op, init)."""
+    from graph_rewriter.testing.models import ControlFlow
+    tf, tf1 = _tf()
+    g = tf.Graph()
+
+    def each_row(fn, rows):
+        return tf.map_fn(fn, rows, parallel_iterations=parallel_iterations)
+
+    with g.as_default(), ControlFlow(control_flow):
+        if seeded:
+            tf1.set_random_seed(1)
+        x, y, w1, w2 = _mlp_inputs(None)
+        images = tf.reshape(x, [-1, 2, 2, 1])
+        if kind == "flip":
+            images = each_row(tf.image.random_flip_left_right, images)
+        elif kind == "crop":
+            images = each_row(lambda im: tf.image.random_crop(tf.pad(im, [[1, 1], [1, 1], [0, 0]]), [2, 2, 1]),
+                              images)
+        elif kind == "noise":
+            images = each_row(lambda im: im + tf1.random_normal([2, 2, 1], stddev=0.5), images)
+        elif kind == "coin":
+            images = each_row(lambda im: tf1.cond(tf1.random_uniform([]) < 0.5, lambda: tf.reverse(im, [0]),
+                                                  lambda: im), images)
+        elif kind != "hidden_noise":
+            raise ValueError(f"augmented_mlp: unknown kind {kind!r}")
+        augmented = tf.reshape(images, [-1, 4], name="augmented")
+        h = tf.nn.relu(tf.matmul(augmented, w1))
+        if kind == "hidden_noise":
+            h = each_row(lambda row: row + tf1.random_normal([16], stddev=0.5), h)
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")
     return g.as_graph_def()
 

@@ -388,7 +388,8 @@ class _Analyzer:
         row_moves, move_obstacles, looped_draws = self._find_row_moves(
             [n for n in moved_rows + sampled_rows
              if n not in ranked_rows and n not in (product_head.head if product_head else ())],
-            self._find_looped_draws(variant0, training, batch_draws),
+            self._find_looped_draws(variant0, training, batch_draws,
+                                    {loop for name in loop_bounds for loop in bounded[name]}),
             seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
                               **dict.fromkeys(batch_statistics, "a batch statistic"),
                               **dict.fromkeys(batch_draws, "a random draw per row")})
@@ -1205,7 +1206,7 @@ class _Analyzer:
         return row_moves.find(self.order, [self.g.node(n) for n in moves], {t.node for t in seeds}, variant0,
                               self.gradient_scopes, elsewhere, loops)
 
-    def _find_looped_draws(self, variant0, training, batch_draws):
+    def _find_looped_draws(self, variant0, training, batch_draws, bounded):
         """{loop name: [nodes]} of the forward while loops whose count of steps the batch
         decides and that run a seeded stateful random op the random_draws pass does not
         take: tf.map_fn over the rows (a random flip or crop per image) runs one step per
@@ -1214,7 +1215,9 @@ class _Analyzer:
         its LoopCond (a draw's outermost frame, its condition computed from the batch),
         a v2 one by its While (its cond's result computed from an argument the call
         passes from the batch). The nodes are where graph_rewriter/row_moves.py starts
-        the loop's region."""
+        the loop's region. A loop a bound over the rows bounds (``bounded``: v1 frame names,
+        v2 While nodes; tf.nn.dynamic_rnn's, a decoder's) is none: its steps are not the
+        rows, and the loop_bounds pass makes their count one device's."""
         found, conds, taken = {}, None, set(batch_draws)
         for n in self.order:
             if n.name in taken or in_gradients_scope(n.name, self.gradient_scopes):
@@ -1224,9 +1227,11 @@ class _Analyzer:
                 if conds is None:
                     conds = {loop_frames(c)[-1].attr["frame_name"].s: c for c in self.order if c.op == "LoopCond"}
                 cond = conds.get(frames[0].attr["frame_name"].s)
-                if cond is not None and cond in variant0 and cond in training.value:
+                if cond is not None and cond in variant0 and cond in training.value \
+                        and frames[0].attr["frame_name"].s.decode() not in bounded:
                     found.setdefault(cond.name, [cond])
-            elif n.op in _WHILES and n in variant0 and n in training.value and self._while_over_batch(n, variant0) \
+            elif n.op in _WHILES and n not in bounded and n in variant0 and n in training.value \
+                    and self._while_over_batch(n, variant0) \
                     and self._unhandled_draws(n, taken):
                 found[n.name] = [n]
         return found

@@ -69,6 +69,21 @@ def test_unseeded_draws_and_loops_reading_variables_are_not_taken():
 
 
 @pytest.mark.parametrize("control_flow", ["v1", "v2"])
+def test_a_loop_a_bound_over_the_rows_bounds_is_none(control_flow):
+    """A loop run to a Max over the rows, drawing noise per unit at every step: its steps
+    are not the rows, and the loop_bounds pass runs every replica's loop to one device's
+    count of steps, so its draws are one device's already (no note, trained alike)."""
+    feeds = dropout_batches(STEPS, BATCH)
+    graph_def = augmented_mlp("bounded_noise", control_flow)
+    found = analyze(graph_io.load_graph(graph_def))
+    assert found.looped_draws == {} and found.drawing_loop_bounds
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU")
+    assert not _notes(result) and result.plan.loop_bounds
+    harness.assert_trained_alike(control_flow, _trained(result, graph_def, feeds), _one_device(graph_def, feeds),
+                                 RTOL, ATOL)
+
+
+@pytest.mark.parametrize("control_flow", ["v1", "v2"])
 @pytest.mark.parametrize("kind", LOOPED_AUGMENTATIONS)
 def test_two_replicas_augment_as_one_device(kind, control_flow):
     feeds = dropout_batches(STEPS, BATCH)

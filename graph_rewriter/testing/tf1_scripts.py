@@ -1082,7 +1082,9 @@ def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=
     image padded by one pixel), "noise" (Gaussian noise per row) or "coin" (a reversed
     row when a uniform draw is below 0.5, in a tf.cond) draws once per row, graph seed 1
     (none unless ``seeded``). "hidden_noise" adds the noise to the hidden layer instead,
-    rows computed from w1. ``parallel_iterations`` 1 runs the loop's steps, and so its
+    rows computed from w1; "bounded_noise" adds noise per unit to it at every step of a
+    tf.while_loop whose maximum_iterations is a Max over the rows (a loop bound, not a
+    loop over the rows). ``parallel_iterations`` 1 runs the loop's steps, and so its
     draws, in order (more make one device's own draws vary from run to run);
     ``control_flow`` "v1" or "v2" builds tf.map_fn's loop so. Returns the GraphDef
     (fetch loss:0 and augmented:0, run train_op, init)."""
@@ -1108,12 +1110,16 @@ def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=
         elif kind == "coin":
             images = each_row(lambda im: tf1.cond(tf1.random_uniform([]) < 0.5, lambda: tf.reverse(im, [0]),
                                                   lambda: im), images)
-        elif kind != "hidden_noise":
+        elif kind not in ("hidden_noise", "bounded_noise"):
             raise ValueError(f"augmented_mlp: unknown kind {kind!r}")
         augmented = tf.reshape(images, [-1, 4], name="augmented")
         h = tf.nn.relu(tf.matmul(augmented, w1))
         if kind == "hidden_noise":
             h = each_row(lambda row: row + tf1.random_normal([16], stddev=0.5), h)
+        elif kind == "bounded_noise":   # a loop a Max over the rows bounds, drawing noise per unit per step
+            bound = tf.reduce_max(tf.cast(tf.abs(x[:, 0]) * 2.0 + 1.0, tf.int32))
+            _, h = tf1.while_loop(lambda i, a: i < 8, lambda i, a: (i + 1, a + tf1.random_normal([16], stddev=0.1)),
+                                  (tf.constant(0), h), maximum_iterations=bound, parallel_iterations=1)
         loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
         step = tf1.train.get_or_create_global_step()
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")

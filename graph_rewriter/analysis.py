@@ -1215,26 +1215,46 @@ class _Analyzer:
         its LoopCond (a draw's outermost frame, its condition computed from the batch),
         a v2 one by its While (its cond's result computed from an argument the call
         passes from the batch). The nodes are where graph_rewriter/row_moves.py starts
-        the loop's region. A loop a bound over the rows bounds (``bounded``: v1 frame names,
+        the loop's region; none where the count is a constant, a static batch's (each
+        replica's batch is its own: the loop is noted). A loop a bound over the rows bounds (``bounded``: v1 frame names,
         v2 While nodes; tf.nn.dynamic_rnn's, a decoder's) is none: its steps are not the
         rows, and the loop_bounds pass makes their count one device's."""
         found, conds, taken = {}, None, set(batch_draws)
+        static = set(self.static_batch.values()) - {None}
         for n in self.order:
             if n.name in taken or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
             frames = _is_stateful_draw(n) and loop_frames(n)
             if frames:
                 if conds is None:
-                    conds = {loop_frames(c)[-1].attr["frame_name"].s: c for c in self.order if c.op == "LoopCond"}
-                cond = conds.get(frames[0].attr["frame_name"].s)
-                if cond is not None and cond in variant0 and cond in training.value \
-                        and frames[0].attr["frame_name"].s.decode() not in bounded:
-                    found.setdefault(cond.name, [cond])
+                    conds = self._loop_conds(variant0, static)
+                cond, over_rows = conds.get(frames[0].attr["frame_name"].s, (None, False))
+                if over_rows and cond in training.value and frames[0].attr["frame_name"].s.decode() not in bounded:
+                    found.setdefault(cond.name, [cond] if cond in variant0 else [])
             elif n.op in _WHILES and n not in bounded and n in variant0 and n in training.value \
-                    and self._while_over_batch(n, variant0) \
                     and self._unhandled_draws(n, taken):
-                found[n.name] = [n]
+                if self._while_over_batch(n, variant0):
+                    found[n.name] = [n]
+                elif any(_static_count(t, static) for t in n.inputs):
+                    found[n.name] = []
         return found
+
+    def _loop_conds(self, variant0, static):
+        """{v1 frame name: (its LoopCond, True if the batch decides its count of steps)}:
+        its condition is computed from the batch, or, with static batches (TensorFlow
+        folds tf.map_fn's ``tf.shape(x)[0]`` into a constant), a constant equal to the
+        static batch enters the frame of a loop that reads the batch."""
+        conds, counted, reading = {}, set(), set()
+        for n in self.order:
+            if n.op == "LoopCond":
+                conds[loop_frames(n)[-1].attr["frame_name"].s] = n
+            elif n.op == "Enter" and n.inputs:
+                if n.inputs[0].node in variant0:
+                    reading.add(n.attr["frame_name"].s)
+                elif _static_count(n.inputs[0], static):
+                    counted.add(n.attr["frame_name"].s)
+        return {frame: (cond, cond in variant0 or (frame in counted and frame in reading))
+                for frame, cond in conds.items()}
 
     def _while_over_batch(self, loop, variant0):
         """True if the v2 While ``loop``'s cond computes its result from an argument
@@ -2448,6 +2468,19 @@ def _counts_rows(node, static):
                 multiple(v) for v in dtypes.int_values(proto)[:8]):
             return True
     return False
+
+
+def _static_count(tensor, static):
+    """True if ``tensor`` is a constant integer scalar equal to a static batch size in
+    ``static`` (tf.map_fn's count of rows, folded)."""
+    n = _strip_identity(tensor).node
+    if n.op != "Const":
+        return False
+    proto = n.attr["value"].tensor
+    if proto.tensor_shape.dim or dtypes.as_dtype(proto.dtype).name not in ("int32", "int64"):
+        return False
+    values = list(dtypes.int_values(proto))
+    return len(values) == 1 and values[0] in static
 
 
 def _is_stateful_draw(node):

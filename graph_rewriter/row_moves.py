@@ -139,7 +139,8 @@ def _obstacle(move, seed_nodes, variant0, scopes, elsewhere):
 
 def loop_region(starts, seed_nodes, variant0, scopes, elsewhere, limit=4096):
     """(why the loop of ``starts`` cannot run over every replica's rows, None) or (None,
-    (its stacks: nodes, {tensor of the batch's rows: [[reader, input position]]})).
+    (its stacks: nodes, {tensor of the batch's rows: [[reader, input position]]})). No
+    ``starts``: the loop's count of steps is a static batch's constant, not taken.
 
     The region is the closure of ``starts`` under the batch-dependent inputs of its
     nodes (stopping at tensors that hold the batch's rows, which are gathered) and the
@@ -150,6 +151,9 @@ def loop_region(starts, seed_nodes, variant0, scopes, elsewhere, limit=4096):
     region's inputs (no gradient may go back through a gather), no op another rule
     rewrites, nothing of the backward pass."""
     from graph_rewriter.analysis import in_backward
+    if not starts:   # (the analysis found its count of steps a constant)
+        return ("its count of steps is a constant, the static batch (each replica takes a batch of its own): "
+                "it cannot run over every replica's rows"), None
     region, stacks, rows, stack, readers = set(), [], {}, list(starts), []
     outside = set()   # the region's inputs that do not depend on the batch (constants, variables)
     while stack or readers:

@@ -148,6 +148,20 @@ def test_loops_left_to_the_replicas_are_noted(kind, options):
     assert "'map/while'" in note and result.plan.row_moves is None
 
 
+@pytest.mark.parametrize("control_flow", ["v1", "v2"])
+def test_a_static_batchs_loop_is_noted(control_flow):
+    """With a static batch TensorFlow folds tf.map_fn's count of rows into a constant,
+    and each replica takes a batch of its own: the loop is not run over every replica's
+    rows (its count would have to be R times the constant), so the replicas' draws
+    coincide, and the plan says so."""
+    graph_def = augmented_mlp("noise", control_flow, batch=BATCH)
+    found = analyze(graph_io.load_graph(graph_def))
+    assert found.looped_draws == {LOOP[control_flow]: []}
+    assert "the static batch" in found.row_move_obstacles[LOOP[control_flow]]
+    [note] = _notes(gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU"))
+    assert f"'{LOOP[control_flow]}'" in note
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_two_workers_augment_as_one_device_on_loopback_servers(pool, procs, tmp_path):

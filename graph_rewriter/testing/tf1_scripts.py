@@ -1074,7 +1074,7 @@ def policy_gradient(kind="categorical"):
 LOOPED_AUGMENTATIONS = ("flip", "crop", "noise", "coin")
 
 
-def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=True):
+def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=True, batch=None):
     """dropout_mlp's regression (x [None, 4], y [None, 1], w1, w2; SGD 0.1 with a global
     step) on inputs augmented per row in a ``tf.map_fn`` over the batch, as TF1 scripts
     augment images in the graph: x is read as 2x2 one-channel images and ``kind``
@@ -1086,8 +1086,9 @@ def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=
     tf.while_loop whose maximum_iterations is a Max over the rows (a loop bound, not a
     loop over the rows). ``parallel_iterations`` 1 runs the loop's steps, and so its
     draws, in order (more make one device's own draws vary from run to run);
-    ``control_flow`` "v1" or "v2" builds tf.map_fn's loop so. Returns the GraphDef
-    (fetch loss:0 and augmented:0, run train_op, init)."""
+    ``control_flow`` "v1" or "v2" builds tf.map_fn's loop so; ``batch`` a static batch
+    size (None: dynamic). Returns the GraphDef (fetch loss:0 and augmented:0, run
+    train_op, init)."""
     from graph_rewriter.testing.models import ControlFlow
     tf, tf1 = _tf()
     g = tf.Graph()
@@ -1098,7 +1099,7 @@ def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=
     with g.as_default(), ControlFlow(control_flow):
         if seeded:
             tf1.set_random_seed(1)
-        x, y, w1, w2 = _mlp_inputs(None)
+        x, y, w1, w2 = _mlp_inputs(batch)
         images = tf.reshape(x, [-1, 2, 2, 1])
         if kind == "flip":
             images = each_row(tf.image.random_flip_left_right, images)

@@ -121,6 +121,11 @@ class GradientCut:
     # a GAN's discriminator on real and fake rows, a Keras model called on a tensor):
     # "<variable>/update_<k>", its name in the plan; None: the variable's.
     name: str = None
+    # A state whose value is computed from another state's average on the way to that
+    # state's update (weight normalization's data-dependent init: the bias -mean * scale
+    # from the scale that the gain is assigned, itself from the averaged variance): the
+    # keys of those cuts, averaged first (another pack); None: none.
+    after: list = None
 
     @property
     def key(self):
@@ -347,6 +352,7 @@ class _Analyzer:
         self._assign_roles(cuts, variant)
         variant |= _read_per_replica(cuts, cut_tensors, variant)
         self._check_cuts_independent(cuts, variant)
+        _order_states(cuts, self.position)
         init_ops = self._find_initializers()
         cuts.sort(key=lambda c: self.position[c.values.node])
         _name_later_updates(cuts)
@@ -361,7 +367,13 @@ class _Analyzer:
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         sampled_rows = self._find_sampled_rows(seeds, variant0, training)
         positioned_rows = self._find_positioned_rows(seeds, variant0, training)
-        batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums)
+        # (a statistic a state update stores non-linearly counts too: weight normalization's
+        # data-dependent init assigns its gain 1 / sqrt(var) of the batch, no gradient
+        # reading it; the ops the updates' values are computed by)
+        stored = _Lazy(lambda: _value_ancestors_of(
+            self.g.node(name.rsplit(":", 1)[0]) for c in cuts if c.role == "state"
+            for name in c.received or [c.values.name]))
+        batch_statistics = self._find_batch_statistics(seeds, variant0, training, normalizers, loss_sums, stored)
         bounded = {name: self._bounded_loops(self.g.node(name)) for name in batch_statistics
                    if ":" not in name}   # (not "call:function:node", one in a function)
         loop_bounds = [name for name in batch_statistics if bounded.get(name)]
@@ -1358,7 +1370,7 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
-    def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums):
+    def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums, stored):
         """Forward statistics over the batch's rows (a reduction whose constant axes
         hold the rows, a product of two batch tensors contracting the rows, a
         FusedBatchNorm in training mode) that training uses other than
@@ -1370,7 +1382,10 @@ class _Analyzer:
         (Keras' BatchNormalization behind its learning phase) is named
         ``call:function:node``. A statistic that reaches the loss linearly,
         the mean loss itself, a sum or a mean by hand (divided by a count of rows or a
-        normalizer the rewrite syncs), stays one device's and is not listed."""
+        normalizer the rewrite syncs), stays one device's and is not listed. So does one
+        a state update stores linearly (a count, a moving mean); one it stores through a
+        non-linear op (``stored``: the ops computing the updates' values; weight
+        normalization's data-dependent init, a gain 1 / sqrt(var)) is listed."""
         seed_nodes = {t.node for t in seeds}
         sums = (_the_sum(t.node) for t in normalizers)   # the normalizers' own, synced
         handled = {total.name for total in sums if total is not None} | set(loss_sums)
@@ -1394,7 +1409,7 @@ class _Analyzer:
                     n.inputs[0], seed_nodes, strict=True, slices=True)
                     or _reduces_moved_rows(n, seed_nodes)) and (
                     n in training.value if n.op in _NON_LINEAR_STATISTICS
-                    else _used_non_linearly(n, seed_nodes, divisors, training, self.gradient_scopes))
+                    else _used_non_linearly(n, seed_nodes, divisors, training, self.gradient_scopes, stored))
             elif n.op in _COUNTED_STATISTICS:
                 # rows summed by their ids (a class's count of labels in the batch,
                 # unsorted_segment_sum(ones_like(labels), labels, C), or its features'
@@ -1403,12 +1418,12 @@ class _Analyzer:
                 ids = n.inputs[1] if n.op == "UnsortedSegmentSum" else n.inputs[0]
                 found = not in_backward(n.name, self.gradient_scopes) and _reaches_rows(ids, seed_nodes) and (
                     n.op != "UniqueWithCounts" or bool(n.consumers(2))) and _used_non_linearly(
-                    n, seed_nodes, divisors, training, self.gradient_scopes)
+                    n, seed_nodes, divisors, training, self.gradient_scopes, stored)
             elif n.op == "MatMul" and n.attr["transpose_a"].b and not n.attr["transpose_b"].b:
                 # a sum over the rows of products of their features: a covariance or
                 # cross-correlation of the batch (Barlow Twins' C = z_a^T z_b / n)
                 found = all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs) and _used_non_linearly(
-                    n, seed_nodes, divisors, training, self.gradient_scopes)
+                    n, seed_nodes, divisors, training, self.gradient_scopes, stored)
             else:
                 continue
             if found:
@@ -1752,6 +1767,26 @@ def _read_per_replica(cuts, cut_tensors, variant):
                 out.add(c)
                 stack.append(c)
     return out
+
+
+def _order_states(cuts, position):
+    """Sets each state cut's ``after``: the state cuts whose averaged value reaches its
+    own value on the way to their updates (the allreduce pass gives those readers the
+    average), so the planner packs it after them; packed together, the pack's collective
+    would wait for its own result."""
+    states = [c for c in cuts if c.role == "state"]
+    if len(states) < 2:
+        return
+    by_node = {}
+    for c in states:
+        by_node.setdefault(c.values.node, []).append(c)
+    last = max(position[n] for n in by_node)
+    for c in states:
+        readers = [r for r, _ in statistic_update_readers(c.values, c.variables)]
+        for n in _descendants_within(readers, None, position, last):
+            for other in by_node.get(n, ()):
+                if other is not c and c.key not in (other.after or ()):
+                    other.after = (other.after or []) + [c.key]
 
 
 def statistic_update_readers(tensor, variables):
@@ -2389,13 +2424,14 @@ def _only_sizes_fixed_bincounts(stat, limit=16):
     return ends > 0
 
 
-def _used_non_linearly(stat, seed_nodes, divisors, training, gradient_scopes=(), limit=256):
+def _used_non_linearly(stat, seed_nodes, divisors, training, gradient_scopes=(), stored=None, limit=256):
     """True if training uses a value computed from the statistic ``stat`` other than
     linearly: in an op with a value computed from the batch's rows one by one, an op
     not in _LINEAR, or a product or quotient with another value of the batch (other
     than a count of its rows, which is a shape, or a synced normalizer), where the
     gradients read that op's input or output (``training``: the gradients' ancestors;
-    ``exp(loss)``, a perplexity only fetched, does not count)."""
+    ``exp(loss)``, a perplexity only fetched, does not count), or where that op
+    computes a state update's value (``stored``: those ops; not the update itself)."""
     seen, stack = {stat}, [stat]
     while stack and len(seen) < limit:
         n = stack.pop()
@@ -2415,7 +2451,7 @@ def _used_non_linearly(stat, seed_nodes, divisors, training, gradient_scopes=(),
             else:
                 bad = True
             if bad:
-                if n in training.value or c in training.value:
+                if n in training.value or c in training.value or (stored is not None and c in stored.value):
                     return True
                 continue
             stack.append(c)

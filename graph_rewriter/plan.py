@@ -51,6 +51,10 @@ class CutPlan:
     # a later update of a variable another cut updates too (a BatchNorm applied twice):
     # "<variable>/update_<k>", what packs list; None: the variable's name (absent from the JSON)
     name: str = None
+    # a state update computed from other states' averages on the way to their updates
+    # (weight normalization's data-dependent init): their keys, packed before it; None:
+    # none (absent from the JSON)
+    after: list = None
 
     @property
     def key(self):
@@ -321,6 +325,8 @@ class Plan:
                 del c["combine"]
             if c["name"] is None:
                 del c["name"]
+            if c["after"] is None:
+                del c["after"]
         for p in d["packs"]:
             if p["communication"] is None:
                 del p["communication"]

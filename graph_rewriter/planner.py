@@ -656,6 +656,7 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
             shape=var.shape, bytes=var.nbytes,
             variables=list(c.variables), received=list(c.received),
             post_processing=list(c.post_processing), train_ops=c.train_ops, combine=c.combine, name=c.name,
+            after=list(c.after) if c.after else None,
             rows_per_example=rows_per_example(c.indices, analysis.batch_inputs) if c.kind == "sparse" else None,
             index_dtype=dtype_name(dtype_of(c.indices)) if c.kind == "sparse" else None))
     variables = [VariablePlan(name=v.name, role=v.role, dtype=dtype_name(v.dtype), shape=v.shape,
@@ -797,13 +798,15 @@ def assign_packs(plan, bytes_per_pack, alone_bytes=None):
     open_pack = {}
     # Batch statistics (BatchNorm moving averages) go first, in packs of their own: with
     # TF1's control_dependencies(UPDATE_OPS) idiom the gradients wait for those updates.
-    ordered = [c for c in plan.cuts if c.role == "state"] + [c for c in plan.cuts if c.role != "state"]
+    # A state computed from other states' averages goes after them, in a pack apart.
+    ordered = [c for c in plan.cuts if c.role == "state" and not c.after] + [
+        c for c in plan.cuts if c.role == "state" and c.after] + [c for c in plan.cuts if c.role != "state"]
     for c in ordered:
         c.pack = None
         if c.sync != "allreduce":
             continue
         size = c.bytes
-        key = (c.dtype, c.role == "state", tuple(c.train_ops or ()), c.combine)
+        key = (c.dtype, c.role == "state", tuple(c.train_ops or ()), c.combine, tuple(c.after or ()))
         p = open_pack.get(key)
         alone = alone_bytes is not None and size is not None and size >= alone_bytes
         if p is None or size is None or alone or (bytes_per_pack and p.bytes + size > bytes_per_pack and p.cuts):

@@ -6,7 +6,8 @@ Transformer block, dropout, losses summed over the batch, BatchNorm written five
 applied twice, a multi-task model whose two train ops share an encoder, Wide & Deep
 models over SparseTensor features (by hand, and with tf.compat.v1.feature_column), a
 speech model's CTC loss over SparseTensor transcripts, a BiLSTM tagger, MoCo's queue of keys,
-a decoder trained with scheduled sampling, inputs augmented per row in a tf.map_fn.
+a decoder trained with scheduled sampling, inputs augmented per row in a tf.map_fn, weight
+normalization's data-dependent init.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1124,6 +1125,33 @@ def augmented_mlp(kind="flip", control_flow=None, parallel_iterations=1, seeded=
         loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
         step = tf1.train.get_or_create_global_step()
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def weight_norm_mlp():
+    """A weight-normalised dense layer (Salimans and Kingma, 2016; OpenAI's weightnorm
+    code): x [None, 4] -> relu(g * (x @ v / ||v||) + b), 16 units -> dense 1 (w2),
+    squared error with y, SGD 0.05. ``data_init``, run once on a batch before training,
+    assigns g = 1 / sqrt(var + 1e-10) and b = -mean * g from the moments of the
+    pre-activations ``x @ v / ||v||`` over the batch. Returns the GraphDef (run init,
+    data_init, train_op; fetch loss:0; variables v, g, b, w2)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        v = tf1.get_variable("v", [4, 16], initializer=tf1.random_normal_initializer(0.0, 0.05, seed=2))
+        gain = tf1.get_variable("g", [16], initializer=tf1.ones_initializer())
+        bias = tf1.get_variable("b", [16], initializer=tf1.zeros_initializer())
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        t = tf.matmul(x, tf.nn.l2_normalize(v, 0))
+        mean, variance = tf.nn.moments(t, [0])
+        scale = 1.0 / tf.sqrt(variance + 1e-10)
+        tf.group(tf1.assign(gain, scale), tf1.assign(bias, -mean * scale), name="data_init")
+        h = tf.nn.relu(gain * t + bias)
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
+        tf1.train.GradientDescentOptimizer(0.05).minimize(loss, name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")
     return g.as_graph_def()
 

@@ -387,10 +387,17 @@ class _Analyzer:
         # (a loss normalizer the head computes again is the whole batch's there: below;
         # so are a sum of the loss in it, ListNet's over the batch's softmax, and a
         # statistic over the rows, attention pooling's sum of the rows by their softmax)
+        # (rows taken by their position start a head too: computed over every replica's
+        # rows, in one device's order, the positions are one device's; where such a head
+        # cannot be computed, the products' and rankings' own may still be)
+        head_elsewhere = {**dict.fromkeys(loop_bounds, "a loop bound"),
+                          **dict.fromkeys(selected_means, "a mean over selected rows"),
+                          **dict.fromkeys(batch_draws, "a random draw per row")}
         product_head, head_obstacle = self._find_product_head(
-            row_products + ranked_rows, seeds, variant0, {**dict.fromkeys(loop_bounds, "a loop bound"),
-                                            **dict.fromkeys(selected_means, "a mean over selected rows"),
-                                            **dict.fromkeys(batch_draws, "a random draw per row")})
+            row_products + ranked_rows + positioned_rows, seeds, variant0, head_elsewhere)
+        if product_head is None and positioned_rows and row_products + ranked_rows:
+            product_head, head_obstacle = self._find_product_head(
+                row_products + ranked_rows, seeds, variant0, head_elsewhere)
         if product_head is not None:
             normalizers, head_obstacle = _normalizers_beside(product_head, normalizers)
             product_head = None if head_obstacle else product_head
@@ -424,7 +431,8 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
-            row_move_obstacles=move_obstacles, looped_draws=looped_draws, positioned_rows=positioned_rows, batch_statistics=batch_statistics,
+            row_move_obstacles=move_obstacles, looped_draws=looped_draws, positioned_rows=positioned_rows,
+            batch_statistics=batch_statistics,
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -1228,9 +1236,10 @@ class _Analyzer:
         a v2 one by its While (its cond's result computed from an argument the call
         passes from the batch). The nodes are where graph_rewriter/row_moves.py starts
         the loop's region; none where the count is a constant, a static batch's (each
-        replica's batch is its own: the loop is noted). A loop a bound over the rows bounds (``bounded``: v1 frame names,
-        v2 While nodes; tf.nn.dynamic_rnn's, a decoder's) is none: its steps are not the
-        rows, and the loop_bounds pass makes their count one device's."""
+        replica's batch is its own: the loop is noted). A loop a bound over the rows
+        bounds (``bounded``: v1 frame names, v2 While nodes; tf.nn.dynamic_rnn's, a
+        decoder's) is none: its steps are not the rows, and the loop_bounds pass makes
+        their count one device's."""
         found, conds, taken = {}, None, set(batch_draws)
         static = set(self.static_batch.values()) - {None}
         for n in self.order:
@@ -1286,8 +1295,8 @@ class _Analyzer:
             fn = self.functions.get(name)
             if fn is None:
                 continue
-            if any(_is_stateful_draw(_BodyNode(None, nd.name, nd)) and f"{loop.name}:{name}:{nd.name}" not in batch_draws
-                   for nd in fn.node_def):
+            if any(_is_stateful_draw(_BodyNode(None, nd.name, nd))
+                   and f"{loop.name}:{name}:{nd.name}" not in batch_draws for nd in fn.node_def):
                 return True
             if any(self._function_draws(f.name, {name}) for nd in fn.node_def for value in nd.attr.values()
                    for f in (list(value.list.func) if value.HasField("list") else
@@ -1347,12 +1356,15 @@ class _Analyzer:
         training uses: a split along the rows (the batch's halves, ``tf.split(h, 2, 0)``,
         where the input pipeline put two views of the examples; not one that splits
         back a concatenation along the rows made in the graph: _split_pieces), a slice
-        of some of the rows (``h[:n]``, ``h[0]``, ``h[::2]``; ``h[::-1]`` is a move). A
+        of some of the rows (``h[:n]``, ``h[0]``, ``h[::2]``; ``h[::-1]`` is a move), a
+        reshape grouping them by position (a prototypical network's support embeddings,
+        ``tf.reshape(h, [n_way, -1, d])``, class by class). A
         replica's batch is a contiguous shard of the batch, so its halves are not the
         batch's halves: the plan says so. A SparseTensor's components count entries, and
         its dense shape is no rows: they are not looked at."""
         sparse = {t for triple in self.sparse_inputs for t in triple}
         seed_nodes = {t.node for t in seeds if t not in sparse}
+        static = set(self.static_batch.values()) - {None}
         out = []
         for n in self.order:
             if n.op not in _POSITIONAL or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
@@ -1364,6 +1376,8 @@ class _Analyzer:
                 takes = _split_axis(n, n.inputs[2], n.inputs[0]) == 0
             elif n.op == "Slice":
                 takes = _first_int(n.inputs[1]) != 0 or _first_int(n.inputs[2]) != -1
+            elif n.op == "Reshape":
+                takes = _groups_rows(n, static)
             else:
                 takes = _slices_rows(n)
             if takes and _reaches_rows(value, seed_nodes, strict=True) and n in training.value:
@@ -2214,7 +2228,7 @@ def _split_pieces(split, follow, limit):
     return [t.node for t in concat.inputs[:-1]] if concat is not None else []
 
 
-_POSITIONAL = frozenset(("Split", "SplitV", "Slice", "StridedSlice"))
+_POSITIONAL = frozenset(("Split", "SplitV", "Slice", "StridedSlice", "Reshape"))
 
 
 def _int_const(tensor):
@@ -2289,6 +2303,15 @@ def _keeps_rows_in_order(n):
     """True for a StridedSlice that keeps every row, in order, on axis 0 (``s[:, 0]``)."""
     from graph_rewriter.row_axes import sliced_axis
     return n.op == "StridedSlice" and sliced_axis(n, 0) == 0
+
+
+def _groups_rows(reshape, static=()):
+    """True for a Reshape to ``[k, ...]`` with a constant k > 0 (``[n_way, -1, d]``): the
+    input's rows, taken in order, go into k groups by their position in the batch. With
+    a static batch B (``static``), ``[B, -1]`` keeps the rows (TensorFlow's CIFAR-10
+    tutorial flattens its features so): none."""
+    first = _leading_constant(reshape.inputs[1])
+    return first is not None and first > 0 and first not in static and not _keeps_first_axis(reshape)
 
 
 def _keeps_first_axis(reshape):

@@ -54,6 +54,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     # mirrored, an embedding whose rows a norm reads)
     _check_shared_step_ids(result, cluster)
     _check_train_ops_between_graph(result, cluster)
+    _check_ordered_states_between_graph(result, cluster)
     _choose_communication(result, options)
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
@@ -729,8 +730,10 @@ def _auto_plan(plan, options, topology, can_use_ps):
         p = copy.deepcopy(plan)
         pack = cost_model.choose(p, topology, model, can_use_ps, mode)
         pack_bytes = pack if options.bytes_per_pack is None else options.bytes_per_pack
+        # (a variable's state cut, a trainable variable also assigned from the batch, has
+        # no costs of its own: its gradient's decide)
         shards = {c.variable: c.costs["accumulate"].get("shards", 1)
-                  for c in p.cuts if c.sync == "accumulate"}
+                  for c in p.cuts if c.sync == "accumulate" and "accumulate" in (c.costs or {})}
         balance_ps(p, 0, shards)
         assign_packs(p, pack_bytes, alone_bytes_for(p) if options.bytes_per_pack is None else None)
         if options.allreduce_algorithm in (None, "auto"):
@@ -965,6 +968,24 @@ def _check_train_ops_between_graph(plan, cluster):
         f"train op's accumulators (e.g. of '{on_ps[0].variable}') do not keep",
         hint="drop staleness (synchronous training keeps each train op's steps apart), or "
              "use strategy allreduce")
+
+
+def _check_ordered_states_between_graph(plan, cluster):
+    """A state update computed from another state's average (``after``: weight
+    normalization's data-dependent init, the bias from the gain's averaged variance)
+    needs that average on every replica. Between-graph, a parameter server's average
+    exists on the chief alone, after its take: the other workers could not compute
+    theirs, so such a plan is refused, naming both."""
+    if cluster.task is None:
+        return
+    syncs = {c.key: c.sync for c in plan.cuts}
+    for c in plan.cuts:
+        on_ps = [k for k in c.after or () if syncs.get(k) == "accumulate"]
+        if on_ps:
+            raise GraphRewriteError(
+                f"the update of variable '{c.variable}' ('{c.values}') is computed from the average of "
+                f"the update of '{on_ps[0]}', which between-graph a parameter server gives the chief alone",
+                hint=f"mirror '{on_ps[0]}' (strategy allreduce or hybrid), or rewrite in one graph")
 
 
 def _keep_coupled_together(plan, analysis, log):

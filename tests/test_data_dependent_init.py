@@ -90,3 +90,22 @@ def test_synced_moments_initialise_and_train_as_one_device(strategy, replicas, o
     np.testing.assert_allclose(g, want_g, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(b, want_b, rtol=RTOL, atol=ATOL)
     harness.assert_trained_alike(f"{strategy} {replicas}", (losses, got), (want_losses, want), RTOL, ATOL)
+
+
+PS_CLUSTER = {"ps": ["p0:2222"], "worker": ["w0:2222", "w1:2222"]}
+
+
+@pytest.mark.parametrize("task", [("worker", 0), ("worker", 1)])
+def test_between_graph_parameter_servers_are_refused_naming_both_updates(task):
+    """Between-graph, the gain's average exists on the chief alone, after its take: the
+    other workers could not compute the bias from it (before: an internal error in the
+    sync_queues pass, "cannot remove node 'Sqrt'")."""
+    with pytest.raises(gr.GraphRewriteError, match="the update of variable 'b' .* average of the update of 'g'"):
+        gr.rewrite(weight_norm_mlp(), PS_CLUSTER, strategy="ps", task=task, device_type="CPU")
+
+
+def test_strategy_auto_plans_it():
+    """(before: an internal KeyError: the gain's state cut, beside its gradient, has no
+    costs of its own)"""
+    result = gr.rewrite(weight_norm_mlp(), PS_CLUSTER, devices_per_worker=2, strategy="auto", device_type="CPU")
+    assert result.plan.cost["choice"] in ("mixed", "mirrored", "ps")

@@ -9,7 +9,8 @@ computes it over every replica's rows: tests/test_product_heads.py), mixup's rev
 shuffled hidden features (the inputs' are moved over every replica's rows:
 tests/test_row_moves.py; a top_k of the rows' losses is ranked over them:
 tests/test_product_heads.py), rows taken by their position in the batch (its halves by ``tf.split(h, 2,
-0)``, ``h[:n]``: before, not noted, and 0.22 from one device in the loss at 2 replicas),
+0)``, ``h[:n]``: before, not noted, and 0.22 from one device in the loss at 2 replicas; now computed
+over every replica's rows where their head can be: tests/test_positioned_rows.py),
 statistics over the batch's rows used other than linearly (BatchNorm in training mode, a
 center loss), a mean over the rows a condition on the batch selects (``tf.boolean_mask``)
 where no collective can sync its count (tests/test_selected_means.py makes it exact where
@@ -98,7 +99,7 @@ MLP_READS = {"w1": "w1/Read/ReadVariableOp:0", "w2": "w2/Read/ReadVariableOp:0"}
 
 
 @pytest.mark.parametrize("kind", ["mixup_hidden", "center_loss",
-                                  "mean_features", "cross_correlation", "fused_batch_norm", "halves", "first_rows"])
+                                  "mean_features", "cross_correlation", "fused_batch_norm"])
 def test_each_note_names_what_it_found_and_is_true(kind):
     """The note names the ops and says why, the log carries it, and it is true: 2
     replicas train away from one device on the same batches."""

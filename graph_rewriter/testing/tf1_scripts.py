@@ -7,7 +7,7 @@ applied twice, a multi-task model whose two train ops share an encoder, Wide & D
 models over SparseTensor features (by hand, and with tf.compat.v1.feature_column), a
 speech model's CTC loss over SparseTensor transcripts, a BiLSTM tagger, MoCo's queue of keys,
 a decoder trained with scheduled sampling, inputs augmented per row in a tf.map_fn, weight
-normalization's data-dependent init.
+normalization's data-dependent init, a prototypical network.
 Written here from the scripts' public descriptions; used by tests/test_queue_inputs.py,
 tests/test_two_train_ops.py, tests/test_multi_task.py, tests/test_word2vec.py, tests/test_batch_counts.py,
 tests/test_normalizers.py, tests/test_random_draws.py, tests/test_loss_sums.py,
@@ -1154,6 +1154,51 @@ def weight_norm_mlp():
         tf1.train.GradientDescentOptimizer(0.05).minimize(loss, name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")
     return g.as_graph_def()
+
+
+PROTO_WAY, PROTO_SHOT, PROTO_QUERY = 4, 2, 2   # a prototypical network's episode
+
+
+def prototypical_network():
+    """A prototypical network (Snell et al., 2017) trained on episodes: ``support``
+    [None, 4] holds PROTO_SHOT examples of each of PROTO_WAY classes, class by class,
+    ``query`` [None, 4] and ``labels`` [None] (int32) the queries and their classes. A
+    shared encoder (dense 8, relu: w1); each class's prototype is the mean of its
+    support embeddings, grouped by position, ``tf.reshape(h, [PROTO_WAY, -1, 8])``
+    ("prototypes/grouped"); the logits are minus the squared distances of each query to
+    each prototype; mean cross entropy, SGD 0.1. Returns the GraphDef (fetch loss:0,
+    run train_op, init)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        support = tf1.placeholder(tf.float32, [None, 4], name="support")
+        query = tf1.placeholder(tf.float32, [None, 4], name="query")
+        labels = tf1.placeholder(tf.int32, [None], name="labels")
+        w1 = tf1.get_variable("w1", [4, 8], initializer=tf1.glorot_uniform_initializer(seed=2))
+        encoded_support, encoded_query = (tf.nn.relu(tf.matmul(x, w1)) for x in (support, query))
+        with tf.name_scope("prototypes"):
+            prototypes = tf.reduce_mean(tf.reshape(encoded_support, [PROTO_WAY, -1, 8], name="grouped"), 1)
+        distances = tf.reduce_sum(tf.square(tf.expand_dims(encoded_query, 1) - tf.expand_dims(prototypes, 0)), 2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=-distances),
+                              name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def prototypical_episodes(steps, seed=0):
+    """``steps`` episodes for prototypical_network: each class's examples drawn around a
+    mean of its own, the support class by class, the queries likewise."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(steps):
+        means = rng.randn(PROTO_WAY, 4)
+
+        def around(count):
+            return (np.repeat(means, count, 0) + 0.5 * rng.randn(PROTO_WAY * count, 4)).astype(np.float32)
+        out.append({"support:0": around(PROTO_SHOT), "query:0": around(PROTO_QUERY),
+                    "labels:0": np.repeat(np.arange(PROTO_WAY), PROTO_QUERY).astype(np.int32)})
+    return out
 
 
 # rows_meeting_mlp's kinds, by what the analysis finds in them: (field, the ops' names)

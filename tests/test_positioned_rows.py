@@ -1,0 +1,81 @@
+"""Rows taken by their position in the batch, computed over every replica's rows.
+
+A model that takes rows of the batch by their position pairs or groups rows that a
+replica's contiguous shard splits apart: the halves of a batch where the input pipeline
+put two views of its examples (``tf.split(h, 2, 0)``), a loss on ``h[:n]``, and a
+prototypical network's episode, whose support embeddings ``tf.reshape(h, [n_way, -1, d])``
+groups class by class, then averages into one prototype per class that every query is
+compared with. Before, the first two were noted (0.22 from one device in the loss at 2
+replicas) and the prototypes were neither noted nor one device's (0.73 in the loss
+after three episodes at 2 replicas: each replica's reshape grouped its own rows, of
+other classes). Now such an op starts a head, as an in-batch product does
+(graph_rewriter/product_heads.py): every replica gathers the rows it reads, in replica
+order (one device's batch), computes the rest of the forward pass from them, and keeps
+its own rows' gradients, so R replicas train as one device.
+"""
+
+import numpy as np
+import pytest
+
+import graph_rewriter as gr
+from graph_rewriter import graph_io
+from graph_rewriter.analysis import analyze
+from graph_rewriter.planner import ROWS_MEET_START
+from graph_rewriter.testing import harness
+from graph_rewriter.testing.tf1_scripts import (dropout_batches, prototypical_network, prototypical_episodes,
+                                                rows_meeting_mlp)
+
+RTOL, ATOL = 1e-5, 1e-6
+# the graphs, their batches, and the op that takes rows by position
+MODELS = {
+    "halves": (lambda: rows_meeting_mlp("halves"), lambda: dropout_batches(3, 16), "halves"),
+    "first_rows": (lambda: rows_meeting_mlp("first_rows"), lambda: dropout_batches(3, 16), "first/strided_slice_1"),
+    "prototypes": (prototypical_network, lambda: prototypical_episodes(3), "prototypes/grouped"),
+}
+
+
+def _one_device(graph_def, feeds):
+    with harness.one_device_session(graph_def) as sess:
+        return harness.train_and_read(sess, graph_def, feeds)
+
+
+def _trained(result, graph_def, feeds):
+    with gr.Session(result) as sess:
+        return harness.train_and_read(sess, graph_def, feeds)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_positioned_op_starts_a_head(model):
+    build, _, op = MODELS[model]
+    found = analyze(graph_io.load_graph(build()))
+    assert found.positioned_rows == [op]
+    assert found.product_head is not None and found.product_head.products == [op]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("strategy, replicas", [("allreduce", 2), ("allreduce", 4), ("ps", 2), ("hybrid", 2)])
+def test_rows_taken_by_position_train_as_one_device(model, strategy, replicas):
+    build, batches, op = MODELS[model]
+    graph_def, feeds = build(), batches()
+    want = _one_device(graph_def, feeds)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy)
+    assert op in result.plan.product_head["head"]
+    assert not [n for n in result.plan.notes or [] if n.startswith(ROWS_MEET_START)]
+    harness.assert_trained_alike(f"{model}, {strategy} {replicas}", _trained(result, graph_def, feeds), want,
+                                 RTOL, ATOL)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_each_replicas_own_positions_would_be_caught(model):
+    """The control: with ``"product_head": {}`` each replica takes positions in its own
+    shard; the note names the op, and the loss differs, so the tests above can fail."""
+    build, batches, op = MODELS[model]
+    graph_def, feeds = build(), batches()
+    want_losses, _ = _one_device(graph_def, feeds)
+    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
+    plan.product_head = {}
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
+    [note] = [n for n in result.plan.notes or [] if n.startswith(ROWS_MEET_START)]
+    assert f"'{op}'" in note and "rows taken by their position in the batch" in note
+    losses, _ = _trained(result, graph_def, feeds)
+    assert np.max(np.abs(np.array(losses) - want_losses)) > 1e-3, (losses, want_losses)

@@ -31,14 +31,8 @@ STACK = {"v1": "map/TensorArrayStack/TensorArrayGatherV3", "v2": "map/TensorArra
 NOTE = "seeded random ops draw in while loops over the batch's rows"
 
 
-def _one_device(graph_def, feeds):
-    with harness.one_device_session(graph_def) as sess:
-        return harness.train_and_read(sess, graph_def, feeds)
-
-
-def _trained(result, graph_def, feeds):
-    with gr.Session(result) as sess:
-        return harness.train_and_read(sess, graph_def, feeds)
+_one_device = harness.trained_on_one_device
+_trained = harness.trained_rewritten
 
 
 def _notes(result):

@@ -34,14 +34,8 @@ MODELS = {
 }
 
 
-def _one_device(graph_def, feeds):
-    with harness.one_device_session(graph_def) as sess:
-        return harness.train_and_read(sess, graph_def, feeds)
-
-
-def _trained(result, graph_def, feeds):
-    with gr.Session(result) as sess:
-        return harness.train_and_read(sess, graph_def, feeds)
+_one_device = harness.trained_on_one_device
+_trained = harness.trained_rewritten
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -134,6 +134,19 @@ def train_and_read(sess, graph_def, feeds):
     return losses, sess.run(resource_reads(graph_def))
 
 
+def trained_on_one_device(graph_def, feeds):
+    """train_and_read of ``graph_def`` on one device."""
+    with one_device_session(graph_def) as sess:
+        return train_and_read(sess, graph_def, feeds)
+
+
+def trained_rewritten(result, graph_def, feeds):
+    """train_and_read of a rewrite ``result`` of ``graph_def`` in its gr.Session."""
+    import graph_rewriter as gr
+    with gr.Session(result) as sess:
+        return train_and_read(sess, graph_def, feeds)
+
+
 def assert_trained_alike(what, got, want, rtol, atol, first="losses"):
     """Asserts two train_and_read results agree: the per-step values (``first``) and
     every variable, the same variables on both sides; ``what`` names the run."""

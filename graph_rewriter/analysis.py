@@ -350,12 +350,14 @@ class _Analyzer:
         variant -= {n for _, region in regions for n in region}   # the same on every replica, gathered
         self._check_updates_invariant(variant)
         self._assign_roles(cuts, variant)
-        variant |= _read_per_replica(cuts, cut_tensors, variant)
+        # {id(state cut): its readers on the way to its update}, read twice below
+        update_readers = {id(c): statistic_update_readers(c.values, c.variables) for c in cuts if c.role == "state"}
+        variant |= _read_per_replica(cuts, cut_tensors, variant, update_readers)
         self._check_cuts_independent(cuts, variant)
-        _order_states(cuts, self.position)
         init_ops = self._find_initializers()
         cuts.sort(key=lambda c: self.position[c.values.node])
         _name_later_updates(cuts)
+        _order_states(cuts, self.position, update_readers)   # (by the keys _name_later_updates gives)
         _set_train_ops(cuts, self.variables, self.saver_nodes)
         coupled = self._coupled(cuts, variant)
         normalizers = self._find_normalizers(seeds, variant0)
@@ -1243,7 +1245,8 @@ class _Analyzer:
         found, conds, taken = {}, None, set(batch_draws)
         static = set(self.static_batch.values()) - {None}
         for n in self.order:
-            if n.name in taken or in_gradients_scope(n.name, self.gradient_scopes):
+            if not (n.op in _WHILES or n.op in RANDOM_DRAWS) or n.name in taken \
+                    or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
             frames = _is_stateful_draw(n) and loop_frames(n)
             if frames:
@@ -1762,7 +1765,7 @@ def variant_nodes(seeds, cuts):
     return variant
 
 
-def _read_per_replica(cuts, cut_tensors, variant):
+def _read_per_replica(cuts, cut_tensors, variant, update_readers):
     """What the forward pass computes from a batch statistic (a state cut's values) and
     nothing else of the batch: the rewrite gives the average only to the statistic's
     update, so these keep each replica's own value (a loss that a counter also adds up)."""
@@ -1770,7 +1773,7 @@ def _read_per_replica(cuts, cut_tensors, variant):
     for cut in cuts:
         if cut.role != "state":
             continue
-        updates = set(statistic_update_readers(cut.values, cut.variables))
+        updates = set(update_readers[id(cut)])
         for c, pos in cut.values.node.consumers(cut.values.index):
             if (c, pos) not in updates and c not in variant and c not in out:
                 out.add(c)
@@ -1783,11 +1786,11 @@ def _read_per_replica(cuts, cut_tensors, variant):
     return out
 
 
-def _order_states(cuts, position):
+def _order_states(cuts, position, update_readers):
     """Sets each state cut's ``after``: the state cuts whose averaged value reaches its
     own value on the way to their updates (the allreduce pass gives those readers the
-    average), so the planner packs it after them; packed together, the pack's collective
-    would wait for its own result."""
+    average: ``update_readers``, by id of cut), so the planner packs it after them;
+    packed together, the pack's collective would wait for its own result."""
     states = [c for c in cuts if c.role == "state"]
     if len(states) < 2:
         return
@@ -1796,7 +1799,7 @@ def _order_states(cuts, position):
         by_node.setdefault(c.values.node, []).append(c)
     last = max(position[n] for n in by_node)
     for c in states:
-        readers = [r for r, _ in statistic_update_readers(c.values, c.variables)]
+        readers = [r for r, _ in update_readers[id(c)]]
         for n in _descendants_within(readers, None, position, last):
             for other in by_node.get(n, ()):
                 if other is not c and c.key not in (other.after or ()):

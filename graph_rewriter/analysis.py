@@ -1301,9 +1301,7 @@ class _Analyzer:
             if any(_is_stateful_draw(_BodyNode(None, nd.name, nd))
                    and f"{loop.name}:{name}:{nd.name}" not in batch_draws for nd in fn.node_def):
                 return True
-            if any(self._function_draws(f.name, {name}) for nd in fn.node_def for value in nd.attr.values()
-                   for f in (list(value.list.func) if value.HasField("list") else
-                             [value.func] if value.HasField("func") else [])):
+            if any(self._function_draws(f, {name}) for nd in fn.node_def for f in _called_by(nd)):
                 return True
         return False
 
@@ -1498,11 +1496,8 @@ class _Analyzer:
         for nd in fn.node_def:
             if _is_stateful_draw(_BodyNode(None, nd.name, nd)):
                 return True
-            for value in nd.attr.values():
-                called = [f.name for f in value.list.func] if value.HasField("list") else (
-                    [value.func.name] if value.HasField("func") else [])
-                if any(self._function_draws(f, seen) for f in called):
-                    return True
+            if any(self._function_draws(f, seen) for f in _called_by(nd)):
+                return True
         return False
 
     def _while_bound(self, loop, pos):
@@ -2563,6 +2558,13 @@ def _is_seeded_draw(node):
 _FUNCTIONAL = {"If": (("then_branch", "else_branch"), 1), "StatelessIf": (("then_branch", "else_branch"), 1),
                "Case": (("branches",), 1), "StatelessCase": (("branches",), 1),
                "While": (("cond", "body"), 0), "StatelessWhile": (("cond", "body"), 0)}
+
+
+def _called_by(nd):
+    """The names of the functions a function body's NodeDef ``nd`` names in its
+    attributes (a call, a nested cond's or loop's branches)."""
+    return [f.name for value in nd.attr.values()
+            for f in (value.list.func if value.HasField("list") else [value.func] if value.HasField("func") else [])]
 
 
 def called_functions(call):

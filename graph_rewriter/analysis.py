@@ -197,6 +197,9 @@ class Analysis:
     # names of forward statistics over the batch's rows that training uses other than
     # linearly (BatchNorm in training mode, a center loss): each replica's is its shard's
     batch_statistics: list = dataclasses.field(default_factory=list)
+    # those of batch_statistics that the gradients do not read, that only state updates
+    # store (weight normalization's init, a moving range of the activations), for the note
+    stored_statistics: list = dataclasses.field(default_factory=list)
     # maxima and minima over the batch's rows that only bound while loops (dynamic_rnn's
     # longest sequence): each replica's loops run to its own rows' bound (a plan note)
     loop_bounds: list = dataclasses.field(default_factory=list)
@@ -435,6 +438,8 @@ class _Analyzer:
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
             row_move_obstacles=move_obstacles, looped_draws=looped_draws, positioned_rows=positioned_rows,
             batch_statistics=batch_statistics,
+            stored_statistics=[name for name in batch_statistics
+                               if ":" not in name and self.g.node(name) not in training.value],
             loop_bounds=loop_bounds, outer_loop_bounds=outer_loop_bounds, drawing_loop_bounds=drawing_loop_bounds,
             rows_into_state=rows_into_state, gathered_rows=gathered_rows,
             row_state_variables=sorted({var for var, _ in regions}),
@@ -1388,8 +1393,8 @@ class _Analyzer:
     def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums, stored):
         """Forward statistics over the batch's rows (a reduction whose constant axes
         hold the rows, a product of two batch tensors contracting the rows, a
-        FusedBatchNorm in training mode) that training uses other than
-        linearly: in an op with the rows (BatchNorm's ``x - mean``, a center loss's
+        FusedBatchNorm in training mode) that training uses, or a state update stores,
+        other than linearly: in an op with the rows (BatchNorm's ``x - mean``, a center loss's
         ``h - reduce_mean(h, 0)``) or a non-linear one (``square(reduce_mean(h, 0) -
         t)``) whose value the gradients read. Each replica computes the statistic over
         its own shard, and the mean of non-linear functions of the shards' statistics is
@@ -1400,7 +1405,12 @@ class _Analyzer:
         normalizer the rewrite syncs), stays one device's and is not listed. So does one
         a state update stores linearly (a count, a moving mean); one it stores through a
         non-linear op (``stored``: the ops computing the updates' values; weight
-        normalization's data-dependent init, a gain 1 / sqrt(var)) is listed."""
+        normalization's data-dependent init, a gain 1 / sqrt(var)) is listed, and so is a
+        Max or Min that one stores (quantization-aware training's moving range of the
+        activations): the replicas' average of their maxima is not the batch's maximum.
+        Where a resource variable's read after such an update feeds the forward pass, the
+        statistic reaches training only through the update's control edge, not among
+        ``training``'s value ancestors."""
         seed_nodes = {t.node for t in seeds}
         sums = (_the_sum(t.node) for t in normalizers)   # the normalizers' own, synced
         handled = {total.name for total in sums if total is not None} | set(loss_sums)
@@ -1423,7 +1433,7 @@ class _Analyzer:
                 found = (_const_axes_hold_rows(n.inputs[1], n.inputs[0]) and _reaches_rows(
                     n.inputs[0], seed_nodes, strict=True, slices=True)
                     or _reduces_moved_rows(n, seed_nodes)) and (
-                    n in training.value if n.op in _NON_LINEAR_STATISTICS
+                    n in training.value or n in stored.value if n.op in _NON_LINEAR_STATISTICS
                     else _used_non_linearly(n, seed_nodes, divisors, training, self.gradient_scopes, stored))
             elif n.op in _COUNTED_STATISTICS:
                 # rows summed by their ids (a class's count of labels in the batch,

@@ -403,6 +403,11 @@ BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's 
                     "data-parallel training without synchronised batch statistics does, and the step differs "
                     "from one device's; moving averages of them are averaged across the replicas "
                     "(sync_batch_statistics all-reduces them over every replica's rows)")
+STORED_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's rows that a state update stores, "
+                     "e.g. a moving maximum of the activations, as quantization-aware training keeps, or weight "
+                     "normalization's data-dependent init): each replica computes them over its own rows, and the "
+                     "replicas' average of what they store is not what one device stores, nor what the step reads from it "
+                     "(sync_batch_statistics all-reduces them over every replica's rows)")
 LOOP_BOUNDS_START = "while loops run to a bound over the batch's rows"
 LOOP_BOUNDS = (LOOP_BOUNDS_START + " ({names}: the longest sequence, as tf.nn.dynamic_rnn's sequence_length "
                "gives): each replica runs them to its own rows' bound. A loop that leaves its finished rows "
@@ -454,7 +459,10 @@ def _note_rows_meeting(plan, analysis, log):
         for template, names in ((ROW_PRODUCTS, products), (MOVED_ROWS, moved), (POSITIONED_ROWS, positioned),
                                 (SAMPLED_ROWS, sampled), (LOOPED_DRAWS, looped),
                                 (BATCH_STATISTICS, [n for n in analysis.batch_statistics
-                                                    if n not in (plan.sync_batch_statistics or ())]),
+                                                    if n not in (plan.sync_batch_statistics or ())
+                                                    and n not in analysis.stored_statistics]),
+                                (STORED_STATISTICS, [n for n in analysis.stored_statistics
+                                                     if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means
                                                   if n not in (plan.selected_means or ())])):
             if names:

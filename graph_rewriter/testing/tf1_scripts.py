@@ -1156,6 +1156,50 @@ def weight_norm_mlp():
     return g.as_graph_def()
 
 
+QUANT_DECAY = 0.9   # quantized_mlp's moving ranges' decay
+
+
+def quantized_mlp(resource=True, per_channel=False, delay=False):
+    """Quantization-aware training as tf.contrib.quantize's create_training_graph builds
+    it (MovingAvgQuantize): x [None, 4] -> dense 16 (w1, its weights fake-quantised by
+    their own min and max), relu, the activations fake-quantised to 8 bits by a moving
+    range "act/min", "act/max" (non-trainable): each step takes the batch's minimum and
+    maximum of the activations (per unit with ``per_channel``), clamped to include 0,
+    and moves the range towards them, ``v -= (v - batch) * (1 - QUANT_DECAY)``; the fake
+    quantisation reads the updated range. -> dense 1 (w2), squared error with y,
+    momentum 0.1, 0.9, global_step counted. ``resource``: the ranges are resource
+    variables (the quantisation reads them after the update, through its control edge)
+    or ref variables (it reads the assign's output). ``delay``: the activations are
+    quantised only from step 1 (contrib's quant_delay, a tf.cond on the global step).
+    Returns the GraphDef (run init, train_op; fetch loss:0; batches of dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        step = tf1.train.get_or_create_global_step()
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        weights = tf.quantization.fake_quant_with_min_max_vars(w1, tf.reduce_min(w1), tf.reduce_max(w1))
+        h = tf.nn.relu(tf.matmul(x, weights))
+        with tf1.variable_scope("act"):
+            shape = [16] if per_channel else []
+            ranges = [tf1.get_variable(name, shape, initializer=tf1.constant_initializer(init), trainable=False,
+                                       use_resource=resource) for name, init in (("min", -6.0), ("max", 6.0))]
+            axes = [0] if per_channel else None
+            batch_range = (tf.minimum(tf.reduce_min(h, axes), 0.0), tf.maximum(tf.reduce_max(h, axes), 0.0))
+            low, high = (tf1.assign_sub(v, (v - b) * (1.0 - QUANT_DECAY)) for v, b in zip(ranges, batch_range))
+            quantize = (tf.quantization.fake_quant_with_min_max_vars_per_channel if per_channel
+                        else tf.quantization.fake_quant_with_min_max_vars)
+            quantized = quantize(h, low, high, num_bits=8)
+            if delay:
+                quantized = tf1.cond(step >= 1, lambda: quantized, lambda: h)
+        loss = tf.reduce_mean(tf.square(tf.matmul(quantized, w2) - y), name="loss")
+        tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 PROTO_WAY, PROTO_SHOT, PROTO_QUERY = 4, 2, 2   # a prototypical network's episode
 
 

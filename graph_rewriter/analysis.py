@@ -371,7 +371,7 @@ class _Analyzer:
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         sampled_rows = self._find_sampled_rows(seeds, variant0, training)
-        positioned_rows = self._find_positioned_rows(seeds, variant0, training)
+        positioned_rows, differentiated_rows = self._find_positioned_rows(seeds, variant0, training)
         # (a statistic a state update stores non-linearly counts too: weight normalization's
         # data-dependent init assigns its gain 1 / sqrt(var) of the batch, no gradient
         # reading it; the ops the updates' values are computed by)
@@ -394,7 +394,10 @@ class _Analyzer:
         # statistic over the rows, attention pooling's sum of the rows by their softmax)
         # (rows taken by their position start a head too: computed over every replica's
         # rows, in one device's order, the positions are one device's; where such a head
-        # cannot be computed, the products' and rankings' own may still be)
+        # cannot be computed, the products' and rankings' own may still be; those only
+        # differentiated through do not: a head hands each replica the gradient of its
+        # own rows' share, and DP-SGD clips each microbatch's gradient, which a share's
+        # clip is not)
         head_elsewhere = {**dict.fromkeys(loop_bounds, "a loop bound"),
                           **dict.fromkeys(selected_means, "a mean over selected rows"),
                           **dict.fromkeys(batch_draws, "a random draw per row")}
@@ -436,7 +439,8 @@ class _Analyzer:
             coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
-            row_move_obstacles=move_obstacles, looped_draws=looped_draws, positioned_rows=positioned_rows,
+            row_move_obstacles=move_obstacles, looped_draws=looped_draws,
+            positioned_rows=positioned_rows + differentiated_rows,
             batch_statistics=batch_statistics,
             stored_statistics=[name for name in batch_statistics
                                if ":" not in name and self.g.node(name) not in training.value],
@@ -1366,12 +1370,14 @@ class _Analyzer:
         reshape grouping them by position (a prototypical network's support embeddings,
         ``tf.reshape(h, [n_way, -1, d])``, class by class). A
         replica's batch is a contiguous shard of the batch, so its halves are not the
-        batch's halves: the plan says so. A SparseTensor's components count entries, and
+        batch's halves: the plan says so. Training uses the op where the gradients read
+        its value, or where they go through its backward alone (returned apart: those
+        the product head does not compute). A SparseTensor's components count entries, and
         its dense shape is no rows: they are not looked at."""
         sparse = {t for triple in self.sparse_inputs for t in triple}
         seed_nodes = {t.node for t in seeds if t not in sparse}
         static = set(self.static_batch.values()) - {None}
-        out = []
+        candidates = {}
         for n in self.order:
             if n.op not in _POSITIONAL or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
@@ -1386,9 +1392,17 @@ class _Analyzer:
                 takes = _groups_rows(n, static)
             else:
                 takes = _slices_rows(n)
-            if takes and _reaches_rows(value, seed_nodes, strict=True) and n in training.value:
-                out.append(n.name)
-        return out
+            if takes and _reaches_rows(value, seed_nodes, strict=True):
+                candidates[n.name] = n
+        # (a gather of microbatch i's losses from tf.reshape(losses, [M, -1]), as
+        # DP-SGD's optimizer differentiates them one by one, or a mean of the first
+        # rows' losses: their backward reads only the op's shape, not its value, yet
+        # decides which rows each gradient comes from)
+        unread = {name: n for name, n in candidates.items() if n not in training.value}
+        differentiated = {name for (name, _), members in gradient_scopes(self.order, unread).items()
+                          if any(m in training.value for m in members)} if unread else set()
+        return ([name for name in candidates if name not in unread],
+                [name for name in candidates if name in differentiated])
 
     def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums, stored):
         """Forward statistics over the batch's rows (a reduction whose constant axes

@@ -1156,6 +1156,77 @@ def weight_norm_mlp():
     return g.as_graph_def()
 
 
+DP_MICROBATCHES, DP_CLIP = 4, 0.5   # dp_sgd_mlp's microbatches and clipping norm
+
+
+def dp_sgd_mlp(loop="unrolled", noise=0.0):
+    """DP-SGD as tensorflow_privacy's DPGradientDescentOptimizer computes it without
+    vectorising: x [None, 4] -> dense 16 (w1), relu, dense 1 (w2); the per-example
+    squared errors are grouped into DP_MICROBATCHES microbatches by position,
+    ``tf.reshape(losses, [M, -1])`` ("Reshape"); each microbatch's mean loss is
+    differentiated alone (``tf.gradients`` of ``reduce_mean(gather(losses, [i]))``,
+    ``loop`` "unrolled": M calls, as its unroll_microbatches does; "while": one in a
+    tf.while_loop), its gradients clipped to the global norm DP_CLIP and summed; the
+    sums get Gaussian noise of stddev DP_CLIP * ``noise`` (seeded) and are divided by
+    M; plain SGD 0.1 applies them. loss:0 is the batch's mean loss. Returns the
+    GraphDef (init, train_op; batches of dropout_batches, of a multiple of M rows)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        per_example = tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
+        tf.reduce_mean(per_example, name="loss")
+        microbatches = tf.reshape(per_example, [DP_MICROBATCHES, -1])
+
+        def add_microbatch(i, sums):
+            grads = tf.gradients(tf.reduce_mean(tf.gather(microbatches, [i])), [w1, w2])
+            clipped, _ = tf.clip_by_global_norm(grads, DP_CLIP)
+            return [total + c for total, c in zip(sums, clipped)]
+
+        sums = [tf.zeros_like(w1), tf.zeros_like(w2)]
+        if loop == "unrolled":
+            for i in range(DP_MICROBATCHES):
+                sums = add_microbatch(i, sums)
+        else:
+            _, sums = tf.while_loop(lambda i, _: i < DP_MICROBATCHES, lambda i, s: [i + 1, add_microbatch(i, s)],
+                                    [tf.constant(0), sums])
+        noised = [total + tf.random.normal(tf.shape(total), stddev=DP_CLIP * noise, seed=5 + k)
+                  for k, total in enumerate(sums)]
+        grads = [total / float(DP_MICROBATCHES) for total in noised]
+        tf1.train.GradientDescentOptimizer(0.1).apply_gradients(list(zip(grads, [w1, w2])), name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def positioned_loss_mlp(kind):
+    """x [None, 4] -> dense 16 (w1), relu, dense 1 (w2), per-example squared errors;
+    the loss takes some of them by position, as a semi-supervised batch's labelled rows
+    first: ``kind`` "mean", none (the batch's mean, the control); "first", the mean of the first 4 rows' ("strided_slice"); "halves",
+    the first half's mean plus half the second's (``tf.split(losses, 2, 0)``, "split").
+    SGD 0.1. Returns the GraphDef (init, train_op, loss:0; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        per_example = tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
+        if kind == "mean":
+            loss = tf.reduce_mean(per_example, name="loss")
+        elif kind == "first":
+            loss = tf.reduce_mean(per_example[:4], name="loss")
+        else:
+            first, second = tf.split(per_example, 2, 0)
+            loss = tf.add(tf.reduce_mean(first), 0.5 * tf.reduce_mean(second), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 QUANT_DECAY = 0.9   # quantized_mlp's moving ranges' decay
 
 

@@ -2211,7 +2211,7 @@ def _normalizers_beside(head, normalizers):
     """(the loss normalizers left to the normalizers pass, why the head cannot be
     computed or None). A normalizer the head computes (a RankNet's count of ordered
     pairs, ``reduce_sum(mask)``, copied from every replica's rows) is the whole batch's
-    there, one device's: no replica's to average, when the head, its copies and its
+    there, one device's: no replica's to average, when the head, its copies and their
     backward are all that read it."""
     inside = set(head.head) | set(head.copied_ops)
     readers = {name: {reader for reader, _ in found} for name, found in head.copied}
@@ -2219,7 +2219,12 @@ def _normalizers_beside(head, normalizers):
     for t in normalizers:
         if t.node.name not in inside:
             left.append(t)
-        elif not {c.name for c, _ in t.node.consumers(t.index)} <= inside | readers.get(t.name, set()):
+            continue
+        consumers = [c for c, _ in t.node.consumers(t.index)]
+        # (and the head's backward: the gradient of loss / count reads the count)
+        backward = {m.name for members in gradient_scopes(consumers, dict.fromkeys(head.head)).values()
+                    for m in members}
+        if not {c.name for c in consumers} <= inside | readers.get(t.name, set()) | backward:
             return normalizers, f"'{t.name}', a loss normalizer in it, is also read elsewhere"
     return left, None
 
@@ -2877,7 +2882,7 @@ _BROADCASTING = ELEMENTWISE | frozenset((
 def static_rank(tensor, depth=0, memo=None):
     """The rank of a tensor, from the graph alone (no shape inference), or None: known
     for placeholders, constants and shapes, carried through element-wise ops,
-    Fill(Shape(t)), Reshape by a constant shape, StridedSlice, MatMul, reductions over
+    Fill(Shape(t)), Reshape by a constant shape or a Pack of scalars, StridedSlice, MatMul, reductions over
     constant axes, one_hot, gathers along axis 0, unsorted segment sums, bincounts and
     the cross-entropy ops. Enough to tell the sum of a [batch] weight vector (axes [0],
     every axis) from the sum over the time axis of a time-major [time, batch] mask (axes
@@ -2910,6 +2915,8 @@ def _static_rank(tensor, depth, memo):
     if n.op == "Reshape" and n.inputs[1].node.op == "Const":
         dims = n.inputs[1].node.attr["value"].tensor.tensor_shape.dim
         return dims[0].size if len(dims) == 1 and dims[0].size >= 0 else None
+    if n.op == "Reshape" and n.inputs[1].node.op == "Pack":   # (to [tf.shape(labels)[0], 1])
+        return len(n.inputs[1].node.inputs)
     if n.op == "StridedSlice" and not n.attr["ellipsis_mask"].i:
         rank = static_rank(n.inputs[0], depth + 1, memo)
         return None if rank is None else (

@@ -26,7 +26,7 @@ import hashlib
 
 from graph_rewriter import dtypes
 from graph_rewriter.errors import GraphRewriteError
-from graph_rewriter.op_builder import const, make_op
+from graph_rewriter.op_builder import const, dtype_of, make_op
 
 _INSTANCE_SLOTS = 1 << 13
 
@@ -246,9 +246,34 @@ def gather_in_order(graph, rm, replica, plan, field, entries, keep=()):
     return out
 
 
+# CollectiveGatherV2's types, and the type that carries each other one it can gather
+# exactly (its kernel registers float, half, double, int32 and int64 alone: a head's
+# boolean mask of the rows, uint8 images)
+_GATHERED = frozenset(("float32", "float16", "float64", "int32", "int64"))
+_CARRIERS = {"bool": dtypes.int32, "int8": dtypes.int32, "uint8": dtypes.int32, "int16": dtypes.int32,
+             "uint16": dtypes.int32, "uint32": dtypes.int64, "bfloat16": dtypes.float32}
+
+
 def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, control_inputs=()):
-    """CollectiveGatherV2: every member's ``tensor`` (same shape) stacked along axis 0."""
+    """CollectiveGatherV2: every member's ``tensor`` (same shape) stacked along axis 0;
+    a type the kernel does not gather travels cast to a wider one and is cast back (the
+    returned node is then that Cast)."""
+    dtype = dtypes.as_dtype(dtype_of(tensor))
+    carrier = _CARRIERS.get(dtype.name)
+    if dtype.name not in _GATHERED and carrier is None:
+        raise GraphRewriteError(
+            f"the rows of '{tensor.name}' ({dtype.name}) would be gathered across the replicas, and "
+            "CollectiveGatherV2 gathers numbers and booleans only",
+            hint='cast it to a number in the model, or leave those rows to each replica with the plan\'s '
+                 '"product_head": {} or "row_moves": {} (the note then says what differs from one device)')
+    if carrier is not None:
+        tensor = make_op(graph, "Cast", f"{scope}/as_{carrier.name}", [tensor], attrs={"DstT": carrier},
+                         device=device).output(0)
     inputs = [tensor] + _key_inputs(graph, scope, group_size, gkey, ikey, device) + [[]]
-    return make_op(graph, "CollectiveGatherV2", f"{scope}/all_gather", inputs,
-                   attrs={"communication_hint": "auto", "timeout_seconds": 0.0},
-                   device=device, control_inputs=control_inputs)
+    gathered = make_op(graph, "CollectiveGatherV2", f"{scope}/all_gather", inputs,
+                       attrs={"communication_hint": "auto", "timeout_seconds": 0.0},
+                       device=device, control_inputs=control_inputs)
+    if carrier is None:
+        return gathered
+    return make_op(graph, "Cast", f"{scope}/as_{dtype.name}", [gathered.output(0)], attrs={"DstT": dtype},
+                   device=device)

@@ -8,15 +8,25 @@ tf.transpose(d))``, ``tf.einsum("id,jd->ij", q, d)``, ``tf.tensordot(q, d, [[1],
 axis of its output and the rows of the other on another. ``rows_axis`` follows a tensor's
 rows from where the strict row walk finds them on axis 0 through the ops that move that
 axis (a transpose by a constant permutation, an expand_dims, a new axis by ``x[None]`` or
-``x[:, None]``, tf.tensordot's reshape of a transpose to its own shape); ``meets_rows``
+``x[:, None]``, tf.tensordot's reshape of a transpose to its own shape, an element-wise
+op of one operand, a reduction over other axes); ``meets_rows``
 says whether an op's operands' rows land on different axes of its output.
 """
 
 from graph_rewriter.op_vocabulary import ELEMENTWISE
 
 # element-wise ops of two operands that broadcast them against each other
+# (comparisons too: a metric loss's ``tf.equal(labels, tf.transpose(labels))``, the
+# pairs of rows of one class)
 _BROADCASTING = frozenset(("Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivNoNan", "MulNoNan",
-                           "SquaredDifference", "Maximum", "Minimum", "Pow"))
+                           "SquaredDifference", "Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Less",
+                           "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr"))
+# element-wise ops of one operand: its rows are on the output's same axis
+_UNARY = frozenset(("Neg", "Reciprocal", "Square", "Sqrt", "Rsqrt", "Abs", "Sign", "Exp", "Log", "Tanh",
+                    "Sigmoid", "Cast", "LogicalNot"))
+# reductions over constant axes: the rows stay, on an axis counted again without the
+# reduced ones (keep_dims keeps it)
+_REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod"))
 # the ops meets_rows looks at
 MEETING_OPS = frozenset(("MatMul", "Einsum")) | _BROADCASTING
 
@@ -63,6 +73,18 @@ def _rows_axis(tensor, holds_rows, depth, elementwise, memo):
         return sliced_axis(n, inner(n.inputs[0]))
     if n.op == "Reshape" and _tensordot_reshape(n):
         return inner(n.inputs[0])
+    if n.op in _UNARY:
+        return inner(n.inputs[0])
+    if n.op in _REDUCTIONS:
+        # (a pairwise distance's squared norms of the transposed rows,
+        # reduce_sum(square(tf.transpose(f)), [0], keepdims=True), hold them on axis 1)
+        a, axes, rank = inner(n.inputs[0]), _const_ints(n.inputs[1]), static_rank(n.inputs[0])
+        if a is None or axes is None or (rank is None and any(v < 0 for v in axes)):
+            return None
+        axes = {v + rank if v < 0 else v for v in axes}
+        if a in axes:
+            return None
+        return a if n.attr["keep_dims"].b else a - sum(1 for v in axes if v < a)
     if elementwise and n.op in _BROADCASTING | ELEMENTWISE:
         ends = set()
         for u in n.inputs:

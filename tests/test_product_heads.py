@@ -79,9 +79,10 @@ def _notes(result):
     ("clip", ["similarity"], ["l2_normalize:0", "l2_normalize_1:0"], 2),
     ("simclr", ["MatMul_4", "MatMul_5", "MatMul_6", "MatMul_7"], ["l2_normalize:0", "l2_normalize_1:0"], 8),
     ("simclr_stacked", ["MatMul_2", "MatMul_3", "MatMul_4", "MatMul_5"], ["split_1:0", "split_1:1"], 8),
-    ("triplet", ["similarity"], ["labels:0", "MatMul:0"], 2),
-    # (its squared norms' sum of a column and a row vector meets the rows too)
-    ("triplet_norms", ["similarity", "sub"], ["labels:0", "MatMul:0", "Sum:0"], 4),
+    # (its mask of equal labels, ``tf.equal(labels[:, None], labels[None, :])``, meets the rows too)
+    ("triplet", ["similarity", "Equal"], ["labels:0", "MatMul:0"], 2),
+    # (so does its squared norms' sum of a column and a row vector)
+    ("triplet_norms", ["similarity", "sub", "Equal"], ["labels:0", "MatMul:0", "Sum:0"], 4),
 ])
 def test_the_analysis_finds_the_head(kind, products, gathered, gradients):
     """The products, the rows the head reads (the normalised embeddings, the triplet
@@ -122,8 +123,10 @@ def test_a_normaliser_the_head_computes_is_the_whole_batchs():
     pairs were not found (``s`` is a slice ``[:, 0]``) and RankNet trained 0.058 from one
     device in the loss at 2 replicas, 0.57 at 4, with no note."""
     found = analyze(graph_io.load_graph(_graph("ranknet")))
-    assert found.row_products == ["pairs"] and found.product_head.products == ["pairs"]
-    assert found.normalizers == [] and "Maximum" in found.product_head.copied_ops
+    # (its ordered pairs, a comparison of the relevances' column and row, meet the rows
+    # too: the count is computed in the head itself)
+    assert found.row_products == ["pairs", "Greater"] and found.product_head.products == ["pairs", "Greater"]
+    assert found.normalizers == [] and "Maximum" in found.product_head.head
     assert [t for t, _ in found.product_head.gathered] == ["y:0", "MatMul_1:0"]   # (relevance, scores)
 
 

@@ -795,6 +795,62 @@ def contrastive(kind="clip"):
     return g.as_graph_def()
 
 
+def semihard_triplet(valid_rows=False):
+    """FaceNet's semi-hard triplet loss as tf.contrib.losses.metric_learning's
+    triplet_semihard_loss computes it (margin 1): an embedding x [batch, 6] -> relu 16 ->
+    8, L2-normalised; integer labels [batch]. The squared pairwise distances from the
+    rows' squared norms as a column plus the same of the transposed embeddings as a row,
+    less twice ``e @ e^T``, clamped at 0, the diagonal zeroed; the pairs of one class
+    ``tf.equal(labels, tf.transpose(labels))`` (labels reshaped to ``[tf.shape(labels)[0],
+    1]``); for each pair (a, p) the nearest negative farther than p, found over the
+    distances tiled ``[batch, 1]`` times, else the farthest negative; the mean of
+    ``max(d(a, p) - d(a, n) + margin, 0)`` over the positive pairs, divided by their
+    count. ``valid_rows``: the hinge of a row whose label is negative (unlabelled) is
+    dropped by ``tf.where`` on a boolean per row, as a loss mask. Momentum 0.1, 0.9.
+    Returns the GraphDef (loss:0, train_op, init; feeds ``contrastive_batches("triplet",
+    ...)``)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 6], name="x")
+        labels = tf1.placeholder(tf.int32, [None], name="labels")
+        w1 = tf1.get_variable("w1", [6, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 8], initializer=tf1.glorot_uniform_initializer(seed=3))
+        e = tf.nn.l2_normalize(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2), 1)
+        distances = (tf.reduce_sum(tf.square(e), [1], keepdims=True)
+                     + tf.reduce_sum(tf.square(tf.transpose(e)), [0], keepdims=True)
+                     - 2.0 * tf.matmul(e, tf.transpose(e)))
+        distances = tf.maximum(distances, 0.0)
+        distances *= tf.cast(tf.logical_not(tf.less_equal(distances, 0.0)), tf.float32)
+        n = tf.shape(e)[0]
+        distances *= tf.ones_like(distances) - tf.linalg.diag(tf.ones([n]))
+        column = tf.reshape(labels, [tf.shape(labels)[0], 1])
+        same = tf.equal(column, tf.transpose(column))
+        other = tf.logical_not(same)
+        size = tf.size(column)
+        tiled = tf.tile(distances, [size, 1])
+        farther = tf.logical_and(tf.tile(other, [size, 1]),
+                                 tf.greater(tiled, tf.reshape(tf.transpose(distances), [-1, 1])))
+        any_farther = tf.transpose(tf.reshape(
+            tf.greater(tf.reduce_sum(tf.cast(farther, tf.float32), 1, keepdims=True), 0.0), [size, size]))
+        farther = tf.cast(farther, tf.float32)
+        top = tf.reduce_max(tiled, 1, keepdims=True)
+        nearest_farther = tf.transpose(tf.reshape(
+            tf.reduce_min((tiled - top) * farther, 1, keepdims=True) + top, [size, size]))
+        other = tf.cast(other, tf.float32)
+        bottom = tf.reduce_min(distances, 1, keepdims=True)
+        farthest = tf.tile(tf.reduce_max((distances - bottom) * other, 1, keepdims=True) + bottom, [1, size])
+        hinge = 1.0 + distances - tf.where(any_farther, nearest_farther, farthest)
+        positives = tf.cast(same, tf.float32) - tf.linalg.diag(tf.ones([size]))
+        pairs = tf.maximum(hinge * positives, 0.0)
+        if valid_rows:
+            pairs = tf.where(labels >= 0, tf.reduce_sum(pairs, 1), tf.zeros([size]))
+        loss = tf.truediv(tf.reduce_sum(pairs), tf.reduce_sum(positives), name="loss")
+        tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 def contrastive_batches(kind, steps, batch, seed=0):
     """Feeds for ``contrastive(kind)``: two related views per row (the second the first
     plus noise), so the matching pairs are learnable."""

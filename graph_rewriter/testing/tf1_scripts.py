@@ -851,6 +851,33 @@ def semihard_triplet(valid_rows=False):
     return g.as_graph_def()
 
 
+def same_class_weighted(kind="inverse_frequency"):
+    """A classifier whose loss weighs each row by its class's rows in the batch, counted
+    by comparing the labels with every other row's, ``tf.equal(labels[:, None],
+    labels[None, :])`` (no embedding product at all): x [None, 4] -> relu 16 -> 3
+    logits, integer labels [None]; ``kind`` "inverse_frequency": the mean of each row's
+    cross entropy over its class's count in the batch; "pair_weighted": the sum of each
+    row's cross entropy times that count, over the count of same-class pairs. SGD 0.1.
+    Returns the GraphDef (loss:0, train_op, init; feeds of x and labels:0)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        labels = tf1.placeholder(tf.int32, [None], name="labels")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        same = tf.cast(tf.equal(labels[:, None], labels[None, :]), tf.float32)
+        if kind == "inverse_frequency":
+            loss = tf.reduce_mean(xent / tf.reduce_sum(same, 1), name="loss")
+        else:
+            loss = tf.truediv(tf.reduce_sum(xent * tf.reduce_sum(same, 1)), tf.reduce_sum(same), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 def contrastive_batches(kind, steps, batch, seed=0):
     """Feeds for ``contrastive(kind)``: two related views per row (the second the first
     plus noise), so the matching pairs are learnable."""

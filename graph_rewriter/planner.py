@@ -49,6 +49,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _keep_coupled_together(result, analysis, info)
     _keep_rows_unsummed(result, analysis, info)
     _mirror_state_left_on_ps(result, analysis, cluster, info)
+    _mirror_forward_writes(result, analysis, info)
     _plan_gathered_rows(result, analysis, cluster, info)
     # (on the placement the steps above settle: strategy ps can end with a gradient
     # mirrored, an embedding whose rows a norm reads)
@@ -1076,6 +1077,40 @@ def _mirror_state_left_on_ps(plan, analysis, cluster, log):
     for name in on_ps:
         plan.set_placement(name, "mirrored")
     log(f"plan: {reason}")
+
+
+def _mirror_forward_writes(plan, analysis, log):
+    """A variable on a parameter server that the forward pass writes, the same value on
+    every replica (spectral normalization's power-iteration vector,
+    ``u.assign(normalize(normalize(u @ W^T) @ W))`` each step), would be written once per
+    replica, each write reading what another replica's may already have written: R
+    power iterations a step, in any order. Such a variable (no gradient's, no slot, no
+    step counter, no batch statistic), written where the gradients depend on the write
+    and read by the values they are computed from, is mirrored instead, so each replica writes its own copy once, as one device does;
+    the log says so. A write in the optimizer's update (Adam's beta powers, Keras
+    Nadam's momentum cache) runs once where the gradients are applied."""
+    from graph_rewriter.traversal import ancestors
+    candidates = []
+    for v in plan.variables:
+        var = analysis.variables.get(v.name)
+        if v.placement == "ps" and var is not None and var.role == "other":
+            candidates.append((v.name, [w for w in var.writers
+                                        if w is not var.initializer and w not in analysis.saver_nodes]))
+    if not candidates:
+        return
+    # (the forward pass: what the gradients depend on, by data or control edges; the
+    # variable's value must reach them by data: the CIFAR-10 tutorial's loss averages,
+    # which its gradients only wait for, are written by the parameter server's one copy
+    # as before)
+    gradients = [c.values.node for c in analysis.cuts if c.role == "gradient"]
+    forward, read = ancestors(gradients), ancestors(gradients, data_only=True)
+    written = [name for name, writes in candidates
+               if analysis.variables[name].node in read and any(w in forward for w in writes)]
+    for name in written:
+        plan.set_placement(name, "mirrored")
+    if written:
+        log(f"plan: the forward pass writes {_listed(written)} (the same on every replica, before the gradients): "
+            "mirrored, so each replica writes its own copy once a step, not the parameter servers' R times")
 
 
 def _rows_read_unsummed(analysis):

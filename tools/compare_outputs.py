@@ -130,6 +130,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_loss_first_rows"] = tf1_scripts.positioned_loss_mlp("first")
     graphs["script_semihard_triplet"] = tf1_scripts.semihard_triplet()   # distances from norms, label pairs: a head
     graphs["script_same_class_weighted"] = tf1_scripts.same_class_weighted()   # a comparison of the rows alone
+    graphs["script_spectral_norm"] = tf1_scripts.spectral_norm_mlp()   # a forward write: mirrored under ps
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder

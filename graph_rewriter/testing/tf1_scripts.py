@@ -1239,6 +1239,39 @@ def weight_norm_mlp():
     return g.as_graph_def()
 
 
+def spectral_norm_mlp(resource=True):
+    """Spectral normalization (Miyato et al., 2018) as SNGAN's TF1 code writes it: each
+    weight matrix W of x [None, 4] -> relu 16 (w1) -> 1 (w2) is divided by its largest
+    singular value, estimated by one power iteration a step from a non-trainable vector
+    "<w>_u" [1, columns] (seeded normal): ``v = normalize(u @ W^T)``, ``u' =
+    normalize(v @ W)`` (both under stop_gradient), ``sigma = v @ W @ u'^T``, and the step
+    assigns u' to u before reading ``W / sigma`` (a control dependency). Squared error
+    with y, Adam 0.01. ``resource``: resource or ref variables. Returns the GraphDef
+    (init, train_op, loss:0; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+
+        def normalized(w, name):
+            u = tf1.get_variable(f"{name}_u", [1, w.shape[-1]], trainable=False, use_resource=resource,
+                                 initializer=tf1.random_normal_initializer(seed=7))
+            v = tf.stop_gradient(tf.nn.l2_normalize(tf.matmul(u, tf.transpose(w)), 1))
+            u_next = tf.stop_gradient(tf.nn.l2_normalize(tf.matmul(v, w), 1))
+            sigma = tf.matmul(tf.matmul(v, w), tf.transpose(u_next))
+            with tf.control_dependencies([tf1.assign(u, u_next)]):
+                return w / sigma
+
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2), use_resource=resource)
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3), use_resource=resource)
+        out = tf.matmul(tf.nn.relu(tf.matmul(x, normalized(w1, "w1"))), normalized(w2, "w2"))
+        loss = tf.reduce_mean(tf.square(out - y), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 DP_MICROBATCHES, DP_CLIP = 4, 0.5   # dp_sgd_mlp's microbatches and clipping norm
 
 

@@ -70,14 +70,20 @@ def test_semihard_triplets_train_as_one_device(valid_rows, strategy, replicas):
                                  want, RTOL, ATOL)
 
 
+def _without_head(graph_def):
+    """The rewrite at 2 replicas of a plan given back with ``"product_head": {}``:
+    each replica's rows meet its own only."""
+    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
+    plan.product_head = {}
+    return gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
+
+
 def test_each_replicas_own_triplets_would_be_caught():
     """The control: each replica's rows alone (the plan's ``"product_head": {}``) are
     noted and train away from one device."""
     graph_def, feeds = semihard_triplet(), _feeds(False)
     _, want = harness.trained_on_one_device(graph_def, feeds)
-    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
-    plan.product_head = {}
-    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
+    result = _without_head(graph_def)
     assert any(n.startswith(ROWS_MEET_START) and "'add', 'MatMul_2', 'Equal'" in n for n in result.plan.notes)
     _, got = harness.trained_rewritten(result, graph_def, feeds)
     assert max(float(np.max(np.abs(got[k] - want[k]))) for k in want) > 1e-3
@@ -154,9 +160,7 @@ def test_rows_weighed_by_their_class_count_train_as_one_device(kind, strategy, r
 def test_each_replicas_own_class_counts_would_be_caught():
     graph_def, feeds = same_class_weighted(), _labelled_batches(STEPS, BATCH)
     want_losses, _ = harness.trained_on_one_device(graph_def, feeds)
-    plan = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU").plan
-    plan.product_head = {}
-    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU", strategy=plan)
+    result = _without_head(graph_def)
     assert any(n.startswith(ROWS_MEET_START) and "'Equal'" in n for n in result.plan.notes)
     losses, _ = harness.trained_rewritten(result, graph_def, feeds)
     assert np.max(np.abs(np.array(losses) - want_losses)) > 1e-2

@@ -795,6 +795,16 @@ def contrastive(kind="clip"):
     return g.as_graph_def()
 
 
+def _labelled_network(tf, tf1, features, outputs):
+    """(labels, outputs): x [None, features] -> relu 16 (w1) -> ``outputs`` (w2), with
+    integer labels [None] fed beside; semihard_triplet's and same_class_weighted's."""
+    x = tf1.placeholder(tf.float32, [None, features], name="x")
+    labels = tf1.placeholder(tf.int32, [None], name="labels")
+    w1 = tf1.get_variable("w1", [features, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+    w2 = tf1.get_variable("w2", [16, outputs], initializer=tf1.glorot_uniform_initializer(seed=3))
+    return labels, tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+
+
 def semihard_triplet(valid_rows=False):
     """FaceNet's semi-hard triplet loss as tf.contrib.losses.metric_learning's
     triplet_semihard_loss computes it (margin 1): an embedding x [batch, 6] -> relu 16 ->
@@ -812,11 +822,8 @@ def semihard_triplet(valid_rows=False):
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 6], name="x")
-        labels = tf1.placeholder(tf.int32, [None], name="labels")
-        w1 = tf1.get_variable("w1", [6, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 8], initializer=tf1.glorot_uniform_initializer(seed=3))
-        e = tf.nn.l2_normalize(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2), 1)
+        labels, outputs = _labelled_network(tf, tf1, 6, 8)
+        e = tf.nn.l2_normalize(outputs, 1)
         distances = (tf.reduce_sum(tf.square(e), [1], keepdims=True)
                      + tf.reduce_sum(tf.square(tf.transpose(e)), [0], keepdims=True)
                      - 2.0 * tf.matmul(e, tf.transpose(e)))
@@ -862,11 +869,7 @@ def same_class_weighted(kind="inverse_frequency"):
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        labels = tf1.placeholder(tf.int32, [None], name="labels")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
-        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        labels, logits = _labelled_network(tf, tf1, 4, 3)
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         same = tf.cast(tf.equal(labels[:, None], labels[None, :]), tf.float32)
         if kind == "inverse_frequency":
@@ -1272,6 +1275,16 @@ def spectral_norm_mlp(resource=True):
     return g.as_graph_def()
 
 
+def _per_example_errors(tf, tf1):
+    """(w1, w2, each row's squared error): x [None, 4] -> dense 16 (w1), relu, dense 1
+    (w2) against y [None, 1], the network of dp_sgd_mlp and positioned_loss_mlp."""
+    x = tf1.placeholder(tf.float32, [None, 4], name="x")
+    y = tf1.placeholder(tf.float32, [None, 1], name="y")
+    w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+    w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+    return w1, w2, tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
+
+
 DP_MICROBATCHES, DP_CLIP = 4, 0.5   # dp_sgd_mlp's microbatches and clipping norm
 
 
@@ -1289,11 +1302,7 @@ def dp_sgd_mlp(loop="unrolled", noise=0.0):
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        y = tf1.placeholder(tf.float32, [None, 1], name="y")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
-        per_example = tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
+        w1, w2, per_example = _per_example_errors(tf, tf1)
         tf.reduce_mean(per_example, name="loss")
         microbatches = tf.reshape(per_example, [DP_MICROBATCHES, -1])
 
@@ -1320,17 +1329,14 @@ def dp_sgd_mlp(loop="unrolled", noise=0.0):
 def positioned_loss_mlp(kind):
     """x [None, 4] -> dense 16 (w1), relu, dense 1 (w2), per-example squared errors;
     the loss takes some of them by position, as a semi-supervised batch's labelled rows
-    first: ``kind`` "mean", none (the batch's mean, the control); "first", the mean of the first 4 rows' ("strided_slice"); "halves",
-    the first half's mean plus half the second's (``tf.split(losses, 2, 0)``, "split").
+    first: ``kind`` "mean", none (the batch's mean, the control); "first", the mean of
+    the first 4 rows' ("strided_slice"); "halves", the first half's mean plus half the
+    second's (``tf.split(losses, 2, 0)``, "split").
     SGD 0.1. Returns the GraphDef (init, train_op, loss:0; dropout_batches)."""
     tf, tf1 = _tf()
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4], name="x")
-        y = tf1.placeholder(tf.float32, [None, 1], name="y")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
-        per_example = tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
+        w1, w2, per_example = _per_example_errors(tf, tf1)
         if kind == "mean":
             loss = tf.reduce_mean(per_example, name="loss")
         elif kind == "first":

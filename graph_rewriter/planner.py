@@ -407,8 +407,8 @@ BATCH_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's 
 STORED_STATISTICS = (ROWS_MEET_START + " in {names} (statistics over the batch's rows that a state update stores, "
                      "e.g. a moving maximum of the activations, as quantization-aware training keeps, or weight "
                      "normalization's data-dependent init): each replica computes them over its own rows, and the "
-                     "replicas' average of what they store is not what one device stores, nor what the step reads from it "
-                     "(sync_batch_statistics all-reduces them over every replica's rows)")
+                     "replicas' average of what they store is not what one device stores, nor what the step reads "
+                     "from it (sync_batch_statistics all-reduces them over every replica's rows)")
 LOOP_BOUNDS_START = "while loops run to a bound over the batch's rows"
 LOOP_BOUNDS = (LOOP_BOUNDS_START + " ({names}: the longest sequence, as tf.nn.dynamic_rnn's sequence_length "
                "gives): each replica runs them to its own rows' bound. A loop that leaves its finished rows "
@@ -1086,9 +1086,10 @@ def _mirror_forward_writes(plan, analysis, log):
     replica, each write reading what another replica's may already have written: R
     power iterations a step, in any order. Such a variable (no gradient's, no slot, no
     step counter, no batch statistic), written where the gradients depend on the write
-    and read by the values they are computed from, is mirrored instead, so each replica writes its own copy once, as one device does;
-    the log says so. A write in the optimizer's update (Adam's beta powers, Keras
-    Nadam's momentum cache) runs once where the gradients are applied."""
+    and read by the values they are computed from, is mirrored instead, so each replica
+    writes its own copy once, as one device does; the log says so. A write in the
+    optimizer's update (Adam's beta powers, Keras Nadam's momentum cache) runs once
+    where the gradients are applied."""
     from graph_rewriter.traversal import ancestors
     candidates = []
     for v in plan.variables:

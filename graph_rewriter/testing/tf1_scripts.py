@@ -1349,6 +1349,32 @@ def positioned_loss_mlp(kind):
     return g.as_graph_def()
 
 
+REFERENCE_ROWS = 6   # reference_batch_norm_mlp's reference batch
+
+
+def reference_batch_norm_mlp(static_reference=True):
+    """Virtual batch normalization's reference batch (Salimans et al., 2016, improved
+    GAN): x [None, 4] -> dense 16 (w1), normalised by the moments of a reference batch
+    ``ref`` [REFERENCE_ROWS, 4] (or [None, 4] where not ``static_reference``) through
+    the same layer, ``(h - mean) * rsqrt(var + 1e-5)``, relu -> dense 1 (w2), squared
+    error with y, Adam 0.01. The reference batch is fed whole at every step. Returns the
+    GraphDef (init, train_op, loss:0; feeds x, y, ref)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        ref = tf1.placeholder(tf.float32, [REFERENCE_ROWS if static_reference else None, 4], name="ref")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        mean, variance = tf.nn.moments(tf.matmul(ref, w1), [0])
+        h = tf.nn.relu((tf.matmul(x, w1) - mean) * tf.math.rsqrt(variance + 1e-5))
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 QUANT_DECAY = 0.9   # quantized_mlp's moving ranges' decay
 
 

@@ -72,6 +72,11 @@ class Variable:
     def name(self):
         return self.node.name
 
+    def step_writes(self, saver_nodes):
+        """Its writes in a training step: not its initializer's, nor a Saver's restore
+        (``saver_nodes``)."""
+        return [w for w in self.writers if w is not self.initializer and w not in saver_nodes]
+
     @property
     def num_elements(self):
         if self.shape is None or any(d < 0 for d in self.shape):
@@ -1859,7 +1864,7 @@ def _set_train_ops(cuts, variables, saver_nodes):
     twice = {c.variable for c in cuts if c.name}   # variables updated by several cuts
     for c in cuts:
         var = variables[c.variable]
-        updates = [w for w in var.writers if w is not var.initializer and w not in saver_nodes]
+        updates = var.step_writes(saver_nodes)
         if c.variable in twice:
             below = descendants([c.values.node])   # this cut's updates only
             updates = [w for w in updates if w in below]

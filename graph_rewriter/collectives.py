@@ -24,7 +24,7 @@ the key space stays bounded, and padding costs at most a factor of two.
 
 import hashlib
 
-from graph_rewriter import dtypes
+from graph_rewriter import dtypes, opdefs
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_builder import const, dtype_of, make_op
 
@@ -246,10 +246,9 @@ def gather_in_order(graph, rm, replica, plan, field, entries, keep=()):
     return out
 
 
-# CollectiveGatherV2's types, and the type that carries each other one it can gather
-# exactly (its kernel registers float, half, double, int32 and int64 alone: a head's
-# boolean mask of the rows, uint8 images)
-_GATHERED = frozenset(("float32", "float16", "float64", "int32", "int64"))
+# the type that carries each one CollectiveGatherV2 does not gather (its OpDef allows
+# float, half, double, int32 and int64 alone: a head's boolean mask of the rows, uint8
+# images) exactly
 _CARRIERS = {"bool": dtypes.int32, "int8": dtypes.int32, "uint8": dtypes.int32, "int16": dtypes.int32,
              "uint16": dtypes.int32, "uint32": dtypes.int64, "bfloat16": dtypes.float32}
 
@@ -259,8 +258,9 @@ def all_gather(graph, scope, tensor, group_size, gkey, ikey, device, control_inp
     a type the kernel does not gather travels cast to a wider one and is cast back (the
     returned node is then that Cast)."""
     dtype = dtypes.as_dtype(dtype_of(tensor))
-    carrier = _CARRIERS.get(dtype.name)
-    if dtype.name not in _GATHERED and carrier is None:
+    gathered = dtype.name in opdefs.allowed_types("CollectiveGatherV2", "T")
+    carrier = None if gathered else _CARRIERS.get(dtype.name)
+    if not gathered and carrier is None:
         raise GraphRewriteError(
             f"the rows of '{tensor.name}' ({dtype.name}) would be gathered across the replicas, and "
             "CollectiveGatherV2 gathers numbers and booleans only",

@@ -1064,11 +1064,8 @@ def _mirror_state_left_on_ps(plan, analysis, cluster, log):
                   "are mirrored too: between-graph, each worker would otherwise write them at every step")
     else:
         cut_nodes = {c.values.node for c in analysis.cuts}
-
-        def steps(v):   # its writes in a training step, not its initializer's or a restore's
-            return [w for w in v.writers if w is not v.initializer and w not in analysis.saver_nodes]
-        unordered = [name for name in on_ps
-                     if any(not (ancestors([w]) & cut_nodes) for w in steps(analysis.variables[name]))]
+        unordered = [name for name in on_ps if any(not (ancestors([w]) & cut_nodes)
+                                                   for w in analysis.variables[name].step_writes(analysis.saver_nodes))]
         if not unordered:
             return
         reason = (f"{_listed(unordered)} on the parameter servers would be written before the replicas' "
@@ -1095,8 +1092,7 @@ def _mirror_forward_writes(plan, analysis, log):
     for v in plan.variables:
         var = analysis.variables.get(v.name)
         if v.placement == "ps" and var is not None and var.role == "other":
-            candidates.append((v.name, [w for w in var.writers
-                                        if w is not var.initializer and w not in analysis.saver_nodes]))
+            candidates.append((v.name, var.step_writes(analysis.saver_nodes)))
     if not candidates:
         return
     # (the forward pass: what the gradients depend on, by data or control edges; the

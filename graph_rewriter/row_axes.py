@@ -24,9 +24,6 @@ _BROADCASTING = frozenset(("Mul", "Sub", "Add", "AddV2", "RealDiv", "Div", "DivN
 # element-wise ops of one operand: its rows are on the output's same axis
 _UNARY = frozenset(("Neg", "Reciprocal", "Square", "Sqrt", "Rsqrt", "Abs", "Sign", "Exp", "Log", "Tanh",
                     "Sigmoid", "Cast", "LogicalNot"))
-# reductions over constant axes: the rows stay, on an axis counted again without the
-# reduced ones (keep_dims keeps it)
-_REDUCTIONS = frozenset(("Sum", "Mean", "Max", "Min", "Prod"))
 # the ops meets_rows looks at
 MEETING_OPS = frozenset(("MatMul", "Einsum")) | _BROADCASTING
 
@@ -46,7 +43,7 @@ def rows_axis(tensor, holds_rows, depth=0, elementwise=False, memo=None):
 
 def _rows_axis(tensor, holds_rows, depth, elementwise, memo):
     """rows_axis' cases, for one tensor."""
-    from graph_rewriter.analysis import _strip_identity, static_rank
+    from graph_rewriter.analysis import _STATISTICS, _strip_identity, static_rank
     if holds_rows(tensor):
         return 0
     if depth > (40 if elementwise else 8):
@@ -75,9 +72,10 @@ def _rows_axis(tensor, holds_rows, depth, elementwise, memo):
         return inner(n.inputs[0])
     if n.op in _UNARY:
         return inner(n.inputs[0])
-    if n.op in _REDUCTIONS:
-        # (a pairwise distance's squared norms of the transposed rows,
-        # reduce_sum(square(tf.transpose(f)), [0], keepdims=True), hold them on axis 1)
+    if n.op in _STATISTICS:
+        # (a reduction over constant axes keeps the rows, on an axis counted again
+        # without the reduced ones: a pairwise distance's squared norms of the transposed
+        # rows, reduce_sum(square(tf.transpose(f)), [0], keepdims=True), on axis 1)
         a, axes, rank = inner(n.inputs[0]), _const_ints(n.inputs[1]), static_rank(n.inputs[0])
         if a is None or axes is None or (rank is None and any(v < 0 for v in axes)):
             return None

@@ -36,6 +36,7 @@ of the GraphDef's nodes or on a prefix on every name (tests/test_graph_form.py):
 - the init op and each variable's initializer, the saver's nodes, the input pipeline.
 """
 
+import collections
 import dataclasses
 import re
 
@@ -360,6 +361,7 @@ class _Analyzer:
         self._assign_roles(cuts, variant)
         # {id(state cut): its readers on the way to its update}, read twice below
         update_readers = {id(c): statistic_update_readers(c.values, c.variables) for c in cuts if c.role == "state"}
+        _check_updates_found(cuts, update_readers)
         variant |= _read_per_replica(cuts, cut_tensors, variant, update_readers)
         self._check_cuts_independent(cuts, variant)
         init_ops = self._find_initializers()
@@ -934,7 +936,8 @@ class _Analyzer:
             if c.role != "gradient":
                 continue
             readers = [r for r, _ in c.values.node.consumers(c.values.index)]
-            for n in _descendants_within(readers, None, self.position, last):
+            reached = _descendants_within(readers, None, self.position, last)
+            for n in sorted(reached, key=self.position.__getitem__):   # the first, as the error names it
                 for other in by_node.get(n, ()):
                     if other is not c:
                         raise GraphRewriteError(
@@ -1061,10 +1064,14 @@ class _Analyzer:
                             lambda m: [t.node for t in m.inputs], limit) is not None
 
     def _state_like(self, cut):
-        """True if ``cut`` is what _assign_roles makes a state (a plain assign of one
-        variable from batch data)."""
-        return cut.source == "assign-walk" and len(cut.variables) == 1 and (
-            self.declared_trainable is None or cut.variable not in self.declared_trainable)
+        """True if ``cut`` is what _assign_roles makes a state: a plain assign of one
+        variable from batch data, or of several from a value the backward pass does not
+        compute (batch renormalization moves its moving_mean and its renorm_mean towards
+        the one batch mean; an optimizer written in plain ops, Keras Nadam, updates its
+        slots from a gradient)."""
+        return cut.source == "assign-walk" and (
+            len(cut.variables) == 1 or not self._from_backward(cut.values)) and (
+            self.declared_trainable is None or not set(cut.variables) & set(self.declared_trainable))
 
     def _check_updates_invariant(self, variant):
         """Every write to a variable must now be the same on every replica."""
@@ -1073,6 +1080,16 @@ class _Analyzer:
                 continue
             bad = [t for t in n.inputs if t.node in variant]
             why = f"its input '{bad[0].name}'" if bad else "an input"
+            condition = _batch_condition(n, variant)
+            if condition is not None:
+                raise GraphRewriteError(
+                    f"the update '{n.name}' of variable '{var.name}' runs under a condition computed "
+                    f"from the batch ('{condition.name}', the predicate of the cond or loop it runs "
+                    f"in): each replica would decide on its own rows where one device decides on the "
+                    f"whole batch, and the replicas' copies of the variable would part",
+                    hint="condition the update on the gradients, which every replica sees averaged "
+                         "(tf.math.is_finite(tf.linalg.global_norm(grads)) to skip a step that "
+                         "overflows, as loss scaling does), or on a variable")
             if var.name in self.hints:
                 raise GraphRewriteError(
                     f"the gradients= hint for variable '{var.name}' ({self.hints[var.name]!r}) does not "
@@ -1701,7 +1718,8 @@ class _Analyzer:
             # (Keras BatchNorm behind a learning-phase cond reads it in inference mode).
             # An optimizer written in plain ops (Keras Nadam) updates slots from the same cut.
             if self._state_like(cut):
-                primary.role = "state"
+                for name in cut.variables:
+                    self.variables[name].role = "state"
                 cut.role = "state"
                 # a state fed from the backward pass accumulates gradients (NVIDIA BERT's
                 # accumulators): averaged like them, even a bias's (a Sum over the rows)
@@ -1834,13 +1852,16 @@ def statistic_update_readers(tensor, variables):
     """The readers of a batch statistic (a state cut's values) that lead to the update of
     its moving average (an assign to one of ``variables``, by name), as (reader, input
     position). The forward pass reads the same tensor (BatchNorm normalises with it) and
-    must keep the replica's own statistic."""
+    must keep the replica's own statistic. Each reader's descendants are searched
+    nearest first, up to 256 of them: an update is a few ops from its statistic, and a
+    depth-first search could spend the bound in the forward pass before reaching it
+    (batch renormalization's statistic, read by its correction and then its updates)."""
     targets = set(variables)
     out = []
     for c, pos in tensor.node.consumers(tensor.index):
-        frontier, seen, hit = [c], {c}, False
+        frontier, seen, hit = collections.deque([c]), {c}, False
         while frontier and not hit and len(seen) < 256:
-            n = frontier.pop()
+            n = frontier.popleft()
             if n.op in DENSE_ASSIGNS or n.op in FUNCTION_CALLS:
                 if any(v is not None and v.name in targets for v in map(variable_of, n.inputs)):
                     hit = True
@@ -1852,6 +1873,34 @@ def statistic_update_readers(tensor, variables):
         if hit:
             out.append((c, pos))
     return out
+
+
+def _batch_condition(write, variant):
+    """The predicate of the cond a variable's ``write`` runs in, if the write varies
+    between replicas through it alone: a v1 cond's Switch of a value the same on every
+    replica by a predicate that is not, or a v2 cond's (If, Case) predicate or branch
+    index. None otherwise."""
+    if write.op in ("If", "StatelessIf", "Case", "StatelessCase"):
+        return _strip_identity(write.inputs[0]) if write.inputs[0].node in variant else None
+    for t in write.inputs:
+        if (t.node in variant and t.node.op in ("Switch", "RefSwitch")
+                and t.node.inputs[0].node not in variant and t.node.inputs[1].node in variant):
+            return _strip_identity(t.node.inputs[1])
+    return None
+
+
+def _check_updates_found(cuts, update_readers):
+    """Every state cut must reach its update: its average is read on the way there
+    alone, and one whose update the search did not find would be computed for nothing
+    while every replica updated the moving average from its own rows."""
+    for c in cuts:
+        if c.role == "state" and not update_readers[id(c)]:
+            raise GraphRewriteError(
+                f"cannot find how the statistic '{c.values.name}' reaches the update of variable "
+                f"'{c.variable}': graph_rewriter looks for the update among the 256 ops nearest "
+                "the statistic's readers",
+                hint="compute the moving average's update from the statistic in a few ops, as "
+                     "tf.compat.v1.train.ExponentialMovingAverage and the BatchNorm layers do")
 
 
 def _set_train_ops(cuts, variables, saver_nodes):

@@ -1285,6 +1285,39 @@ def _per_example_errors(tf, tf1):
     return w1, w2, tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
 
 
+def conditional_update_mlp(condition="gradients_finite", control_flow="v2"):
+    """A step that skips its update under a condition, in a tf.cond around
+    ``apply_gradients`` (``control_flow`` "v1": Switch and Merge; "v2": an If):
+    ``gradients_finite`` when the global norm of the gradients is not finite (a step
+    that overflows, as loss scaling skips it); ``loss_finite`` when the batch's loss is
+    not; ``loss_below`` unless the loss is below 3 (a spike). x [None, 4] -> dense 16
+    (w1), relu, dense 1 (w2), mean squared error, SGD 0.05. Returns the GraphDef (init,
+    train_op, loss:0; conditional_update_batches)."""
+    tf, tf1 = _tf()
+    from graph_rewriter.testing.models import ControlFlow
+    g = tf.Graph()
+    with g.as_default(), ControlFlow(control_flow):
+        w1, w2, per_example = _per_example_errors(tf, tf1)
+        loss = tf.reduce_mean(per_example, name="loss")
+        opt = tf1.train.GradientDescentOptimizer(0.05)
+        pairs = opt.compute_gradients(loss, [w1, w2])
+        predicate = {"gradients_finite": lambda: tf.math.is_finite(tf.linalg.global_norm([g_ for g_, _ in pairs])),
+                     "loss_finite": lambda: tf.math.is_finite(loss),
+                     "loss_below": lambda: loss < 3.0}[condition]()
+        tf.group(tf.cond(predicate, lambda: opt.apply_gradients(pairs), tf.no_op, name="update"), name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def conditional_update_batches(steps, batch, seed=0):
+    """dropout_batches with, at the second step, the last row's target 1e20: its squared
+    error overflows float32, and the batch's loss and gradients are not finite (one
+    device skips that step; the row is in the last replica's shard)."""
+    feeds = dropout_batches(steps, batch, seed)
+    feeds[1]["y:0"][-1] = 1e20
+    return feeds
+
+
 DP_MICROBATCHES, DP_CLIP = 4, 0.5   # dp_sgd_mlp's microbatches and clipping norm
 
 
@@ -1630,6 +1663,8 @@ def rows_meeting_mlp(kind="plain"):
 # batch_norm_cnn's kinds: how its two BatchNorms are written
 BATCH_NORMS = ("layers", "layers_cond", "moments", "fused_average", "nchw")
 V2_COND_BATCH_NORMS = ("layers_cond_v2",)   # statistics in a v2 cond's function
+RENORMS = ("renorm", "renorm_cond", "renorm_cond_v2")   # batch renormalization, as the layers kinds
+RENORM_CLIPPING = {"rmax": 1.5, "rmin": 0.7, "dmax": 0.5}
 
 
 def batch_norm_cnn(kind="layers"):
@@ -1640,7 +1675,12 @@ def batch_norm_cnn(kind="layers"):
     a ``training`` placeholder (default True); ``layers_cond_v2`` the same behind a v2
     cond (TensorFlow 2's control flow, which tf.compat.v1 graphs get unless the script
     disables it: the BatchNorm is in the cond's branch function, V2_COND_BATCH_NORMS);
-    ``moments`` tf.nn.moments and
+    ``renorm``, ``renorm_cond`` and ``renorm_cond_v2`` the layers kinds with batch
+    renormalization (Ioffe, 2017: ``renorm=True``, RENORM_CLIPPING, renorm_momentum
+    0.9; not fused: the layer moves renorm_mean and moving_mean towards the one batch
+    mean, renorm_stddev and moving_stddev towards its deviation, and scales the
+    normalised rows by r and d, clipped ratios of the batch's moments to the renorm
+    averages, under stop_gradient); ``moments`` tf.nn.moments and
     tf.nn.batch_normalization by hand; ``fused_average`` tf.nn.fused_batch_norm keeping
     its moving averages itself (exponential_avg_factor 0.1, what tf_keras' fused path
     does eagerly); ``nchw`` fused BatchNorms of channels-first tensors. x [None, 6, 6, 2]
@@ -1652,24 +1692,25 @@ def batch_norm_cnn(kind="layers"):
     from graph_rewriter.testing.models import _batch_normalization
     g = tf.Graph()
     before = tf1.control_flow_v2_enabled()
-    if kind == "layers_cond":
+    renorm = kind.startswith("renorm")
+    if kind in ("layers_cond", "renorm_cond"):
         tf1.disable_control_flow_v2()    # a TF1 script's tf.cond: Switch and Merge (restored below)
-    elif kind == "layers_cond_v2":
+    elif kind in ("layers_cond_v2", "renorm_cond_v2"):
         tf1.enable_control_flow_v2()     # an If op and its branch functions (restored below)
     try:
         with g.as_default():
             tf1.set_random_seed(1)
             x = tf1.placeholder(tf.float32, [None, 6, 6, 2], name="x")
             y = tf1.placeholder(tf.float32, [None, 1], name="y")
-            training = tf1.placeholder_with_default(True, [], name="training") if kind.startswith("layers_cond") \
-                else True
+            training = tf1.placeholder_with_default(True, [], name="training") if "_cond" in kind else True
 
             def variable(name, shape, init, trainable=True):
                 return tf1.get_variable(name, shape, initializer=init, trainable=trainable)
 
             def batch_norm(h, name):
-                if kind.startswith("layers"):
-                    return _batch_normalization()(h, training=training, momentum=0.9, name=name)
+                if kind.startswith("layers") or renorm:
+                    extra = dict(renorm=True, renorm_clipping=RENORM_CLIPPING, renorm_momentum=0.9) if renorm else {}
+                    return _batch_normalization()(h, training=training, momentum=0.9, name=name, **extra)
                 gamma = variable(f"{name}/gamma", [4], tf1.ones_initializer())
                 beta = variable(f"{name}/beta", [4], tf1.zeros_initializer())
                 moving_mean = variable(f"{name}/moving_mean", [4], tf1.zeros_initializer(), trainable=False)
@@ -1707,7 +1748,7 @@ def batch_norm_cnn(kind="layers"):
                      for v in tf1.global_variables()}
     finally:
         (tf1.enable_control_flow_v2 if before else tf1.disable_control_flow_v2)()
-    if kind not in BATCH_NORMS + V2_COND_BATCH_NORMS:
+    if kind not in BATCH_NORMS + V2_COND_BATCH_NORMS + RENORMS:
         raise ValueError(f"batch_norm_cnn: unknown kind {kind!r}")
     return g.as_graph_def(), reads
 

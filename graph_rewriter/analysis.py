@@ -420,8 +420,8 @@ class _Analyzer:
             loss_sums = [name for name in loss_sums if name not in product_head.head]
             batch_statistics = [name for name in batch_statistics if name not in product_head.head]
         row_moves, move_obstacles, looped_draws = self._find_row_moves(
-            [n for n in moved_rows + sampled_rows
-             if n not in ranked_rows and n not in (product_head.head if product_head else ())],
+            [n for n in moved_rows + sampled_rows if n not in ranked_rows and self.g.node(n).op not in _ROW_ARGS
+             and n not in (product_head.head if product_head else ())],
             self._find_looped_draws(variant0, training, batch_draws,
                                     {loop for name in loop_bounds for loop in bounded[name]}),
             seeds, variant0, {**{t.node.name: "a loss normalizer" for t in normalizers},
@@ -1355,7 +1355,9 @@ class _Analyzer:
         tf.reverse(x, [0])`` or ``x[::-1]``), a shuffle of them, a gather of them by
         indices computed from one of those (mixup's ``tf.gather(x,
         tf.random.shuffle(tf.range(n)))``), a top_k (or sort) of a value with one entry
-        per row (hard example mining: the mean of the k largest of the rows' losses).
+        per row (hard example mining: the mean of the k largest of the rows' losses), a
+        running sum along the rows (a Cox model's risk sets; training may only go
+        through its backward) or the index of their largest (the hardest row's loss).
         Each replica moves or ranks its own shard's rows, so row i meets other rows than
         on one device: the plan says so."""
         seed_nodes = {t.node for t in seeds}
@@ -1371,6 +1373,8 @@ class _Analyzer:
                     and not n.attr["ellipsis_mask"].i and not n.attr["new_axis_mask"].i & 1
             elif n.op == "RandomShuffle":
                 moves = True
+            elif n.op in _ROW_SCANS or n.op in _ROW_ARGS:   # along a constant axis: the rows'
+                moves = _const_axes_hold_rows(n.inputs[1], n.inputs[0])
             elif n.op in _RANKINGS:   # ranks the rows of a [rows] value (maybe a reshape) together
                 moves = static_rank(n.inputs[0]) == 1 or (n.op in _ROW_SOFTMAXES
                                                           and _rows_last(n.inputs[0], seed_nodes))
@@ -1378,10 +1382,18 @@ class _Analyzer:
                 moves = ((n.op == "Gather" or _is_const(n.inputs[2], 0))
                          and not ("batch_dims" in n.attr and n.attr["batch_dims"].i)
                          and _computed_from_moves(n.inputs[1]))
-            strict = n.op not in _RANKINGS
-            if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=strict) and n in training.value:
-                out.append(n.name)
-        return out
+            # (a ranking may rank a reshape's entries; a scan or an argmax runs along the rows
+            # themselves, a score per row maybe sliced from a column: s[:, 0])
+            along = n.op in _ROW_SCANS or n.op in _ROW_ARGS
+            strict = along or n.op not in _RANKINGS
+            if moves and _reaches_rows(n.inputs[0], seed_nodes, strict=strict, slices=along):
+                out.append(n)
+        # (a running sum's backward is a running sum of its gradient, which reads none of
+        # its values: it counts where the gradients go through its backward)
+        unread = {n.name: n for n in out if n not in training.value and n.op in _ROW_SCANS}
+        differentiated = {name for (name, _), members in gradient_scopes(self.order, unread).items()
+                          if any(m in training.value for m in members)} if unread else set()
+        return [n.name for n in out if n in training.value or n.name in differentiated]
 
     def _find_positioned_rows(self, seeds, variant0, training):
         """Forward ops that take rows of the batch by their position in it, whose value
@@ -1476,7 +1488,7 @@ class _Analyzer:
                 # unsorted_segment_sum(ones_like(labels), labels, C), or its features'
                 # sum), the bins of the rows' values, the counts of their unique values
                 # (not tf.gradients' own: it densifies a sparse gradient's sum so)
-                ids = n.inputs[1] if n.op == "UnsortedSegmentSum" else n.inputs[0]
+                ids = n.inputs[1] if "Segment" in n.op else n.inputs[0]
                 found = not in_backward(n.name, self.gradient_scopes) and _reaches_rows(ids, seed_nodes) and (
                     n.op != "UniqueWithCounts" or bool(n.consumers(2))) and _used_non_linearly(
                     n, seed_nodes, divisors, training, self.gradient_scopes, stored)
@@ -1619,8 +1631,12 @@ class _Analyzer:
                     "replica; count them in a fixed number of classes, with tf.math.unsorted_segment_sum("
                     "tf.ones_like(ids, tf.float32), ids, num_classes) or tf.reduce_sum(tf.one_hot(ids, "
                     "num_classes), 0), which are synchronised")
-        if n.op in _COUNTED_STATISTICS and _fixed_size(n.inputs[2 if n.op == "UnsortedSegmentSum" else 1]) is None:
-            what = "number of segments" if n.op == "UnsortedSegmentSum" else "size (minlength = maxlength)"
+        if n.op in _SORTED_SEGMENTS:
+            return ("its number of segments is the batch's largest segment id plus one, and a segment's rows may "
+                    "lie on several replicas; pool them with tf.math.unsorted_segment_sum and a constant number "
+                    "of segments, which is synchronised")
+        if n.op in _COUNTED_STATISTICS and _fixed_size(n.inputs[2 if "Segment" in n.op else 1]) is None:
+            what = "number of segments" if "Segment" in n.op else "size (minlength = maxlength)"
             return (f"its {what} is computed from the batch, so the replicas' shapes may differ; give it a "
                     "constant one")
         extreme = n.op in _EXTREMES
@@ -2414,9 +2430,16 @@ def _keeps_first_axis(reshape):
 # (a softmax over a [rows] value normalises the rows together: ListNet's, the batch as
 # the list; computed in a head as a ranking is)
 _ROW_SOFTMAXES = frozenset(("Softmax", "LogSoftmax"))
-_RANKINGS = frozenset(("TopKV2", "TopK")) | _ROW_SOFTMAXES
+# (a running sum along the rows reads the rows before each: a Cox model's partial
+# likelihood sums each row's risk set by tf.cumsum of the rows sorted by time, computed
+# in a head as a ranking is; the index of the largest row reads them all: hard example
+# mining's argmax of the rows' losses, only noted)
+_ROW_SCANS = frozenset(("Cumsum", "Cumprod", "CumulativeLogsumexp"))
+_ROW_ARGS = frozenset(("ArgMax", "ArgMin"))
+_RANKINGS = frozenset(("TopKV2", "TopK")) | _ROW_SOFTMAXES | _ROW_SCANS
 _ROW_SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
-_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS
+_ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS \
+    | _ROW_ARGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
 _STATISTICS = frozenset(("Mean", "Sum", "Max", "Min", "Prod"))
 # what a loop bound may pass through on its way to a loop's condition (_bounded_loops)
@@ -2427,7 +2450,11 @@ _NON_LINEAR_STATISTICS = frozenset(("Max", "Min", "Prod"))
 # statistics synced by the replicas' maximum or minimum, when no gradient goes through them
 _EXTREMES = frozenset(("Max", "Min"))
 # statistics over the rows counted by the rows' values (a class's count of labels)
-_COUNTED_STATISTICS = frozenset(("UnsortedSegmentSum", "DenseBincount", "Bincount", "UniqueWithCounts"))
+# (and the rows pooled by their segment ids: a graph network's readout, tf.math.segment_sum of
+# the nodes of a batch of graphs by each node's graph, a multiple-instance model's bags)
+_SORTED_SEGMENTS = frozenset(("SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd"))
+_COUNTED_STATISTICS = frozenset(("UnsortedSegmentSum", "DenseBincount", "Bincount", "UniqueWithCounts",
+                                 "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd")) | _SORTED_SEGMENTS
 # statistics the replicas sync by summing theirs: a sum over the rows, a product contracting
 # them, the counted ones but the counts of unique values (where their size is fixed)
 _SUMMED_STATISTICS = frozenset(("Sum", "MatMul", "UnsortedSegmentSum", "DenseBincount", "Bincount"))

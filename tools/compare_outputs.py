@@ -133,6 +133,9 @@ def build_inputs(out_dir, keras=False):
     graphs["script_spectral_norm"] = tf1_scripts.spectral_norm_mlp()   # a forward write: mirrored under ps
     graphs["script_bn_cnn_layers_cond"] = tf1_scripts.batch_norm_cnn("layers_cond")[0]   # fused, in a v1 cond
     graphs["script_bn_cnn_renorm_cond_v2"] = tf1_scripts.batch_norm_cnn("renorm_cond_v2")[0]   # two averages, one mean
+    graphs["script_cox_survival"] = tf1_scripts.cox_survival_mlp()   # a running sum along the rows: a head
+    graphs["script_hardest_row"] = tf1_scripts.hardest_row_mlp()   # the argmax row: a note
+    graphs["script_segment_readout"] = tf1_scripts.segment_pooling_mlp()   # nodes pooled by graph: a note
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
     records = tf1_scripts.sparse_feature_records(16)   # a SparseTensor in the batch: fed, and from tf.data

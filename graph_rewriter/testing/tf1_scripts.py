@@ -1318,6 +1318,127 @@ def conditional_update_batches(steps, batch, seed=0):
     return feeds
 
 
+def cox_survival_mlp(kind="pipeline"):
+    """DeepSurv's loss (Katzman et al., 2018), the negative Cox partial log-likelihood:
+    x [None, 4] -> dense 16 (w1), relu, dense 1 (w2), each row's risk ``h[:, 0]``; with
+    the rows sorted by time, latest first, row i's risk set is the rows up to i, so
+    ``loss = -sum((risk - log(cumsum(exp(risk)))) * event) / sum(event)``. ``kind``
+    "pipeline": the input pipeline sorted the batch (a Cumsum); "stable": the same by
+    ``tf.math.cumulative_logsumexp(risk)``; "graph": the graph sorts the rows by
+    ``tf.argsort(time, direction="DESCENDING")`` first; "feature_axis": a control whose
+    running sum runs along each row's two scores (``cumsum(h, axis=1)``), not the rows,
+    and whose loss is the events' squared error of the time on the scores' sum;
+    "linear": the mean of the rows' running sums of their squared errors (over 8), which
+    training only differentiates through (the backward of a Cumsum is a Cumsum of its
+    gradient, reading none of its values).
+    Adam 0.01. Returns the GraphDef (init, train_op, loss:0; feeds x, time, event:
+    cox_survival_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        time = tf1.placeholder(tf.float32, [None], name="time")
+        event = tf1.placeholder(tf.float32, [None], name="event")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 2 if kind == "feature_axis" else 1],
+                              initializer=tf1.glorot_uniform_initializer(seed=3))
+        h = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        if kind == "linear":   # the mean of the rows' running sums of their errors
+            errors = tf.square(h[:, 0] - time)
+            tf.identity(tf.reduce_mean(tf.cumsum(errors)) / 8.0, name="loss")
+        elif kind == "feature_axis":   # a regression of the events' times on the scores' sums
+            risk = tf.reduce_sum(tf.cumsum(h, axis=1), 1)
+            log_risk_set = risk - tf.square(risk - time)
+        else:
+            risk = h[:, 0]
+            if kind == "graph":
+                order = tf.argsort(time, direction="DESCENDING")
+                risk, event = tf.gather(risk, order), tf.gather(event, order)
+            log_risk_set = (tf.math.cumulative_logsumexp(risk) if kind == "stable"
+                            else tf.math.log(tf.cumsum(tf.exp(risk))))
+        if kind != "linear":
+            tf.identity(-tf.reduce_sum((risk - log_risk_set) * event) / tf.reduce_sum(event), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(g.get_tensor_by_name("loss:0"), name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def cox_survival_batches(steps, batch, sort=True, seed=0):
+    """``steps`` feeds for cox_survival_mlp: x, exponential times (sorted latest first,
+    as its "pipeline" and "stable" kinds need, unless not ``sort``) and events (1 with
+    probability 0.7, at least one per replica's shard of up to 4)."""
+    rng = np.random.RandomState(seed)
+    feeds = []
+    for _ in range(steps):
+        time = rng.exponential(size=batch).astype(np.float32)
+        event = (rng.rand(batch) < 0.7).astype(np.float32)
+        event[::2] = 1.0
+        feeds.append({"x:0": rng.randn(batch, 4).astype(np.float32),
+                      "time:0": -np.sort(-time) if sort else time, "event:0": event})
+    return feeds
+
+
+def hardest_row_mlp():
+    """Hard example mining by the hardest row: the mean squared error plus the largest
+    row's error, ``losses[argmax(losses)]`` (an ArgMax along the rows, a gather by it).
+    x [None, 4] -> dense 16 (w1), relu, dense 1 (w2); Adam 0.01. Returns the GraphDef
+    (init, train_op, loss:0; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        _, _, per_example = _per_example_errors(tf, tf1)
+        loss = tf.add(tf.reduce_mean(per_example), tf.gather(per_example, tf.argmax(per_example)), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+SEGMENT_POOLINGS = ("segment_sum", "segment_mean", "segment_max", "unsorted_sum", "unsorted_mean", "unsorted_max")
+GRAPHS_PER_BATCH = 4   # segment_pooling_mlp's graphs (segments) in every batch
+
+
+def segment_pooling_mlp(kind="segment_sum"):
+    """A graph network's readout (DeepChem's GraphGather, tf2_gnn's graph-level pooling)
+    or a multiple-instance model's bags: the batch's rows are the nodes of
+    GRAPHS_PER_BATCH graphs, ``graph`` [None] each node's graph (sorted), pooled
+    after x [None, 4] -> dense 16 (w1), relu by ``kind``: ``segment_*``
+    (tf.math.segment_sum / mean / max, as many segments as the largest id plus one) or
+    ``unsorted_*`` (tf.math.unsorted_segment_*, GRAPHS_PER_BATCH segments); each graph's
+    score (dense 1, w2) against its label ``y`` [GRAPHS_PER_BATCH] (static: fed whole to
+    every replica), sigmoid cross entropy, Adam 0.01. Returns the GraphDef (init,
+    train_op, loss:0; segment_pooling_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        graph = tf1.placeholder(tf.int32, [None], name="graph")
+        y = tf1.placeholder(tf.float32, [GRAPHS_PER_BATCH], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        h = tf.nn.relu(tf.matmul(x, w1))
+        form, reduction = kind.split("_")
+        if form == "segment":
+            pooled = getattr(tf.math, f"segment_{reduction}")(h, graph)
+        else:
+            pooled = getattr(tf.math, f"unsorted_segment_{reduction}")(h, graph, GRAPHS_PER_BATCH)
+        logits = tf.matmul(pooled, w2)[:, 0]
+        tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(g.get_tensor_by_name("loss:0"), name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    if kind not in SEGMENT_POOLINGS:
+        raise ValueError(f"segment_pooling_mlp: unknown kind {kind!r}")
+    return g.as_graph_def()
+
+
+def segment_pooling_batches(steps, batch=8, seed=0):
+    """``steps`` feeds for segment_pooling_mlp: ``batch`` nodes in GRAPHS_PER_BATCH graphs
+    of 3, 2, 2 and 1 nodes at 8 (a graph may span two replicas' shards), labels 0 or 1."""
+    rng = np.random.RandomState(seed)
+    graph = np.repeat(np.arange(GRAPHS_PER_BATCH), [3, 2, 2, 1]).astype(np.int32)
+    return [{"x:0": rng.randn(batch, 4).astype(np.float32), "graph:0": graph,
+             "y:0": (rng.rand(GRAPHS_PER_BATCH) < 0.5).astype(np.float32)} for _ in range(steps)]
+
+
 DP_MICROBATCHES, DP_CLIP = 4, 0.5   # dp_sgd_mlp's microbatches and clipping norm
 
 

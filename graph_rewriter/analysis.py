@@ -1080,6 +1080,15 @@ class _Analyzer:
                 continue
             bad = [t for t in n.inputs if t.node in variant]
             why = f"its input '{bad[0].name}'" if bad else "an input"
+            count = _row_count_only(bad[0], variant) if bad else None
+            if count is not None:
+                raise GraphRewriteError(
+                    f"the update '{n.name}' of variable '{var.name}' reads '{bad[0].name}', computed from the "
+                    f"batch's count of rows ('{count.name}', a {count.op}): each replica counts its own "
+                    f"shard's rows, a share of one device's count, and would update with a different value "
+                    f"(a learning rate scaled by the batch size)",
+                    hint="compute it from the global batch size as a constant (a Python number, "
+                         "tf.constant), which every replica then reads alike")
             condition = _batch_condition(n, variant)
             if condition is not None:
                 raise GraphRewriteError(
@@ -1889,6 +1898,28 @@ def statistic_update_readers(tensor, variables):
         if hit:
             out.append((c, pos))
     return out
+
+
+def _row_count_only(tensor, variant, limit=256):
+    """The Shape, Size or ShapeN through which alone ``tensor`` depends on the batch (a
+    learning rate ``base * tf.cast(tf.shape(x)[0], tf.float32) / 256``), else None: every
+    path back from it through the nodes that vary between replicas ends at one of those."""
+    found, stack, seen = None, [tensor.node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > limit:
+            return None
+        if n.op in ("Shape", "ShapeN", "Size"):
+            found = found or n
+            continue
+        inputs = [t.node for t in n.inputs if t.node in variant]
+        if not inputs:
+            return None   # a batch input itself, or a value that varies otherwise
+        stack.extend(inputs)
+    return found
 
 
 def _batch_condition(write, variant):

@@ -1309,6 +1309,33 @@ def conditional_update_mlp(condition="gradients_finite", control_flow="v2"):
     return g.as_graph_def()
 
 
+def batch_scaled_lr_mlp(kind="momentum"):
+    """The linear scaling rule (Goyal et al., 2017) written in the graph: the learning
+    rate ``0.05 * tf.cast(tf.shape(x)[0], tf.float32) / 8`` ("momentum", 0.9), or Adam's
+    ``0.01 * sqrt(n / 8)`` ("adam"); or ("warmup") a counter of the examples seen,
+    ``assign_add(examples_seen, n)``, and Momentum's rate warmed up over the first 16
+    examples from its value after the step's count. x [None, 4] -> dense 16 (w1), relu,
+    dense 1 (w2), mean squared error. Returns the GraphDef (init, train_op, loss:0;
+    dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        w1, w2, per_example = _per_example_errors(tf, tf1)
+        loss = tf.reduce_mean(per_example, name="loss")
+        n = tf.cast(tf.shape(g.get_tensor_by_name("x:0"))[0], tf.float32)
+        if kind == "warmup":
+            seen = tf1.get_variable("examples_seen", [], initializer=tf1.zeros_initializer(), trainable=False)
+            with tf.control_dependencies([tf1.assign_add(seen, n)]):
+                rate = 0.05 * tf.minimum(1.0, (seen.read_value() + 1.0) / 16.0)
+                tf1.train.MomentumOptimizer(rate, 0.9).minimize(loss, name="train_op")
+        else:
+            opt = (tf1.train.MomentumOptimizer(0.05 * n / 8.0, 0.9) if kind == "momentum"
+                   else tf1.train.AdamOptimizer(0.01 * tf.sqrt(n / 8.0)))
+            opt.minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 def conditional_update_batches(steps, batch, seed=0):
     """dropout_batches with, at the second step, the last row's target 1e20: its squared
     error overflows float32, and the batch's loss and gradients are not finite (one

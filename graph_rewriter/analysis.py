@@ -1120,20 +1120,29 @@ class _Analyzer:
         the count of non-zero weights). A divisor counts when it is a ``Sum`` over every
         axis (``axis=None``), through casts and arithmetic with constants, whose value depends on a
         batch input's values (not only its shape: ``tf.shape(x)[0]`` is the same on every
-        replica) and on no trainable variable, and whose dividend depends on one. Each
+        replica) and on no trainable variable (or, dividing a Sum over every axis, on one
+        only through ops no gradient goes through: self-paced learning divides the sum of
+        the losses it keeps by their count, ``reduce_sum(cast(loss < t))``), and whose
+        dividend depends on one. Each
         replica would divide by its own shard's sum, and averaging the replicas'
         gradients would weight the shards alike, not by their counts."""
         seed_nodes = {t.node for t in seeds}
         trainable = {v.node for v in self.variables.values() if v.trainable}
         out, counts = [], {}   # counts: divisor -> whether it is a sum over the batch's values
 
-        def is_count(divisor):
+        def is_count(divisor, dividend):
             if divisor not in counts:
                 total = _the_sum(divisor.node)
                 reached = _value_ancestors(divisor.node)
-                counts[divisor] = (total is not None and _sums_every_axis(total)
-                                   and not reached & trainable and bool(reached & seed_nodes))
-            return counts[divisor]
+                counts[divisor] = (total is not None and _sums_every_axis(total) and bool(reached & seed_nodes),
+                                   not reached & trainable, not _differentiable_ancestors(divisor.node) & trainable)
+            summed, variable_free, gradient_free = counts[divisor]
+            if not summed or variable_free or not gradient_free:
+                return summed and variable_free
+            # (a count of rows a comparison of the losses keeps divides a sum of them:
+            # not a value the graph goes on to normalise further, as Sinkhorn's codes)
+            total = _the_sum(dividend.node)
+            return total is not None and _sums_every_axis(total)
 
         # (every division by the sum is looked at, not the first one: the backward pass
         # divides the loss's gradient by it too, and comes first in some graphs' order,
@@ -1145,7 +1154,7 @@ class _Analyzer:
             if divisor in out or divisor.node not in variant0 or not dtypes.as_dtype(
                     dtype_of(divisor)).is_floating:
                 continue
-            if is_count(divisor) and _value_ancestors(n.inputs[0].node) & trainable:
+            if is_count(divisor, n.inputs[0]) and _value_ancestors(n.inputs[0].node) & trainable:
                 out.append(divisor)
         return out
 
@@ -2053,6 +2062,27 @@ def _value_ancestors(node):
     are followed, as a loop's output computed from a variable in its body depends on
     that variable."""
     return _value_ancestors_of([node])
+
+
+# ops whose gradient to their inputs is none or zero: comparisons, predicates, rounding
+_NO_GRADIENT = frozenset(("StopGradient", "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual",
+                          "IsFinite", "IsNan", "IsInf", "LogicalAnd", "LogicalOr", "LogicalNot", "ArgMax",
+                          "ArgMin", "Sign", "Floor", "Ceil", "Round"))
+
+
+def _differentiable_ancestors(node):
+    """The nodes ``node``'s value depends on through data edges that a gradient goes
+    through: _value_ancestors, not looking past the ops of _NO_GRADIENT either."""
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        if n.op in _SHAPE_ONLY or n.op in _NO_GRADIENT:
+            continue
+        for t in n.inputs:
+            if t.node not in seen:
+                seen.add(t.node)
+                stack.append(t.node)
+    return seen
 
 
 def _value_ancestors_of(nodes):

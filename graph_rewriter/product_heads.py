@@ -153,7 +153,13 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
             if where == "both":
                 return None, f"'{c.inputs[pos].name}' of its backward is a gradient of rows and of something else"
             if where == "rows":
-                gradients.setdefault(c.inputs[pos], []).append([c.name, pos])
+                t = c.inputs[pos]
+                if not dtypes.as_dtype(dtype_of(t)).is_floating:
+                    # (a gather's backward hands on an IndexedSlices whose reader densifies
+                    # it: its indices and dense shape cross too, and no rows are in them)
+                    return None, (f"its backward hands the rows' backward '{t.name}', no gradient of rows "
+                                  f"(the indices or shape of a gather's sparse gradient, read by '{c.name}')")
+                gradients.setdefault(t, []).append([c.name, pos])
 
     ordered = sorted(head, key=position.get)
     return ProductHead(

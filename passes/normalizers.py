@@ -84,6 +84,7 @@ class NormalizersPass(Pass):
                     mean = previous.output(0)
                 for c, pos in readers:
                     c.set_input(pos, mean)
+                _remove_unread(graph, above[::-1])
             for k, name in enumerate(means, start=len(divisors)):
                 mean = rm.node(graph, i, name)
                 with graph.adding_to_replica(i):
@@ -108,6 +109,16 @@ def _clamped_count(divisor):
     deepest = chain.index(clamped[-1])
     count = next(t for t in clamped[-1].inputs if t.node.op != "Const")
     return count, chain[deepest::-1]
+
+
+def _remove_unread(graph, clamps):
+    """Removes the replica's own clamps of its count (top down) once nothing reads them:
+    left in the graph, fetching one would run the replica's collectives and not the
+    others' (a count of the rows below a threshold that a synced statistic sets)."""
+    for node in clamps:
+        if node.readers():
+            return
+        graph.remove_node(node)
 
 
 def _clamped_over_replicas(graph, above, count, total, r, device):

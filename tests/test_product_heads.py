@@ -339,3 +339,21 @@ def test_between_graph_on_servers(kind, pool, procs, tmp_path):  # noqa: F811
                               _batches(kind), dpw=2)
     for name, tensor in reads.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_a_gather_of_the_ranked_rows_alone_is_noted_not_computed():
+    """``reduce_mean(tf.gather(rows, top_k(rows, k).indices))`` with no other use of the
+    rows' losses: the gather's gradient reaches the rows' backward as an IndexedSlices
+    (its values, indices and dense shape), whose indices and shape hold no rows to hand
+    each replica its own of. The head was formed anyway, and the rewritten step failed
+    at run time ("slice index 0 of dimension 0 out of bounds" in the shape of the sum's
+    gradient); now the head is refused, the ranking noted, and the step runs."""
+    graph_def, want = _reference("hardest_gathered_alone")
+    found = analyze(graph_io.load_graph(graph_def))
+    assert found.product_head is None and "no gradient of rows" in found.product_head_obstacle
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU")
+    [note] = _notes(result)
+    assert "'hardest'" in note
+    with gr.Session(result) as sess:
+        losses, _ = harness.train_and_read(sess, graph_def, _batches("hardest_gathered_alone"))
+    assert max(abs(a - b) for a, b in zip(losses, want[0])) > 1e-2

@@ -1285,6 +1285,23 @@ def _per_example_errors(tf, tf1):
     return w1, w2, tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
 
 
+def self_paced_mlp():
+    """Self-paced learning by the batch's own losses: each step trains on the rows whose
+    squared error is below the batch's mean error, ``keep = cast(loss_i < mean(loss))``
+    (under stop_gradient), ``loss = sum(loss_i * keep) / max(sum(keep), 1)``. x [None,
+    4] -> dense 16 (w1), relu, dense 1 (w2); Adam 0.01. Returns the GraphDef (init,
+    train_op, loss:0; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        _, _, per_example = _per_example_errors(tf, tf1)
+        keep = tf.stop_gradient(tf.cast(per_example < tf.reduce_mean(per_example), tf.float32))
+        loss = tf.divide(tf.reduce_sum(per_example * keep), tf.maximum(tf.reduce_sum(keep), 1.0), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
 def conditional_update_mlp(condition="gradients_finite", control_flow="v2"):
     """A step that skips its update under a condition, in a tf.cond around
     ``apply_gradients`` (``control_flow`` "v1": Switch and Merge; "v2": an If):
@@ -1656,6 +1673,7 @@ ROWS_MEETING = {
     "mixup_hidden": ("moved_rows", ["mixed_h", "mixed_y"]),
     "hardest_rows": ("moved_rows", ["hardest"]),
     "hardest_gathered": ("moved_rows", ["hardest"]),
+    "hardest_gathered_alone": ("moved_rows", ["hardest"]),
     "hardest_entries": ("moved_rows", ["hardest"]),
     "center_loss": ("batch_statistics", ["center"]),
     "mean_features": ("batch_statistics", ["center"]),
@@ -1754,6 +1772,10 @@ def rows_meeting_mlp(kind="plain"):
             k = tf.cast(0.25 * tf.cast(tf.size(rows), tf.float32), tf.int32)
             hardest = tf.gather(rows, tf.nn.top_k(rows, k=k, name="hardest").indices)
             loss = 0.5 * tf.reduce_mean(err) + 0.5 * tf.reduce_mean(hardest)
+        elif kind == "hardest_gathered_alone":   # the same of row sums alone: the gather's gradient stays sparse
+            rows = tf.reduce_sum(err, 1)
+            k = tf.cast(0.25 * tf.cast(tf.size(rows), tf.float32), tf.int32)
+            loss = tf.reduce_mean(tf.gather(rows, tf.nn.top_k(rows, k=k, name="hardest").indices))
         elif kind == "hardest_entries":   # a segmentation's: the 8 largest of every row's every entry's loss
             entries = tf.reshape(tf.square(tf.matmul(h, w2) - y) + 0.01 * tf.square(h), [-1])
             loss = tf.reduce_mean(tf.nn.top_k(entries, k=8, sorted=False, name="hardest").values)

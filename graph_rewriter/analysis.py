@@ -1123,12 +1123,14 @@ class _Analyzer:
         replica) and on no trainable variable (or, dividing a Sum over every axis, on one
         only through ops no gradient goes through: self-paced learning divides the sum of
         the losses it keeps by their count, ``reduce_sum(cast(loss < t))``), and whose
-        dividend depends on one. Each
-        replica would divide by its own shard's sum, and averaging the replicas'
-        gradients would weight the shards alike, not by their counts."""
+        dividend depends on one. Each replica would divide by its own shard's sum, and
+        averaging the replicas' gradients would weight the shards alike, not by their
+        counts."""
         seed_nodes = {t.node for t in seeds}
         trainable = {v.node for v in self.variables.values() if v.trainable}
-        out, counts = [], {}   # counts: divisor -> whether it is a sum over the batch's values
+        # counts: divisor -> (a sum over the batch's values, free of trainable variables,
+        # free of them along the paths a gradient goes through)
+        out, counts = [], {}
 
         def is_count(divisor, dividend):
             if divisor not in counts:
@@ -1408,10 +1410,18 @@ class _Analyzer:
                 out.append(n)
         # (a running sum's backward is a running sum of its gradient, which reads none of
         # its values: it counts where the gradients go through its backward)
-        unread = {n.name: n for n in out if n not in training.value and n.op in _ROW_SCANS}
-        differentiated = {name for (name, _), members in gradient_scopes(self.order, unread).items()
-                          if any(m in training.value for m in members)} if unread else set()
+        differentiated = self._differentiated(
+            {n.name: n for n in out if n not in training.value and n.op in _ROW_SCANS}, training)
         return [n.name for n in out if n in training.value or n.name in differentiated]
+
+    def _differentiated(self, unread, training):
+        """The names of the ``unread`` ops ({name: node}: forward ops whose value no
+        gradient reads) whose backward the gradients go through: a member of its
+        tf.gradients scope is among ``training``'s value ancestors."""
+        if not unread:
+            return set()
+        return {name for (name, _), members in gradient_scopes(self.order, unread).items()
+                if any(m in training.value for m in members)}
 
     def _find_positioned_rows(self, seeds, variant0, training):
         """Forward ops that take rows of the batch by their position in it, whose value
@@ -1451,8 +1461,7 @@ class _Analyzer:
         # rows' losses: their backward reads only the op's shape, not its value, yet
         # decides which rows each gradient comes from)
         unread = {name: n for name, n in candidates.items() if n not in training.value}
-        differentiated = {name for (name, _), members in gradient_scopes(self.order, unread).items()
-                          if any(m in training.value for m in members)} if unread else set()
+        differentiated = self._differentiated(unread, training)
         return ([name for name in candidates if name not in unread],
                 [name for name in candidates if name in differentiated])
 
@@ -1936,7 +1945,7 @@ def _batch_condition(write, variant):
     between replicas through it alone: a v1 cond's Switch of a value the same on every
     replica by a predicate that is not, or a v2 cond's (If, Case) predicate or branch
     index. None otherwise."""
-    if write.op in ("If", "StatelessIf", "Case", "StatelessCase"):
+    if write.op in _CONDS:
         return _strip_identity(write.inputs[0]) if write.inputs[0].node in variant else None
     for t in write.inputs:
         if (t.node in variant and t.node.op in ("Switch", "RefSwitch")
@@ -2073,25 +2082,17 @@ _NO_GRADIENT = frozenset(("StopGradient", "Less", "LessEqual", "Greater", "Great
 def _differentiable_ancestors(node):
     """The nodes ``node``'s value depends on through data edges that a gradient goes
     through: _value_ancestors, not looking past the ops of _NO_GRADIENT either."""
-    stack, seen = [node], {node}
-    while stack:
-        n = stack.pop()
-        if n.op in _SHAPE_ONLY or n.op in _NO_GRADIENT:
-            continue
-        for t in n.inputs:
-            if t.node not in seen:
-                seen.add(t.node)
-                stack.append(t.node)
-    return seen
+    return _value_ancestors_of([node], _SHAPE_ONLY | _NO_GRADIENT)
 
 
-def _value_ancestors_of(nodes):
-    """The union of _value_ancestors over ``nodes``, in one walk."""
+def _value_ancestors_of(nodes, stops=_SHAPE_ONLY):
+    """The union of _value_ancestors over ``nodes``, in one walk (not looking past the
+    ops in ``stops``)."""
     stack = list(nodes)
     seen = set(stack)
     while stack:
         n = stack.pop()
-        if n.op in _SHAPE_ONLY:
+        if n.op in stops:
             continue
         for t in n.inputs:
             if t.node not in seen:
@@ -2499,6 +2500,8 @@ _ROW_SCANS = frozenset(("Cumsum", "Cumprod", "CumulativeLogsumexp"))
 _ROW_ARGS = frozenset(("ArgMax", "ArgMin"))
 _RANKINGS = frozenset(("TopKV2", "TopK")) | _ROW_SOFTMAXES | _ROW_SCANS
 _ROW_SAMPLES = frozenset(("Multinomial", "StatelessMultinomial"))
+# v2 conds: their first input is the predicate or the branch index, not an argument
+_CONDS = frozenset(("If", "StatelessIf", "Case", "StatelessCase"))
 _ROW_MOVES = frozenset(("ReverseV2", "Roll", "RandomShuffle", "GatherV2", "Gather", "StridedSlice")) | _RANKINGS \
     | _ROW_ARGS
 _FUSED_BATCH_NORMS = frozenset(("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"))
@@ -3407,7 +3410,7 @@ def _function_written_args(node, library):
         fn_names += [f.name for f in node.attr["branches"].list.func]
     if not fn_names:
         fn_names = [node.op]
-    offset = 1 if node.op in ("If", "StatelessIf", "Case", "StatelessCase") else 0
+    offset = 1 if node.op in _CONDS else 0
     written = set()
     index, memo = _library_index(node, library)
     for name in fn_names:
@@ -3429,7 +3432,7 @@ def _call_inputs_feeding(node, library, resource_pos):
                 if k in node.attr and node.attr[k].HasField("func")]
     if "branches" in node.attr:
         fn_names += [f.name for f in node.attr["branches"].list.func]
-    offset = 1 if node.op in ("If", "StatelessIf", "Case", "StatelessCase") else 0
+    offset = 1 if node.op in _CONDS else 0
     index, _ = _library_index(node, library)
     out = set()
     for name in fn_names:

@@ -523,9 +523,13 @@ def _mlp_inputs(batch):
     tf, tf1 = _tf()
     x = tf1.placeholder(tf.float32, [batch, 4], name="x")
     y = tf1.placeholder(tf.float32, [batch, 1], name="y")
-    w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-    w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
-    return x, y, w1, w2
+    return (x, y) + _mlp_weights(tf1)
+
+
+def _mlp_weights(tf1, outputs=1):
+    """The MLPs' weights w1 [4, 16] and w2 [16, ``outputs``] (Glorot, seeds 2 and 3)."""
+    return (tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2)),
+            tf1.get_variable("w2", [16, outputs], initializer=tf1.glorot_uniform_initializer(seed=3)))
 
 
 def dropout_batches(steps, batch, seed=0):
@@ -1280,8 +1284,7 @@ def _per_example_errors(tf, tf1):
     (w2) against y [None, 1], the network of dp_sgd_mlp and positioned_loss_mlp."""
     x = tf1.placeholder(tf.float32, [None, 4], name="x")
     y = tf1.placeholder(tf.float32, [None, 1], name="y")
-    w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-    w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+    w1, w2 = _mlp_weights(tf1)
     return w1, w2, tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y), 1)
 
 
@@ -1383,9 +1386,7 @@ def cox_survival_mlp(kind="pipeline"):
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
         time = tf1.placeholder(tf.float32, [None], name="time")
         event = tf1.placeholder(tf.float32, [None], name="event")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 2 if kind == "feature_axis" else 1],
-                              initializer=tf1.glorot_uniform_initializer(seed=3))
+        w1, w2 = _mlp_weights(tf1, 2 if kind == "feature_axis" else 1)
         h = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
         if kind == "linear":   # the mean of the rows' running sums of their errors
             errors = tf.square(h[:, 0] - time)
@@ -1457,8 +1458,7 @@ def segment_pooling_mlp(kind="segment_sum"):
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
         graph = tf1.placeholder(tf.int32, [None], name="graph")
         y = tf1.placeholder(tf.float32, [GRAPHS_PER_BATCH], name="y")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
-        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        w1, w2 = _mlp_weights(tf1)
         h = tf.nn.relu(tf.matmul(x, w1))
         form, reduction = kind.split("_")
         if form == "segment":

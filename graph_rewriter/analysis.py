@@ -1080,7 +1080,9 @@ class _Analyzer:
                 continue
             bad = [t for t in n.inputs if t.node in variant]
             why = f"its input '{bad[0].name}'" if bad else "an input"
-            count = _row_count_only(bad[0], variant) if bad else None
+            # (a rate or a scale, not the indices a custom sparse update computes with tf.range)
+            count = (_row_count_only(bad[0], variant)
+                     if bad and dtypes.as_dtype(dtype_of(bad[0])).is_floating else None)
             if count is not None:
                 raise GraphRewriteError(
                     f"the update '{n.name}' of variable '{var.name}' reads '{bad[0].name}', computed from the "

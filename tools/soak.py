@@ -609,7 +609,10 @@ def soak(strategy, args, work_dir, say):
             entry[f"worker{k}_median_ms"] = times["median_ms"]
         ratio = last["median_ms"] / first["median_ms"]
         judged_by_cpu = args.load_tolerant and disturbed and ratio / speed_ratio > args.max_step_ratio
-        judged = (cpu_ratio if judged_by_cpu else ratio) / speed_ratio
+        # (judged by CPU per step, a machine that seems faster in the last window is no
+        # slowdown of the soak's: the other load that disturbed the run slowed the probe's
+        # first window too, and dividing by it blamed the soak for it)
+        judged = cpu_ratio / max(speed_ratio, 1.0) if judged_by_cpu else ratio / speed_ratio
         step_time[f"client worker{k}"] = {
             "first": first, "last": last, "ratio": ratio, "mean_ratio": last["mean_ms"] / first["mean_ms"],
             "speed_ratio": speed_ratio, "judged_ratio": judged,

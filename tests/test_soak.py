@@ -3,8 +3,8 @@
 What is held (docs/reliability.md, "Soak"): a between-graph run of 1000 steps per
 strategy (ps, then allreduce; 1 ps + 2 workers, one client process per worker) ends
 with the soak tool's exit status 0, and the figures it writes say why: every client's
-step time at the end within 25% of the start, divided by the machine speed probe's
-ratio over the same windows (with --load-tolerant: the soak's CPU per step, so divided,
+step time at the end within twice the start (a gross bound: the other test worker
+runs beside it), divided by the machine speed probe's ratio over the same windows (with --load-tolerant: the soak's CPU per step, so divided,
 when other processes on the machine disturbed the wall time), no
 process's RSS grown by more than the bound after warm-up, nothing left on the servers
 (ps: empty token and init queues, empty accumulators, the step counter at the steps run;
@@ -34,8 +34,13 @@ TOOL_TIMEOUT = 400.0
 # probe's ratio (docs/reliability.md, "Soak"): 1000 steps give windows of about a second,
 # and on these 2-core virtual machines the windows' judged ratio moved between 0.92 and
 # 1.13 over a dozen runs (the raw ratio between 0.80 and 1.33). The tool's own default,
-# 1.10, is for its long runs.
-MAX_STEP_RATIO, MAX_GROWTH_MIB = 1.25, 16.0
+# 1.10, is for its long runs. In the suite the other test worker runs beside the soak:
+# two CI runs of 2026-11-29 saw 0.4-0.8 cores of other load, and under it the soak's own
+# CPU per step moved by 1.27 (allreduce) between windows with nothing changed. So the
+# suite bounds the judged ratio at 2.0, a gross regression (a step that doubles as the
+# steps go on); the 1.25 bound is held by the tool run on a quiet machine
+# (docs/reliability.md, "Soak").
+MAX_STEP_RATIO, MAX_GROWTH_MIB = 2.0, 16.0
 PS_LEFT_BEHIND = {"queue graph_rewriter/tokens/worker_0", "queue graph_rewriter/tokens/worker_1",
                   "queue graph_rewriter/init_done", "step counter graph_rewriter/sync_step"}
 
@@ -73,8 +78,11 @@ def test_soak_short_run_keeps_memory_and_step_time_and_leaves_nothing_behind(tmp
         assert run["steps"] == 1000
         assert all(c["probe_ms"] for c in run["cpu"]), f"{strategy}: no speed probe sample: {run['cpu']}"
         for who, t in run["step_time"].items():
-            ratio = t["ratio"] if t["judged_by"] == "wall time" else run["cpu_ratio"]
-            assert t["judged_ratio"] == pytest.approx(ratio / run["speed_ratio"])
+            wall = t["judged_by"] == "wall time"
+            ratio = t["ratio"] if wall else run["cpu_ratio"]
+            # (judged by CPU per step, a machine that seems faster is no slowdown of the soak's)
+            speed = run["speed_ratio"] if wall else max(run["speed_ratio"], 1.0)
+            assert t["judged_ratio"] == pytest.approx(ratio / speed)
             assert t["judged_ratio"] <= MAX_STEP_RATIO, \
                 f"{strategy} {who}: step time ratio {ratio:.3f}, judged {t['judged_ratio']:.3f}\n{output}"
             assert t["first"]["steps"] == [200, 400] and t["last"]["steps"] == [800, 1000]

@@ -358,7 +358,7 @@ class _Analyzer:
         variant = variant_nodes(seeds, cut_tensors)
         variant -= {n for _, region in regions for n in region}   # the same on every replica, gathered
         self._check_updates_invariant(variant)
-        self._assign_roles(cuts, variant)
+        self._assign_roles(cuts, {t.node for t in seeds})
         # {id(state cut): its readers on the way to its update}, read twice below
         update_readers = {id(c): statistic_update_readers(c.values, c.variables) for c in cuts if c.role == "state"}
         _check_updates_found(cuts, update_readers)
@@ -1755,7 +1755,7 @@ class _Analyzer:
         return met, None
 
     # ---- roles ------------------------------------------------------------------------
-    def _assign_roles(self, cuts, variant):
+    def _assign_roles(self, cuts, batch_nodes):
         for cut in cuts:
             primary = self.variables[cut.variable]
             # A plain assign of one variable from batch data, with no optimizer slots, is
@@ -1769,7 +1769,7 @@ class _Analyzer:
                 # a state fed from the backward pass accumulates gradients (NVIDIA BERT's
                 # accumulators): averaged like them, even a bias's (a Sum over the rows)
                 cut.combine = (None if in_gradients_scope(cut.values.node.name, self.gradient_scopes)
-                               else batch_combine(cut.values))
+                               else batch_combine(cut.values, batch_nodes))
             else:
                 primary.role, primary.trainable = "trainable", True
                 cut.role = "gradient"
@@ -3109,8 +3109,13 @@ _KEEPS_KIND = frozenset(("Cast", "Identity", "Reshape", "Squeeze", "ExpandDims",
 # Ops through which a statistic reaches the loss linearly, given their other operands
 # do not depend on the batch's values (_used_non_linearly).
 _LINEAR = _KEEPS_KIND | frozenset((
-    "Neg", "Add", "AddV2", "Sub", "AddN", "Mul", "RealDiv", "Div", "DivNoNan", "Sum", "Mean", "CheckNumerics"))
+    "Neg", "Transpose", "Add", "AddV2", "Sub", "AddN", "Mul", "RealDiv", "Div", "DivNoNan", "Sum", "Mean",
+    "CheckNumerics"))
 _SUMS = frozenset(("Sum", "Size", "Shape", "ShapeN"))
+# Sums over the rows in other forms: the rows' values summed by their ids, their bins'
+# counts, a scatter of them that adds the duplicates (tf.math.confusion_matrix, and so
+# tf.compat.v1.metrics.mean_iou's running matrix)
+_ROW_TOTALS = frozenset(("UnsortedSegmentSum", "DenseBincount", "Bincount", "ScatterNd"))
 
 # Ops whose output keeps its inputs' rows apart (element i of the output's first axis, or
 # of a reshape of it, comes from row i of the inputs that have rows): a sum over every
@@ -3124,20 +3129,34 @@ _ROW_LOCAL = ELEMENTWISE | _BROADCASTING | _KEEPS_KIND | frozenset((
     "Enter", "Exit"))
 
 
-def batch_combine(values):
+def batch_combine(values, batch_nodes):
     """How the replicas' values of a batch statistic make one device's: "sum" when the
     value is a sum over the rows (``tf.reduce_sum``, and TensorFlow's metrics' running
-    totals) or a count of them (``tf.size``, ``tf.shape(x)[0]``); None (averaged) for
-    anything else, a mean above all (BatchNorm's moments). Walks back through casts and
-    reshapes, and a slice of a shape."""
-    return "sum" if summed_op(values).op in _SUMS else None
+    totals), a count of them (``tf.size``, ``tf.shape(x)[0]``), or a sum in another form
+    (_ROW_TOTALS; a matrix product contracting the rows of two batch tensors, VQ-VAE's
+    codebook sums ``z^T one_hot(code)``); None (averaged) for anything else, a mean
+    above all (BatchNorm's moments). Walks back through casts, reshapes and transposes,
+    and a slice of a shape. ``batch_nodes``: the batch inputs."""
+    n = summed_op(values)
+    if n.op == "MatMul":
+        return "sum" if _contracts_rows(n, batch_nodes) else None
+    return "sum" if n.op in _SUMS or n.op in _ROW_TOTALS else None
+
+
+def _contracts_rows(matmul, batch_nodes):
+    """True for ``tf.matmul(a, b, transpose_a=True)`` of two tensors whose first axis
+    is the batch's rows: the sum over the rows of their products (not the outer
+    product of two means over the rows, ``[1, d]`` each)."""
+    return matmul.attr["transpose_a"].b and not matmul.attr["transpose_b"].b and all(
+        _reaches_rows(t, batch_nodes, strict=True) for t in matmul.inputs)
 
 
 def summed_op(values):
     """The op a value passes on unchanged in kind (batch_combine's walk back through
-    casts, reshapes and a slice of a shape)."""
+    casts, reshapes, transposes and a slice of a shape)."""
     n = values.node
-    while n.op in _KEEPS_KIND or (n.op == "StridedSlice" and n.inputs[0].node.op in ("Shape", "ShapeN")):
+    while n.op in _KEEPS_KIND or n.op == "Transpose" or (
+            n.op == "StridedSlice" and n.inputs[0].node.op in ("Shape", "ShapeN")):
         n = n.inputs[0].node
     return n
 

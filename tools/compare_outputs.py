@@ -140,6 +140,8 @@ def build_inputs(out_dir, keras=False):
     graphs["script_skip_on_loss"] = tf1_scripts.conditional_update_mlp("loss_finite")   # refused: the loss decides
     graphs["script_skip_on_gradients"] = tf1_scripts.conditional_update_mlp("gradients_finite", "v1")
     graphs["script_self_paced"] = tf1_scripts.self_paced_mlp()   # a count a comparison keeps: a normalizer
+    graphs["script_vq_vae_ema"] = tf1_scripts.vq_vae_ema()   # a codebook from two stored sums: summed
+    graphs["script_mean_iou"] = tf1_scripts.stored_totals_classifier("mean_iou")   # a confusion matrix: summed
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
     records = tf1_scripts.sparse_feature_records(16)   # a SparseTensor in the batch: fed, and from tf.data

@@ -325,6 +325,116 @@ def counts_script():
     return graph.as_graph_def()
 
 
+# stored_totals_classifier's totals: sums over the batch's rows in forms other than
+# tf.reduce_sum, each stored by an assign_add of a non-trainable variable
+STORED_TOTALS = ("matmul", "segment_sum", "bincount", "confusion_matrix", "mean_iou")
+
+
+def stored_totals_classifier(total):
+    """A softmax classifier on x [None, 4], y [None] (int32, 3 classes), trained by SGD,
+    whose step also adds a sum over the batch's rows to a non-trainable variable
+    ``total`` (or, for "mean_iou", tf.compat.v1.metrics.mean_iou's running
+    confusion matrix, a local variable): "matmul", the features summed per predicted
+    class, ``tf.matmul(x, one_hot(pred), transpose_a=True)`` (VQ-VAE's codebook sums);
+    "segment_sum", the same by ``tf.math.unsorted_segment_sum(x, pred, 3)``, transposed;
+    "bincount", the labels' counts by ``tf.math.bincount`` of a fixed size;
+    "confusion_matrix", ``tf.math.confusion_matrix(y, pred, 3)`` (a ScatterNd of ones);
+    "mean_outer", no total: the outer product of the batch's mean features with itself
+    (``matmul(m, m, transpose_a=True)``, m [1, 4]), a statistic over the rows. Run "init" (it initialises the local variables too). Returns the GraphDef."""
+    tf, tf1 = _tf()
+    classes = 3
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        w = tf1.get_variable("w", [4, classes], initializer=tf1.glorot_uniform_initializer(seed=2))
+        logits = tf.matmul(x, w)
+        pred = tf.argmax(logits, 1, output_type=tf.int32)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        shape = {"bincount": [classes], "confusion_matrix": [classes, classes], "mean_outer": [4, 4]}.get(
+            total, [4, classes])
+        mean = tf.reduce_mean(x, 0, keepdims=True)
+        if total == "mean_iou":
+            _, update = tf1.metrics.mean_iou(y, pred, classes)
+        else:
+            value = {
+                "matmul": lambda: tf.matmul(x, tf.one_hot(pred, classes), transpose_a=True),
+                "segment_sum": lambda: tf.transpose(tf.math.unsorted_segment_sum(x, pred, classes)),
+                "bincount": lambda: tf.math.bincount(y, minlength=classes, maxlength=classes),
+                "confusion_matrix": lambda: tf.math.confusion_matrix(y, pred, classes),
+                "mean_outer": lambda: tf.matmul(mean, mean, transpose_a=True),
+            }[total]()
+            update = tf1.get_variable("total", shape, initializer=tf1.zeros_initializer(), trainable=False).assign_add(
+                tf.cast(value, tf.float32))
+        minimize = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        tf.group(minimize, update, name="train_op")
+        tf1.variables_initializer(tf1.global_variables() + tf1.local_variables(), name="init")
+    return graph.as_graph_def()
+
+
+def labelled_batches(steps, batch, features=4, classes=3, seed=0):
+    """``steps`` feeds of ``batch`` rows: x [batch, features] float32, y [batch] int32
+    labels below ``classes`` (stored_totals_classifier)."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, features).astype(np.float32),
+             "y:0": rng.randint(0, classes, batch).astype(np.int32)} for _ in range(steps)]
+
+
+def vq_vae_ema(zero_debias=True):
+    """A VQ-VAE whose codebook learns by exponential moving averages, as sonnet v1's
+    VectorQuantizerEMA (van den Oord et al., 2017, appendix A.1) computes it: an encoder
+    x [None, 6] -> z [rows, 4], each row's nearest of 6 codes, the straight-through
+    quantised z decoded back, loss = reconstruction MSE + 0.25 x commitment. The step
+    moves ``vq/ema_cluster_size`` towards the codes' counts in the batch
+    (``reduce_sum(one_hot(code), 0)``) and ``vq/ema_dw`` towards the rows summed per code
+    (``matmul(z, one_hot(code), transpose_a=True)``) by assign_moving_average
+    (``zero_debias`` as sonnet passes it, TF1's default), then assigns the codebook
+    their Laplace-smoothed ratio before the loss is computed. Adam on the encoder and
+    decoder. Returns the GraphDef."""
+    tf, tf1 = _tf()
+    from tensorflow.python.training import moving_averages
+    dim, codes, decay, eps = 4, 6, 0.9, 1e-5
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 6], name="x")
+        encoder = tf1.get_variable("enc", [6, dim], initializer=tf1.glorot_uniform_initializer(seed=2))
+        decoder = tf1.get_variable("dec", [dim, 6], initializer=tf1.glorot_uniform_initializer(seed=3))
+        z = tf.matmul(x, encoder)
+        with tf1.variable_scope("vq"):
+            codebook = tf1.get_variable("embedding", [dim, codes], initializer=tf1.random_normal_initializer(seed=4),
+                                        trainable=False)
+            cluster_size = tf1.get_variable("ema_cluster_size", [codes], initializer=tf1.zeros_initializer(),
+                                            trainable=False)
+            dw = tf1.get_variable("ema_dw", [dim, codes], initializer=tf1.random_normal_initializer(seed=4),
+                                  trainable=False)
+        distances = (tf.reduce_sum(z ** 2, 1, keepdims=True) - 2 * tf.matmul(z, codebook)
+                     + tf.reduce_sum(codebook ** 2, 0, keepdims=True))
+        code = tf.argmax(-distances, 1)
+        encodings = tf.one_hot(code, codes)
+        quantized = tf.nn.embedding_lookup(tf.transpose(codebook), code)
+        commitment = tf.reduce_mean((tf.stop_gradient(quantized) - z) ** 2)
+        new_size = moving_averages.assign_moving_average(
+            cluster_size, tf.reduce_sum(encodings, 0), decay, zero_debias=zero_debias)
+        new_dw = moving_averages.assign_moving_average(
+            dw, tf.matmul(z, encodings, transpose_a=True), decay, zero_debias=zero_debias)
+        n = tf.reduce_sum(new_size)
+        smoothed = (new_size + eps) / (n + codes * eps) * n
+        with tf.control_dependencies([commitment]):
+            with tf.control_dependencies([codebook.assign(new_dw / tf.reshape(smoothed, [1, -1]))]):
+                vq_loss = 0.25 * commitment
+        decoded = tf.matmul(z + tf.stop_gradient(quantized - z), decoder)
+        loss = tf.identity(tf.reduce_mean(tf.square(decoded - x)) + vq_loss, name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return graph.as_graph_def()
+
+
+def vq_batches(steps, batch, seed=0):
+    """``steps`` feeds of ``batch`` rows x [batch, 6] for vq_vae_ema."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, 6).astype(np.float32)} for _ in range(steps)]
+
+
 SEQ_STEPS, SEQ_VOCAB = 5, 7
 
 

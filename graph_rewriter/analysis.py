@@ -2468,11 +2468,27 @@ def _keeps_rows_in_order(n):
 
 def _groups_rows(reshape, static=()):
     """True for a Reshape to ``[k, ...]`` with a constant k > 0 (``[n_way, -1, d]``): the
-    input's rows, taken in order, go into k groups by their position in the batch. With
-    a static batch B (``static``), ``[B, -1]`` keeps the rows (TensorFlow's CIFAR-10
-    tutorial flattens its features so): none."""
-    first = _leading_constant(reshape.inputs[1])
+    input's rows, taken in order, go into k groups by their position in the batch. So
+    does ProGAN's and StyleGAN's minibatch standard deviation, ``[tf.minimum(4,
+    tf.shape(x)[0]), -1, ...]`` (row i joins the rows i + M, i + 2M, ...). With a static
+    batch B (``static``), ``[B, -1]`` keeps the rows (TensorFlow's CIFAR-10 tutorial
+    flattens its features so): none."""
+    first = _leading_group_count(reshape.inputs[1])
     return first is not None and first > 0 and first not in static and not _keeps_first_axis(reshape)
+
+
+def _leading_group_count(shape):
+    """The first entry of a shape vector when it is a constant, packed or not, or a
+    constant clamped by ``tf.minimum`` (a group size no larger than the batch); else None."""
+    first = _leading_constant(shape)
+    n = _strip_identity(shape).node
+    if first is None and n.op == "Pack" and n.inputs:
+        entry = _strip_identity(n.inputs[0]).node
+        if entry.op == "Minimum":
+            entry = next((t.node for t in entry.inputs if _int_const(t) is not None), entry)
+        value = _int_const(entry.output(0)) if entry.op == "Const" else None
+        first = value[0] if value and len(value) == 1 else None
+    return first
 
 
 def _keeps_first_axis(reshape):

@@ -6,7 +6,8 @@ A pass is a small object with a ``name`` and a declared contract:
 - ``after``: the passes that must have run before it when both run (its reason for
   each is in its docstring), torch.fx-style ordering constraints;
 - ``applies(ctx)``: whether this rewrite needs it, decided from the plan, the options
-  and the cluster once the plan exists.
+  and the cluster once the plan exists; ``applies_to(graph, ctx)``, for a pass whose
+  need may show in the graph alone (a v2 cond that takes rows by position), narrows it.
 ``run(graph, ctx)`` mutates the GraphItem and returns whether it changed anything; it
 keeps nothing on ``self``. The pass manager knows nothing about any one pass: it refuses
 an order that breaks a declaration, skips the passes the plan does not need, runs the
@@ -34,6 +35,11 @@ class Pass:
     def applies(self, ctx):
         """Whether this rewrite needs the pass (ctx.plan is set by then)."""
         return True
+
+    def applies_to(self, graph, ctx):
+        """Whether this rewrite of ``graph`` needs the pass: applies(ctx) unless a pass
+        looks at the graph too. A pass skipped is not listed in the graph's metadata."""
+        return self.applies(ctx)
 
     def run(self, graph, ctx):
         raise NotImplementedError
@@ -108,7 +114,7 @@ class PassManager:
         done = []
         changed = False
         for p in self.passes:
-            if not p.applies(ctx):
+            if not p.applies_to(graph, ctx):
                 ctx.info(f"pass {p.name:<18} skipped: this plan does not need it")
                 continue
             start = time.perf_counter()

@@ -65,6 +65,8 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
             continue
         head.add(n)
         stack.extend(c for c, _ in n.consumers() if not in_backward(c.name, scopes))
+    for t in [t for n in head for t in n.inputs if t.node not in head]:
+        head |= branch_back_to_switches(t, head, variant0, seed_nodes)
     for n in sorted(head, key=position.get):
         if n.name in elsewhere:
             return None, f"'{n.name}' in it is rewritten for another reason ({elsewhere[n.name]})"
@@ -105,8 +107,9 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
     # the backward of the head and of the ops it computes again (a gradient through the
     # copy of ``tf.expand_dims(norms, 0)`` is the gradient of the gathered norms)
     backward = set()
-    for members in gradient_scopes(order, {n.name: n for n in head | chain}).values():
+    for members in gradient_scopes(order, lowered_conds_named({n.name: n for n in head | chain})).values():
         backward.update(members)
+    backward |= untaken_branch_zeros(backward, head, gathered, scopes)
     for b in sorted(backward, key=position.get):
         for pos, t in enumerate(b.inputs):
             if t.node in backward or t.node in head:
@@ -169,6 +172,80 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
         count_leaves=names_in_order(leaves, position),
         copied=tensors_in_order(copied, position),
         gradients=tensors_in_order(gradients, position)), None
+
+
+def branch_back_to_switches(t, head, variant0, seed_nodes, limit=256):
+    """The ops from ``t`` back to the Switches it is computed from when ``t`` is a value
+    of the batch computed in a branch of a v1 cond whose predicate is the same on every
+    replica (DANN's ``tf.cond(train, lambda: tf.slice(feature, [0, 0], [B // 2, -1]),
+    lambda: feature)``), so that the head computes the branch itself from what the
+    Switches take: gathered, a Switch's output in the branch not taken would be a dead
+    tensor, which no collective gathers. Empty for a value computed outside any cond (the
+    walk back ends at the batch or at an earlier cond's Merge)."""
+    found, stack, switched = set(), [t.node], False
+    while stack:
+        n = stack.pop()
+        if n in found or n in head:
+            continue
+        if n.op in ("Switch", "RefSwitch"):
+            if n.inputs[1].node in variant0:
+                return set()   # (a cond the batch decides: not the head's)
+            found.add(n)
+            switched = True
+            continue
+        if n in seed_nodes or n.op in ("Merge", "RefMerge", "Enter", "Exit", "NextIteration") or len(found) > limit:
+            return set()
+        found.add(n)
+        stack.extend(i.node for i in n.inputs if i.node in variant0 or i.node in seed_nodes)
+    return found if switched else set()
+
+
+def lowered_conds_named(named):
+    """``named`` ({name: node}) with the name of each v2 cond that passes/lower_conds.py
+    lowered in it (its ops are ``<cond>/then/...`` and ``<cond>/else/...``): the
+    backward of that cond, lowered with it, is named in the cond's gradient scope
+    (``gradients/<cond>_grad/...``), and the cond is no op of the graph any more."""
+    out = dict(named)
+    for name, n in named.items():
+        for branch in ("/then/", "/else/"):
+            k = name.find(branch)
+            if k > 0:
+                out.setdefault(name[:k], n)
+    return out
+
+
+# the ops of tf.gradients' zeros for a v1 cond's branch not taken
+_ZEROS_OPS = frozenset(("Switch", "Identity", "Shape", "Fill", "Const", "ZerosLike"))
+
+
+def untaken_branch_zeros(backward, head, gathered, scopes):
+    """The ops of tf.gradients' zeros that the backward of a head's v1 cond reads: the
+    gradient of a Switch is a Merge of its two outputs' gradients, and the output no
+    gradient reaches (its branch's) gets the zeros of ``Fill(Shape(Switch(input)))``,
+    named at the root of the gradients scope, not the Switch's. Where that Switch reads
+    rows the head takes, those zeros are the head's too (of every replica's rows: the
+    Merge adds them to the rows' gradient)."""
+    from graph_rewriter.analysis import in_backward
+    found = set()
+    for b in backward:
+        for t in b.inputs:
+            zeros, stack = set(), [t.node]
+            while stack is not None and stack:
+                n = stack.pop()
+                if n in backward or n in zeros:
+                    continue
+                if n.op not in _ZEROS_OPS or not in_backward(n.name, scopes):
+                    stack = None
+                    break
+                zeros.add(n)
+                if n.op == "Switch":
+                    if not (n.inputs[0] in gathered or n.inputs[0].node in head):
+                        stack = None
+                else:
+                    stack.extend(i.node for i in n.inputs)
+            if stack is not None and any(n.op == "Switch" for n in zeros):
+                found |= zeros
+    return found
 
 
 def holds_batch_rows(t, seed_nodes):

@@ -25,12 +25,21 @@ Inlined nodes are named ``<if>/then/<body node>`` and ``<if>/else/<body node>`` 
 own ``gradients/`` scope becomes ``grad/``, so the backward ops stay in the scope of the
 tf.gradients call that built the backward ``If``). ``ctx.lowered_statistics`` maps the
 analysis' name of a statistic in a function (``call:function:node``) to its lowered
-node's name, so the option and the plan's notes name it either way. Nothing else is
-lowered: a graph without such a cond is unchanged.
+node's name, so the option and the plan's notes name it either way.
+
+A v2 cond whose branch slices or splits a value of the batch's rows is lowered too,
+whatever the options (DANN's label predictor on the source rows, ``tf.cond(train,
+lambda: tf.slice(feature, [0, 0], [B // 2, -1]), lambda: feature)``): the analysis reads
+the graph, not functions, and lowered, those rows taken by position start a product
+head (graph_rewriter/product_heads.py). Its backward If needs only the cond's inputs,
+not its intermediates, so it is found by its gradient scope (``gradients/<cond>_grad/``).
+Nothing else is lowered: a graph without such a cond is unchanged.
 """
 
+import re
+
 from graph_rewriter import opdefs
-from graph_rewriter.analysis import analyze
+from graph_rewriter.analysis import _reaches_rows, analyze
 from graph_rewriter.ir import COLOCATION_ATTR
 from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
@@ -47,23 +56,40 @@ class LowerCondsPass(Pass):
     after = frozenset({"saver"})
 
     def applies(self, ctx):
-        given = ctx.plan is not None and ctx.plan.sync_batch_statistics
-        return ctx.num_replicas > 1 and bool(ctx.options.sync_batch_statistics or given)
+        return ctx.num_replicas > 1 and _syncs_statistics(ctx)
+
+    def applies_to(self, graph, ctx):
+        if ctx.num_replicas < 2:
+            return False
+        return _syncs_statistics(ctx) or bool(_positional_ifs(graph, _functions(graph)))
 
     def run(self, graph, ctx):
         ctx.lowered_statistics = {}
-        functions = {f.signature.name: f for f in graph.library.function} if graph.library is not None else {}
+        functions = _functions(graph)
+        ifs = [n for n in graph.nodes if n.op in _IFS]
+        positional = _positional_ifs(graph, functions)
+        analysis = analyze(graph, ctx.options.gradients)
         statistics = {}   # call -> [(function, body node, analysis name)]
-        for name in analyze(graph, ctx.options.gradients).batch_statistics:
-            if name.count(":") == 2:
-                call, function, node = name.split(":")
-                statistics.setdefault(call, []).append((function, node, name))
+        if _syncs_statistics(ctx):
+            for name in analysis.batch_statistics:
+                if name.count(":") == 2:
+                    call, function, node = name.split(":")
+                    statistics.setdefault(call, []).append((function, node, name))
+        rows = {t.node for t in analysis.batch_inputs}
+        taking = [c.name for c in positional if any(_reaches_rows(t, rows, strict=True) for t in c.inputs[1:])]
+        holding = ["batch statistics"] * bool(statistics) + ["rows taken by position"] * bool(taking)
+        for name in taking:
+            statistics.setdefault(name, [])
         added, dropped, lowered, calls, renames = [], [], [], [], {}
         for call_name, found in statistics.items():
             call = graph.get(call_name)
             if call is None or not _lowerable(call, functions):
                 continue   # the plan refuses the statistic, naming the function it is in
-            backward = [g for g in dict.fromkeys(c for c, _ in call.consumers())
+            # (the backward If reads the forward's intermediates, or, where it needs none,
+            # only the forward's inputs: then its gradient scope's name tells it)
+            scope = re.compile(r"(?:^|/)gradients(?:_\d+)?/" + re.escape(call.name) + "_grad/")
+            candidates = [c for c, _ in call.consumers()] + [g for g in ifs if scope.search(g.name)]
+            backward = [g for g in dict.fromkeys(candidates)
                         if g.op in _IFS and g.inputs[0] == call.inputs[0] and _lowerable(g, functions)]
             branch_of = {call.attr[attr].func.name: branch for branch, attr, _ in _BRANCHES}
             shared = {}
@@ -80,11 +106,52 @@ class LowerCondsPass(Pass):
             return False
         graph.remove_nodes(calls)   # (at once: each removal rebuilds the graph's name table)
         graph.rename_nodes(renames)
-        ctx.info(f"lower_conds: {len(lowered)} v2 cond(s) holding batch statistics lowered to Switch and Merge: "
+        ctx.info(f"lower_conds: {len(lowered)} v2 cond(s) holding {' or '.join(holding)} lowered to Switch and Merge: "
                  + ", ".join(lowered[:3]) + (f" and {len(lowered) - 3} more" if len(lowered) > 3 else ""))
         _bypass_optionals(graph, added)
         _remove_unread(graph, added + dropped)
         return True
+
+
+def _syncs_statistics(ctx):
+    given = ctx.plan is not None and ctx.plan.sync_batch_statistics
+    return bool(ctx.options.sync_batch_statistics or given)
+
+
+def _functions(graph):
+    return {f.signature.name: f for f in graph.library.function} if graph.library is not None else {}
+
+
+def _positional_ifs(graph, functions):
+    """The v2 conds whose branch slices or splits a value of its arguments."""
+    return [n for n in graph.nodes if n.op in _IFS and _branches_take_positions(n, functions)]
+
+
+# ops that may take rows by their position (analysis._POSITIONAL, but for a Reshape: a
+# branch's own reshapes rarely group rows, and Keras' conds have many)
+_TAKES_POSITIONS = frozenset(("Split", "SplitV", "Slice", "StridedSlice"))
+_SHAPES = frozenset(("Shape", "ShapeN", "Size", "Rank"))
+
+
+def _branches_take_positions(call, functions):
+    """True if a branch of the If ``call`` slices or splits a value computed from one of
+    its arguments (not from a shape of one): DANN's ``tf.cond(train, lambda:
+    tf.slice(feature, [0, 0], [B // 2, -1]), lambda: feature)``. The analysis looks at
+    the graph, not into functions; lowered, the cond's rows taken by position are the
+    graph's, and the product head computes them from every replica's rows."""
+    for _, attr, _ in _BRANCHES:
+        fn = functions.get(call.attr[attr].func.name)
+        if fn is None:
+            continue
+        reached = {a.name for a in fn.signature.input_arg}
+        for nd in _body_order(fn):
+            reads = [i.split(":")[0] for i in nd.input if not i.startswith("^")]
+            if nd.op in _SHAPES or not any(r in reached for r in reads):
+                continue
+            if nd.op in _TAKES_POSITIONS:
+                return True
+            reached.add(nd.name)
+    return False
 
 
 def _lowerable(call, functions):

@@ -8,7 +8,10 @@ groups class by class, then averages into one prototype per class that every que
 compared with. Before, the first two were noted (0.22 from one device in the loss at 2
 replicas) and the prototypes were neither noted nor one device's (0.73 in the loss
 after three episodes at 2 replicas: each replica's reshape grouped its own rows, of
-other classes). Now such an op starts a head, as an in-batch product does
+other classes). ProGAN's and StyleGAN's minibatch standard deviation groups the rows by
+``tf.reshape(h, [tf.minimum(4, tf.shape(h)[0]), -1, d])``: its group count was no
+constant, so nothing was found, and 2 replicas trained 0.016 from one device in the
+loss with no note. Now such an op starts a head, as an in-batch product does
 (graph_rewriter/product_heads.py): every replica gathers the rows it reads, in replica
 order (one device's batch), computes the rest of the forward pass from them, and keeps
 its own rows' gradients, so R replicas train as one device.
@@ -22,8 +25,8 @@ from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
 from graph_rewriter.planner import ROWS_MEET_START
 from graph_rewriter.testing import harness
-from graph_rewriter.testing.tf1_scripts import (dropout_batches, prototypical_network, prototypical_episodes,
-                                                rows_meeting_mlp)
+from graph_rewriter.testing.tf1_scripts import (dropout_batches, minibatch_stddev_mlp, prototypical_network,
+                                                prototypical_episodes, rows_meeting_mlp)
 
 RTOL, ATOL = 1e-5, 1e-6
 # the graphs, their batches, and the op that takes rows by position
@@ -31,6 +34,7 @@ MODELS = {
     "halves": (lambda: rows_meeting_mlp("halves"), lambda: dropout_batches(3, 16), "halves"),
     "first_rows": (lambda: rows_meeting_mlp("first_rows"), lambda: dropout_batches(3, 16), "first/strided_slice_1"),
     "prototypes": (prototypical_network, lambda: prototypical_episodes(3), "prototypes/grouped"),
+    "minibatch_stddev": (minibatch_stddev_mlp, lambda: dropout_batches(3, 16), "minibatch_stddev/grouped"),
 }
 
 

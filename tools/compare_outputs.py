@@ -142,6 +142,9 @@ def build_inputs(out_dir, keras=False):
     graphs["script_self_paced"] = tf1_scripts.self_paced_mlp()   # a count a comparison keeps: a normalizer
     graphs["script_vq_vae_ema"] = tf1_scripts.vq_vae_ema()   # a codebook from two stored sums: summed
     graphs["script_mean_iou"] = tf1_scripts.stored_totals_classifier("mean_iou")   # a confusion matrix: summed
+    graphs["script_dann_v1"] = tf1_scripts.dann("override", "v1")   # rows by position in a v1 cond: a head
+    graphs["script_dann_v2"] = tf1_scripts.dann("custom", "v2")   # in a v2 cond: lowered, a head
+    graphs["script_minibatch_stddev"] = tf1_scripts.minibatch_stddev_mlp()   # rows grouped by a clamped count
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
     records = tf1_scripts.sparse_feature_records(16)   # a SparseTensor in the batch: fed, and from tf.data

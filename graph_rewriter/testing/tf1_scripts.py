@@ -435,6 +435,83 @@ def vq_batches(steps, batch, seed=0):
     return [{"x:0": rng.randn(batch, 6).astype(np.float32)} for _ in range(steps)]
 
 
+DANN_BATCH = 8
+
+
+def dann(flip="override", control_flow="v2", slicing="slice"):
+    """Domain-adversarial training (Ganin et al., 2016) as pumpikano/tf-dann's MNIST model
+    writes it: one batch x [None, 4] whose first DANN_BATCH // 2 rows are source and
+    the rest target examples, labels y [None, 3] (one-hot) and domains [None, 2]; a
+    feature layer, a label predictor on the source rows only, taken behind
+    ``tf.cond(train, lambda: tf.slice(feature, [0, 0], [DANN_BATCH // 2, -1]), lambda:
+    feature)`` (``slicing`` "strided": ``feature[:DANN_BATCH // 2]``; "whole": every row,
+    no label loss on the source rows alone: a control; "flatten": every row, reshaped as
+    Keras' Flatten does, ``tf.reshape(t, [tf.shape(t)[0], -1])``) with ``train`` a
+    placeholder_with_default(True), and a domain classifier on every row through a
+    gradient reversal layer (``flip`` "override": ``gradient_override_map`` of an
+    Identity, as the repository does; "custom": ``tf.custom_gradient``). loss = label
+    loss + domain loss; Momentum. ``control_flow`` "v1" or "v2" builds the conds so
+    (TF1's Switch and Merge, or an If). Returns the GraphDef (init, train_op, loss:0;
+    dann_batches)."""
+    tf, tf1 = _tf()
+    from graph_rewriter.testing.models import ControlFlow
+    half = DANN_BATCH // 2
+    graph = tf.Graph()
+    gradient_name = f"DannFlip{flip}"
+
+    def reversed_gradient(x):
+        if flip == "custom":
+            @tf.custom_gradient
+            def reverse(v):
+                return tf.identity(v), lambda dy: -0.5 * dy
+            return reverse(x)
+        with graph.gradient_override_map({"Identity": gradient_name}):
+            return tf.identity(x)
+
+    if flip == "override":
+        try:
+            tf.RegisterGradient(gradient_name)(lambda op, grad: [-0.5 * grad])
+        except KeyError:
+            pass   # (registered by an earlier build in this process)
+    with graph.as_default(), ControlFlow(control_flow):
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 3], name="y")
+        domain = tf1.placeholder(tf.float32, [None, 2], name="domain")
+        train = tf1.placeholder_with_default(True, [], name="train")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        feature = tf.nn.relu(tf.matmul(x, w1))
+
+        def source(t):
+            if slicing == "flatten":
+                return tf.reshape(t, [tf.shape(t)[0], -1])
+            if slicing == "whole":
+                return tf.identity(t)
+            return tf.slice(t, [0, 0], [half, -1]) if slicing == "slice" else t[:half]
+
+        features = tf.cond(train, lambda: source(feature), lambda: feature)
+        labels = tf.cond(train, lambda: source(y), lambda: y)
+        wl = tf1.get_variable("wl", [16, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
+        label_loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+            labels=labels, logits=tf.matmul(features, wl)))
+        wd = tf1.get_variable("wd", [16, 2], initializer=tf1.glorot_uniform_initializer(seed=4))
+        domain_loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+            labels=domain, logits=tf.matmul(reversed_gradient(feature), wd)))
+        loss = tf.identity(label_loss + domain_loss, name="loss")
+        tf1.train.MomentumOptimizer(0.05, 0.9).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return graph.as_graph_def()
+
+
+def dann_batches(steps, seed=0):
+    """``steps`` feeds for dann: DANN_BATCH rows, source then target (shifted by 1)."""
+    rng = np.random.RandomState(seed)
+    half = DANN_BATCH // 2
+    domains = np.vstack([np.tile([1.0, 0.0], [half, 1]), np.tile([0.0, 1.0], [half, 1])]).astype(np.float32)
+    return [{"x:0": np.vstack([rng.randn(half, 4), rng.randn(half, 4) + 1]).astype(np.float32),
+             "y:0": np.eye(3)[rng.randint(0, 3, DANN_BATCH)].astype(np.float32), "domain:0": domains}
+            for _ in range(steps)]
+
+
 SEQ_STEPS, SEQ_VOCAB = 5, 7
 
 
@@ -1632,6 +1709,35 @@ def dp_sgd_mlp(loop="unrolled", noise=0.0):
         tf1.train.GradientDescentOptimizer(0.1).apply_gradients(list(zip(grads, [w1, w2])), name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")
     return g.as_graph_def()
+
+
+def minibatch_stddev_mlp(group_size=4):
+    """A discriminator with ProGAN's and StyleGAN's minibatch standard deviation layer
+    (Karras et al., 2018; their public TF1 code's ``minibatch_stddev_layer``, on an MLP's
+    features): the rows in groups of ``tf.minimum(group_size, tf.shape(h)[0])`` taken
+    by position (``tf.reshape(h, [G, -1, 16])``: row i with rows i + M, i + 2M, ...), each
+    group's standard deviation per feature averaged into one feature, tiled back to
+    every row of the group and concatenated; then a linear output, MSE to y; Adam. x
+    [None, 4], y [None, 1] (dropout_batches). Returns the GraphDef."""
+    tf, tf1 = _tf()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        h = tf.nn.relu(tf.matmul(x, w1))
+        with tf.name_scope("minibatch_stddev"):
+            groups = tf.minimum(group_size, tf.shape(h)[0])
+            grouped = tf.reshape(h, [groups, -1, 16], name="grouped")
+            centred = grouped - tf.reduce_mean(grouped, axis=0, keepdims=True)
+            stddev = tf.sqrt(tf.reduce_mean(tf.square(centred), axis=0) + 1e-8)
+            feature = tf.tile(tf.reduce_mean(stddev, axis=1, keepdims=True), [groups, 1])
+            h = tf.concat([h, feature], 1)
+        w2 = tf1.get_variable("w2", [17, 1], initializer=tf1.glorot_uniform_initializer(seed=3))
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return graph.as_graph_def()
 
 
 def positioned_loss_mlp(kind):

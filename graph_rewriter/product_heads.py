@@ -182,6 +182,8 @@ def branch_back_to_switches(t, head, variant0, seed_nodes, limit=256):
     Switches take: gathered, a Switch's output in the branch not taken would be a dead
     tensor, which no collective gathers. Empty for a value computed outside any cond (the
     walk back ends at the batch or at an earlier cond's Merge)."""
+    if t.node not in variant0:
+        return set()
     found, stack, switched = set(), [t.node], False
     while stack:
         n = stack.pop()

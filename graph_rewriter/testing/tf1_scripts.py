@@ -372,12 +372,18 @@ def stored_totals_classifier(total):
     return graph.as_graph_def()
 
 
-def labelled_batches(steps, batch, features=4, classes=3, seed=0):
-    """``steps`` feeds of ``batch`` rows: x [batch, features] float32, y [batch] int32
-    labels below ``classes`` (stored_totals_classifier)."""
+def labelled_batches(steps, batch, features=4, classes=3, seed=0, labels="y:0"):
+    """``steps`` feeds of ``batch`` rows: x [batch, features] float32, ``labels`` [batch]
+    int32 below ``classes`` (stored_totals_classifier, center_loss_batches)."""
     rng = np.random.RandomState(seed)
     return [{"x:0": rng.randn(batch, features).astype(np.float32),
-             "y:0": rng.randint(0, classes, batch).astype(np.int32)} for _ in range(steps)]
+             labels: rng.randint(0, classes, batch).astype(np.int32)} for _ in range(steps)]
+
+
+def feature_batches(steps, batch, features, seed=0):
+    """``steps`` feeds of ``batch`` rows x [batch, features] float32 alone."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(batch, features).astype(np.float32)} for _ in range(steps)]
 
 
 def vq_vae_ema(zero_debias=True):
@@ -431,8 +437,7 @@ def vq_vae_ema(zero_debias=True):
 
 def vq_batches(steps, batch, seed=0):
     """``steps`` feeds of ``batch`` rows x [batch, 6] for vq_vae_ema."""
-    rng = np.random.RandomState(seed)
-    return [{"x:0": rng.randn(batch, 6).astype(np.float32)} for _ in range(steps)]
+    return feature_batches(steps, batch, 6, seed)
 
 
 DANN_BATCH = 8
@@ -1208,9 +1213,7 @@ def class_balanced_classifier(counts="one_hot"):
 
 
 def center_loss_batches(steps, batch, seed=0):
-    rng = np.random.RandomState(seed)
-    return [{"x:0": rng.randn(batch, 4).astype(np.float32), "labels:0": rng.randint(0, 3, batch).astype(np.int32)}
-            for _ in range(steps)]
+    return labelled_batches(steps, batch, seed=seed, labels="labels:0")
 
 
 def pairwise_ranking():
@@ -1309,8 +1312,7 @@ def batch_assignments(kind="sinkhorn"):
 
 
 def assignment_batches(steps, batch, seed=0):
-    rng = np.random.RandomState(seed)
-    return [{"x:0": rng.randn(batch, 4).astype(np.float32)} for _ in range(steps)]
+    return feature_batches(steps, batch, 4, seed)
 
 
 def policy_gradient(kind="categorical"):

@@ -65,8 +65,15 @@ def find(order, products, seed_nodes, variant0, scopes, elsewhere):
             continue
         head.add(n)
         stack.extend(c for c, _ in n.consumers() if not in_backward(c.name, scopes))
-    for t in [t for n in head for t in n.inputs if t.node not in head]:
-        head |= branch_back_to_switches(t, head, variant0, seed_nodes)
+    grown = True
+    while grown:   # (in the graph's order, until no branch adds more: the same head whatever the order)
+        grown = False
+        for t in sorted({t for n in head for t in n.inputs if t.node not in head},
+                        key=lambda t: (position[t.node], t.index)):
+            more = branch_back_to_switches(t, head, variant0, seed_nodes) - head
+            if more:
+                head |= more
+                grown = True
     for n in sorted(head, key=position.get):
         if n.name in elsewhere:
             return None, f"'{n.name}' in it is rewritten for another reason ({elsewhere[n.name]})"
@@ -180,26 +187,30 @@ def branch_back_to_switches(t, head, variant0, seed_nodes, limit=256):
     replica (DANN's ``tf.cond(train, lambda: tf.slice(feature, [0, 0], [B // 2, -1]),
     lambda: feature)``), so that the head computes the branch itself from what the
     Switches take: gathered, a Switch's output in the branch not taken would be a dead
-    tensor, which no collective gathers. Empty for a value computed outside any cond (the
-    walk back ends at the batch or at an earlier cond's Merge)."""
+    tensor, which no collective gathers. The walk ends at such Switches or at the head's
+    own ops (a branch's op reading a Switch an earlier walk added); empty for a value
+    computed outside any cond (the walk reaches the batch, or an earlier cond's Merge)."""
     if t.node not in variant0:
         return set()
-    found, stack, switched = set(), [t.node], False
+    found, stack, ends = set(), [t.node], False
     while stack:
         n = stack.pop()
-        if n in found or n in head:
+        if n in found:
+            continue
+        if n in head:
+            ends = True
             continue
         if n.op in ("Switch", "RefSwitch"):
             if n.inputs[1].node in variant0:
                 return set()   # (a cond the batch decides: not the head's)
             found.add(n)
-            switched = True
+            ends = True
             continue
         if n in seed_nodes or n.op in ("Merge", "RefMerge", "Enter", "Exit", "NextIteration") or len(found) > limit:
             return set()
         found.add(n)
         stack.extend(i.node for i in n.inputs if i.node in variant0 or i.node in seed_nodes)
-    return found if switched else set()
+    return found if ends else set()
 
 
 def lowered_conds_named(named):

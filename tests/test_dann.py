@@ -54,6 +54,23 @@ def test_replicas_train_dann_as_one_device(form, strategy, replicas, options):
                                  want, RTOL, ATOL)
 
 
+@pytest.mark.parametrize("control_flow", ["v1", "v2"])
+def test_an_evaluation_branch_of_its_own_gives_the_same_head_every_time(control_flow):
+    """The evaluation branch normalises every row: its ops read the Switch the slice
+    reads (lowered, one Switch for both branches). The head is grown from its inputs in
+    the graph's order until no branch adds more: before, the walks went in the order of
+    a set of nodes, one of them stopped at the Switch another had added, and the same
+    graph's rewrite failed verification or not from call to call (collective
+    'l2_normalize/every_replica/all_gather' run by one replica's branch alone)."""
+    graph_def, feeds = dann("custom", control_flow, evaluation="normalised"), dann_batches(STEPS)
+    heads = {tuple(_rewrite(graph_def).plan.product_head["head"]) for _ in range(4)}
+    assert len(heads) == 1
+    assert "cond/else/l2_normalize/Rsqrt" in heads.pop() or control_flow == "v1"
+    want = harness.trained_on_one_device(graph_def, feeds)
+    harness.assert_trained_alike(control_flow, harness.trained_rewritten(_rewrite(graph_def, 4), graph_def, feeds),
+                                 want, RTOL, ATOL)
+
+
 def test_a_v1_conds_branches_join_the_head():
     """The head holds the cond's Switches and gathers what they take (the features and
     the labels), not their outputs, one of which is dead."""

@@ -443,7 +443,7 @@ def vq_batches(steps, batch, seed=0):
 DANN_BATCH = 8
 
 
-def dann(flip="override", control_flow="v2", slicing="slice"):
+def dann(flip="override", control_flow="v2", slicing="slice", evaluation="rows"):
     """Domain-adversarial training (Ganin et al., 2016) as pumpikano/tf-dann's MNIST model
     writes it: one batch x [None, 4] whose first DANN_BATCH // 2 rows are source and
     the rest target examples, labels y [None, 3] (one-hot) and domains [None, 2]; a
@@ -456,8 +456,10 @@ def dann(flip="override", control_flow="v2", slicing="slice"):
     gradient reversal layer (``flip`` "override": ``gradient_override_map`` of an
     Identity, as the repository does; "custom": ``tf.custom_gradient``). loss = label
     loss + domain loss; Momentum. ``control_flow`` "v1" or "v2" builds the conds so
-    (TF1's Switch and Merge, or an If). Returns the GraphDef (init, train_op, loss:0;
-    dann_batches)."""
+    (TF1's Switch and Merge, or an If). ``evaluation`` "rows": the other branch gives
+    every row as it is; "normalised": their features l2-normalised (an op of that branch
+    reading what the slice reads: lowered, one Switch for both). Returns the GraphDef
+    (init, train_op, loss:0; dann_batches)."""
     tf, tf1 = _tf()
     from graph_rewriter.testing.models import ControlFlow
     half = DANN_BATCH // 2
@@ -493,7 +495,8 @@ def dann(flip="override", control_flow="v2", slicing="slice"):
                 return tf.identity(t)
             return tf.slice(t, [0, 0], [half, -1]) if slicing == "slice" else t[:half]
 
-        features = tf.cond(train, lambda: source(feature), lambda: feature)
+        every = (lambda: feature) if evaluation == "rows" else (lambda: tf.math.l2_normalize(feature, 1))
+        features = tf.cond(train, lambda: source(feature), every)
         labels = tf.cond(train, lambda: source(y), lambda: y)
         wl = tf1.get_variable("wl", [16, 3], initializer=tf1.glorot_uniform_initializer(seed=3))
         label_loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(

@@ -238,27 +238,29 @@ def untaken_branch_zeros(backward, head, gathered, scopes):
     named at the root of the gradients scope, not the Switch's. Where that Switch reads
     rows the head takes, those zeros are the head's too (of every replica's rows: the
     Merge adds them to the rows' gradient)."""
-    from graph_rewriter.analysis import in_backward
     found = set()
     for b in backward:
         for t in b.inputs:
-            zeros, stack = set(), [t.node]
-            while stack is not None and stack:
-                n = stack.pop()
-                if n in backward or n in zeros:
-                    continue
-                if n.op not in _ZEROS_OPS or not in_backward(n.name, scopes):
-                    stack = None
-                    break
-                zeros.add(n)
-                if n.op == "Switch":
-                    if not (n.inputs[0] in gathered or n.inputs[0].node in head):
-                        stack = None
-                else:
-                    stack.extend(i.node for i in n.inputs)
-            if stack is not None and any(n.op == "Switch" for n in zeros):
-                found |= zeros
+            found |= _zeros_from(t.node, backward, head, gathered, scopes)
     return found
+
+
+def _zeros_from(start, backward, head, gathered, scopes):
+    """The zeros' ops from ``start`` back to a Switch of rows the head takes, or none."""
+    from graph_rewriter.analysis import in_backward
+    zeros, stack = set(), [start]
+    while stack:
+        n = stack.pop()
+        if n in backward or n in zeros:
+            continue
+        if n.op not in _ZEROS_OPS or not in_backward(n.name, scopes):
+            return set()
+        zeros.add(n)
+        if n.op != "Switch":
+            stack.extend(i.node for i in n.inputs)
+        elif not (n.inputs[0] in gathered or n.inputs[0].node in head):
+            return set()
+    return zeros if any(n.op == "Switch" for n in zeros) else set()
 
 
 def holds_batch_rows(t, seed_nodes):

@@ -657,13 +657,14 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
     for c in analysis.cuts:
         var = analysis.variables[c.variable]
         sync = "allreduce" if c.kind == "dense" or options.sparse_as_dense else "allgather"
+        shape, nbytes = _state_shape(c, var) if c.role == "state" else (var.shape, var.nbytes)
         cuts.append(CutPlan(
             variable=c.variable, kind=c.kind, values=c.values.name,
             indices=c.indices.name if c.indices is not None else None,
             deduplicated=c.deduplicated, linear=c.linear, role=c.role, source=c.source,
             # (a state's update may cast its value: tf.metrics' count is a float of a Size)
             sync=sync, dtype=dtype_name(dtype_of(c.values) if c.role == "state" else var.dtype),
-            shape=var.shape, bytes=var.nbytes,
+            shape=shape, bytes=nbytes,
             variables=list(c.variables), received=list(c.received),
             post_processing=list(c.post_processing), train_ops=c.train_ops, combine=c.combine, name=c.name,
             after=list(c.after) if c.after else None,
@@ -692,6 +693,29 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
 
 # CPU replicas of one machine: a gradient this large is all-reduced in a pack of its own
 ALONE_BYTES_CPU = 1024 * 1024
+
+
+def _state_shape(cut, var):
+    """(shape, bytes) a state's update value travels in: the variable's, unless the value
+    is of another rank, which the update broadcasts into the variable (a moving mean
+    ``v.assign(0.9 * v + 0.1 * tf.reduce_mean(x, 0))`` of a ``[C]`` mean into a ``[1, C]``
+    variable): then the value's own, from shape inference. Before, the value travelled
+    under the variable's shape: a parameter server's accumulator refused it ("Shape
+    mismatch: expected [1,4], got [4]"), and an all-reduce pack reshaped it to a shape
+    of other size. A value whose shape inference leaves unknown keeps the variable's."""
+    from graph_rewriter.analysis import dtype_size, static_rank
+    from graph_rewriter.op_builder import dtype_of
+    rank = static_rank(cut.values)
+    if rank is None or var.shape is None or rank == len(var.shape):
+        return var.shape, var.nbytes
+    from graph_rewriter.shape_probe import static_shapes
+    shape = static_shapes([cut.values]).get(cut.values)
+    if shape is None or any(d is None for d in shape):
+        return var.shape, var.nbytes   # (the value's size unknown: as before)
+    count = 1
+    for d in shape:
+        count *= d
+    return list(shape), count * dtype_size(dtype_of(cut.values))
 
 
 def alone_bytes_for(plan):

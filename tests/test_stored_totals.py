@@ -57,6 +57,22 @@ def test_an_outer_product_of_means_is_averaged_not_summed():
                                  rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy, replicas, options", STRATEGIES, ids=IDS)
+def test_a_moving_mean_broadcast_into_its_variable_travels_in_its_own_shape(strategy, replicas, options):
+    """``total.assign(0.9 * total + 0.1 * tf.reduce_mean(x, 0))`` with ``total`` [1, 4]:
+    the update's value is the [4] mean, which the cut's plan now carries (shape
+    inference, where its rank is not the variable's). Before, it travelled as [1, 4]: a
+    parameter server's accumulator refused it at run time ("Shape mismatch: expected
+    [1,4], got [4]"), and under allreduce it was reshaped, right only because the sizes
+    agree."""
+    graph_def, feeds = stored_totals_classifier("broadcast_mean"), labelled_batches(STEPS, BATCH)
+    want = harness.trained_on_one_device(graph_def, feeds)
+    result = gr.rewrite(graph_def, devices_per_worker=replicas, device_type="CPU", strategy=strategy, **options)
+    assert result.plan.cut("total").shape == [4]
+    harness.assert_trained_alike(strategy, harness.trained_rewritten(result, graph_def, feeds), want,
+                                 rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("zero_debias, stores", [
     (False, ("vq/ema_cluster_size", "vq/ema_dw")),
     (True, ("vq/ema_cluster_size/biased", "vq/ema_dw/biased"))], ids=["biased", "zero_debias"])

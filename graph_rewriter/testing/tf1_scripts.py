@@ -340,7 +340,9 @@ def stored_totals_classifier(total):
     "bincount", the labels' counts by ``tf.math.bincount`` of a fixed size;
     "confusion_matrix", ``tf.math.confusion_matrix(y, pred, 3)`` (a ScatterNd of ones);
     "mean_outer", no total: the outer product of the batch's mean features with itself
-    (``matmul(m, m, transpose_a=True)``, m [1, 4]), a statistic over the rows. Run "init" (it initialises the local variables too). Returns the GraphDef."""
+    (``matmul(m, m, transpose_a=True)``, m [1, 4]), a statistic over the rows;
+    "broadcast_mean", no total: a moving mean by hand, ``total.assign(0.9 * total + 0.1
+    * tf.reduce_mean(x, 0))``, the [4] mean broadcast into a [1, 4] variable. Run "init" (it initialises the local variables too). Returns the GraphDef."""
     tf, tf1 = _tf()
     classes = 3
     graph = tf.Graph()
@@ -351,11 +353,14 @@ def stored_totals_classifier(total):
         logits = tf.matmul(x, w)
         pred = tf.argmax(logits, 1, output_type=tf.int32)
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
-        shape = {"bincount": [classes], "confusion_matrix": [classes, classes], "mean_outer": [4, 4]}.get(
-            total, [4, classes])
+        shape = {"bincount": [classes], "confusion_matrix": [classes, classes], "mean_outer": [4, 4],
+                 "broadcast_mean": [1, 4]}.get(total, [4, classes])
         mean = tf.reduce_mean(x, 0, keepdims=True)
         if total == "mean_iou":
             _, update = tf1.metrics.mean_iou(y, pred, classes)
+        elif total == "broadcast_mean":
+            state = tf1.get_variable("total", shape, initializer=tf1.zeros_initializer(), trainable=False)
+            update = state.assign(0.9 * state + 0.1 * tf.reduce_mean(x, 0))
         else:
             value = {
                 "matmul": lambda: tf.matmul(x, tf.one_hot(pred, classes), transpose_a=True),

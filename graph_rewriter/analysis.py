@@ -1524,7 +1524,7 @@ class _Analyzer:
             elif n.op == "MatMul" and n.attr["transpose_a"].b and not n.attr["transpose_b"].b:
                 # a sum over the rows of products of their features: a covariance or
                 # cross-correlation of the batch (Barlow Twins' C = z_a^T z_b / n)
-                found = all(_reaches_rows(t, seed_nodes, strict=True) for t in n.inputs) and _used_non_linearly(
+                found = _contracts_rows(n, seed_nodes) and _used_non_linearly(
                     n, seed_nodes, divisors, training, self.gradient_scopes, stored)
             else:
                 continue
@@ -2478,17 +2478,13 @@ def _groups_rows(reshape, static=()):
 
 
 def _leading_group_count(shape):
-    """The first entry of a shape vector when it is a constant, packed or not, or a
-    constant clamped by ``tf.minimum`` (a group size no larger than the batch); else None."""
-    first = _leading_constant(shape)
+    """The first entry of a shape vector when it is a constant, packed or not
+    (_first_int), or a constant clamped by ``tf.minimum`` (a group size no larger than
+    the batch); else None."""
     n = _strip_identity(shape).node
-    if first is None and n.op == "Pack" and n.inputs:
-        entry = _strip_identity(n.inputs[0]).node
-        if entry.op == "Minimum":
-            entry = next((t.node for t in entry.inputs if _int_const(t) is not None), entry)
-        value = _int_const(entry.output(0)) if entry.op == "Const" else None
-        first = value[0] if value and len(value) == 1 else None
-    return first
+    if n.op == "Pack" and n.inputs and _strip_identity(n.inputs[0]).node.op == "Minimum":
+        return next((v[0] for v in map(_int_const, _strip_identity(n.inputs[0]).node.inputs) if v), None)
+    return _first_int(shape)
 
 
 def _keeps_first_axis(reshape):

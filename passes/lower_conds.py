@@ -39,7 +39,7 @@ Nothing else is lowered: a graph without such a cond is unchanged.
 import re
 
 from graph_rewriter import opdefs
-from graph_rewriter.analysis import _reaches_rows, analyze
+from graph_rewriter.analysis import _POSITIONAL, _SHAPE_ONLY, _reaches_rows, analyze
 from graph_rewriter.ir import COLOCATION_ATTR
 from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
@@ -127,10 +127,9 @@ def _positional_ifs(graph, functions):
     return [n for n in graph.nodes if n.op in _IFS and _branches_take_positions(n, functions)]
 
 
-# ops that may take rows by their position (analysis._POSITIONAL, but for a Reshape: a
+# ops that may take rows by their position (the analysis' own, but for a Reshape: a
 # branch's own reshapes rarely group rows, and Keras' conds have many)
-_TAKES_POSITIONS = frozenset(("Split", "SplitV", "Slice", "StridedSlice"))
-_SHAPES = frozenset(("Shape", "ShapeN", "Size", "Rank"))
+_TAKES_POSITIONS = _POSITIONAL - {"Reshape"}
 
 
 def _branches_take_positions(call, functions):
@@ -146,7 +145,7 @@ def _branches_take_positions(call, functions):
         reached = {a.name for a in fn.signature.input_arg}
         for nd in _body_order(fn):
             reads = [i.split(":")[0] for i in nd.input if not i.startswith("^")]
-            if nd.op in _SHAPES or not any(r in reached for r in reads):
+            if nd.op in _SHAPE_ONLY or not any(r in reached for r in reads):
                 continue
             if nd.op in _TAKES_POSITIONS:
                 return True

@@ -163,6 +163,11 @@ class Analysis:
     # seeded random ops that draw one value per row of the batch (dropout's mask): every
     # replica's clone would draw what one device draws for the first rows
     batch_draws: list = dataclasses.field(default_factory=list)
+    # names of constants and fills with one row per row of the batch that the batch's
+    # values do not decide (an RNN's zero initial state, which a script feeds with the
+    # last step's final state): each replica computes its own rows, so a value fed by the
+    # name would reach replica 0 alone (passes/row_defaults.py)
+    row_defaults: list = dataclasses.field(default_factory=list)
     # names of sums over the batch's rows (Sum over every axis, L2Loss) that a loss adds up
     # undivided by a count of rows: their gradient is summed over the replicas, not averaged
     loss_sums: list = dataclasses.field(default_factory=list)
@@ -372,6 +377,7 @@ class _Analyzer:
         coupled = self._coupled(cuts, variant)
         normalizers = self._find_normalizers(seeds, variant0)
         batch_draws = self._find_batch_draws(seeds, variant0)
+        row_defaults = self._find_row_defaults(seeds, variant0)
         loss_sums = self._find_loss_sums(seeds, variant0)
         row_products = self._find_row_products(seeds, variant0)
         training = _Lazy(lambda: _value_ancestors_of(
@@ -418,6 +424,9 @@ class _Analyzer:
             product_head = None if head_obstacle else product_head
         if product_head is not None:
             loss_sums = [name for name in loss_sums if name not in product_head.head]
+            # (a head computes over every replica's rows: its own constants stay its own)
+            row_defaults = [name for name in row_defaults
+                            if not any(c.name in product_head.head for c, _ in self.g.node(name).consumers())]
             batch_statistics = [name for name in batch_statistics if name not in product_head.head]
         row_moves, move_obstacles, looped_draws = self._find_row_moves(
             [n for n in moved_rows + sampled_rows if n not in ranked_rows and self.g.node(n).op not in _ROW_ARGS
@@ -443,7 +452,8 @@ class _Analyzer:
             if cut.combine == "sum" and summed_op(cut.values).name in loss_sums:
                 cut.combine = None
         return Analysis(
-            coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, loss_sums=loss_sums,
+            coupled=coupled, normalizers=normalizers, batch_draws=batch_draws, row_defaults=row_defaults,
+            loss_sums=loss_sums,
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
             row_move_obstacles=move_obstacles, looped_draws=looped_draws,
@@ -535,7 +545,10 @@ class _Analyzer:
         first dimension most static inputs share; the earliest wins a tie), is a batch
         input taken per replica (``self.static_batch``); other placeholders (a
         [num_classes] weight vector) are broadcast. A PlaceholderWithDefault stays
-        broadcast: its default has its shape. A placeholder the input pipeline alone reads
+        broadcast (its default has its shape) unless its default is a constant or a fill
+        of as many rows as its static first dimension (an RNN's initial state, fed with the
+        last step's final state: ``placeholder_with_default(cell.zero_state(BATCH, ...),
+        [BATCH, size])``): then it is a placeholder like the others. A placeholder the input pipeline alone reads
         (a queue's enqueue, a dataset's source) is no input of the step."""
         found = []   # (tensor, "dynamic" | "placeholder" | "iterator" | "broadcast", first dim)
         for n in self.order:
@@ -545,7 +558,7 @@ class _Analyzer:
                 shape = _shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
                 if shape and shape[0] == -1:
                     found.append((Tensor(n, 0), "dynamic", None))
-                elif shape and n.op != "PlaceholderWithDefault":
+                elif shape and (n.op != "PlaceholderWithDefault" or _default_rows(n) == shape[0]):
                     found.append((Tensor(n, 0), "placeholder", shape[0]))
                 else:
                     found.append((Tensor(n, 0), "broadcast", None))
@@ -1196,6 +1209,63 @@ class _Analyzer:
                 first = _leading_constant(n.inputs[0])
                 counts = first is not None and first in static and _meets(n, variant0)
             if counts:
+                out.append(n.name)
+        return out
+
+    def _find_row_defaults(self, seeds, variant0):
+        """Initial states: floating-point values of a row per row of the batch and a
+        state's width or more (rank 2 and up) that the batch's values do not decide. A
+        recurrent language model (TensorFlow's PTB tutorial, char-rnn) feeds such a
+        tensor by its name with the last step's final state. Two forms, outside the
+        backward pass:
+
+        - a Fill whose shape is built with a row count first, of a tensor computed from
+          the batch (``cell.zero_state(tf.shape(x)[0], tf.float32)`` concatenates
+          ``expand_dims(rows, 0)`` and the width; ``tf.zeros([tf.shape(x)[0], n])``
+          packs them) or, with static batches (where TensorFlow folds the count into a
+          constant), with the static batch first (``cell.zero_state(BATCH, ...)``), and
+          which meets the batch's data;
+        - with static batches, a uniform Const whose first dimension is the static
+          batch (``tf.zeros([BATCH, n])``) and which meets the batch's data.
+
+        Not a state: a ones_like or zeros_like of a value (a Fill of a tensor's whole
+        shape; a Const so named: a loss's labels or weights); ops inside a v1 while
+        loop or cond (a Const there has a control input on the loop's or cond's pivot,
+        a Fill's shape comes from a Switch), whose values live in one frame or branch;
+        the default of a placeholder_with_default (a batch input: split_inputs gives it
+        every replica's default)."""
+        seed_nodes = {t.node for t in seeds}
+        static = set(self.static_batch.values()) - {None}
+        rows_region = variant0 | seed_nodes
+        out = []
+        for n in self.order:
+            if n.op == "Const":
+                if not static:
+                    continue
+                value = n.attr["value"].tensor
+                dims = value.tensor_shape.dim
+                if len(dims) < 2 or dims[0].size not in static or value.tensor_content \
+                        or n.name.rsplit("/", 1)[-1].startswith(("zeros_like", "ones_like")):
+                    continue
+            elif n.op != "Fill":
+                continue
+            if n.control_inputs or n in self.input_pipeline or in_backward(n.name, self.gradient_scopes) \
+                    or not dtypes.as_dtype(dtype_of(n.output(0))).is_floating:
+                continue
+            if n.op == "Const":
+                counts = _meets(n, rows_region)
+            elif _built_shape_length(n.inputs[0]) >= 2:
+                rows = _leading_rows(n.inputs[0])
+                if rows is not None:
+                    counts = rows.node in rows_region
+                else:
+                    counts = _leading_int(n.inputs[0]) in static and _meets(n, rows_region)
+                counts = counts and not _in_frame_or_branch(n)
+            else:
+                counts = False
+            # (the default of a placeholder_with_default: split_inputs gives the batch
+            # input every replica's default)
+            if counts and not all(c.op == "PlaceholderWithDefault" for c, _ in n.consumers()):
                 out.append(n.name)
         return out
 
@@ -2408,6 +2478,63 @@ def _first_int(tensor):
     return values[0] if values else None
 
 
+def _built_shape_length(shape):
+    """The length of a shape vector built of pieces: a Pack of its entries, or a
+    ConcatV2 of two or more vectors (a constant counted by its length, any other piece,
+    ``expand_dims(rows, 0)``, as one); 0 when it is not built so (a tensor's whole
+    Shape, as ones_like and zeros_like take it)."""
+    n = _strip_identity(shape).node
+    if n.op == "Pack" and n.attr["axis"].i == 0:
+        return len(n.inputs)
+    if n.op != "ConcatV2" or len(n.inputs) < 3:
+        return 0
+    total = 0
+    for piece in n.inputs[:-1]:
+        p = _strip_identity(piece).node
+        dims = p.attr["value"].tensor.tensor_shape.dim if p.op == "Const" else None
+        total += dims[0].size if dims else 1
+    return total
+
+
+def _default_rows(placeholder):
+    """The first dimension of a PlaceholderWithDefault's default when that is a Const or
+    a Fill of a constant shape, or None."""
+    t = _strip_identity(placeholder.inputs[0]) if placeholder.inputs else None
+    if t is None:
+        return None
+    if t.node.op == "Const":
+        dims = t.node.attr["value"].tensor.tensor_shape.dim
+        return dims[0].size if dims else None
+    return _leading_int(t.node.inputs[0]) if t.node.op == "Fill" else None
+
+
+def _in_frame_or_branch(node, limit=2000):
+    """True if a data ancestor of ``node`` is a v1 cond's Switch or a v1 loop's Enter
+    (so ``node`` computes in a branch or a loop frame), or if it has more than ``limit``
+    ancestors (too far to tell: counted as one)."""
+    seen, stack = {node}, [node]
+    while stack:
+        for t in stack.pop().inputs:
+            p = t.node
+            if p in seen:
+                continue
+            if p.op in ("Switch", "RefSwitch", "Enter", "RefEnter") or len(seen) > limit:
+                return True
+            seen.add(p)
+            stack.append(p)
+    return False
+
+
+def _leading_int(shape):
+    """The first entry of a shape vector built of constants (a Const, a Pack or a
+    ConcatV2 that starts with one: ``cell.zero_state(4, ...)`` concatenates [4] and the
+    state's size), or None."""
+    n = _strip_identity(shape).node
+    if n.op == "ConcatV2" and len(n.inputs) >= 3:
+        return _first_int(n.inputs[0])
+    return _first_int(shape)
+
+
 def _split_axis(split, axis=None, value=None):
     """The axis a Split (or SplitV, given its axis and value) splits along, made
     non-negative, or None when it is not a constant (or negative of an unknown rank)."""
@@ -2867,7 +2994,7 @@ class _BodyNode:
 
 def _leading_rows(shape):
     """The tensor whose row count is the first entry of the shape vector ``shape``
-    (``tf.shape(x)``; ``[tf.shape(x)[0], 1]``; a concat starting with either; a
+    (``tf.shape(x)``; ``[tf.shape(x)[0], 1]``, packed or expanded; a concat starting with either; a
     distribution's ``sample(tf.shape(x)[0])``, which packs the product of its sample
     shape, here one scalar), or None."""
     for _ in range(16):
@@ -2877,7 +3004,10 @@ def _leading_rows(shape):
             return n.inputs[0]
         if n.op == "ShapeN":
             return n.inputs[t.index]
-        if n.op == "Pack" and n.attr["axis"].i == 0 and n.inputs:
+        if (n.op == "Pack" and n.attr["axis"].i == 0 and n.inputs) or (
+                n.op == "ExpandDims" and _int_const(n.inputs[1]) in ([0], [-1])):
+            # (an RNN cell's zero_state(batch_size) concatenates expand_dims(batch_size, 0)
+            # with the state's size)
             scalar = _strip_identity(n.inputs[0]).node
             if scalar.op == "Prod" and _is_scalar_slice(_strip_identity(scalar.inputs[0]).node):
                 scalar = _strip_identity(scalar.inputs[0]).node   # (a product of one scalar is itself)

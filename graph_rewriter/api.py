@@ -177,7 +177,7 @@ def pipeline():
             passes.ProductHeadsPass(), passes.RowMovesPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
             passes.LossSumsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
             passes.AllGatherPass(), passes.CommunicationPass(), passes.AccumulatePass(), passes.SyncQueuesPass(),
-            passes.ShardVariablesPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
+            passes.ShardVariablesPass(), passes.RowDefaultsPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
             passes.RecordIncarnationsPass(), passes.StepSequencePass(), passes.PlacePass(), passes.MetadataPass()]
 
 

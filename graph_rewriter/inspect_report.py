@@ -118,6 +118,7 @@ def report(result, batch_size=None):
         **({"normalizers": list(plan["normalizers"])} if plan.get("normalizers") else {}),
         **({"selected_means": list(plan["selected_means"])} if plan.get("selected_means") else {}),
         **({"random_draws": list(plan["random_draws"])} if plan.get("random_draws") else {}),
+        **({"row_defaults": list(plan["row_defaults"])} if plan.get("row_defaults") else {}),
         **({"loop_bounds": list(plan["loop_bounds"])} if plan.get("loop_bounds") else {}),
         **({"gathered_rows": [t for t, _ in plan["gathered_rows"]]} if plan.get("gathered_rows") else {}),
         **({"product_head": list(plan["product_head"]["products"])} if plan.get("product_head") else {}),
@@ -262,6 +263,9 @@ def format_report(rep):
     if rep.get("random_draws"):
         lines.append("random draws of the batch's rows (each replica draws every replica's rows and keeps its own): "
                      + ", ".join(rep["random_draws"]))
+    if rep.get("row_defaults"):
+        lines.append("initial states (the name holds every replica's rows, each replica reads its own: feed them "
+                     "with every replica's rows): " + ", ".join(rep["row_defaults"]))
     if rep.get("loop_bounds"):
         lines.append("loop bounds (while loops that draw at every step run to the batch's bound, the replicas' "
                      "maximum): " + ", ".join(rep["loop_bounds"]))

@@ -206,6 +206,13 @@ class Plan:
     # (passes/random_draws.py); None: none, and absent from the JSON; an empty list in a
     # given plan leaves every replica drawing its clone's rows
     random_draws: list = None
+    # constants and fills with one row per row of the batch that its values do not decide
+    # (an RNN's zero initial state, fed by name with the last step's final state): the
+    # name gives every replica's rows, concatenated, and each replica reads its own of
+    # them (passes/row_defaults.py), so a value fed by the name reaches every replica;
+    # None: none, and absent from the JSON; an empty list in a given plan leaves each
+    # replica its own
+    row_defaults: list = None
     # maxima (minima) over the batch's rows that bound while loops whose steps draw
     # random numbers (dynamic_rnn's longest sequence, a dropout per time step): every
     # replica reads the replicas' maximum (minimum), the batch's, so its loops run the
@@ -302,6 +309,8 @@ class Plan:
             del d["selected_means"]
         if d["random_draws"] is None:
             del d["random_draws"]
+        if d["row_defaults"] is None:
+            del d["row_defaults"]
         if d["loop_bounds"] is None:
             del d["loop_bounds"]
         if d["gathered_rows"] is None:
@@ -364,7 +373,8 @@ class Plan:
                 inputs=[InputPlan(**i) for i in d["inputs"]] if d.get("inputs") is not None else None,
                 notes=list(d["notes"]) if d.get("notes") else None,
                 normalizers=d.get("normalizers"), selected_means=d.get("selected_means"),
-                random_draws=d.get("random_draws"), loop_bounds=d.get("loop_bounds"),
+                random_draws=d.get("random_draws"), row_defaults=d.get("row_defaults"),
+                loop_bounds=d.get("loop_bounds"),
                 gathered_rows=d.get("gathered_rows"), product_head=d.get("product_head"),
                 row_moves=d.get("row_moves"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),

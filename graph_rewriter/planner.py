@@ -62,6 +62,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _note_queues_without_runners(result, graph, info)
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
+    _plan_row_defaults(result, analysis, info)
     _plan_loop_bounds(result, analysis, cluster, info)
     _plan_loss_sums(result, analysis, info)
     _plan_batch_statistics(result, analysis, options, cluster, info, aliases or {})
@@ -197,14 +198,33 @@ def _plan_random_draws(plan, analysis, log):
     finds them): each replica draws every replica's rows with the op's seeds and keeps
     its own, so the replicas together draw what one device draws for their R batches,
     at R times the drawing. A given plan keeps its own choice (an empty list: none)."""
-    names = list(analysis.batch_draws)
-    _check_given(plan.random_draws, names, "random_draws",
-                 "a seeded random op drawing one value per row of this graph's batch")
+    _plan_found(plan, "random_draws", analysis.batch_draws,
+                "a seeded random op drawing one value per row of this graph's batch",
+                "random draws of the batch's rows, each replica keeping its own", log)
+
+
+def _plan_row_defaults(plan, analysis, log):
+    """The initial states (the analysis finds them: an RNN's zero state, a Fill or
+    Const of a row per row of the batch): under its name the graph holds every local
+    replica's rows, and each replica reads its own, so a value a script feeds by the
+    name (the last step's final state) reaches every replica, as a fed placeholder does.
+    A given plan keeps its own choice (an empty list: none)."""
+    _plan_found(plan, "row_defaults", analysis.row_defaults,
+                "an initial state (a fill or constant of a row per row) of this graph's batch",
+                "initial states, fed by name with every replica's rows", log)
+
+
+def _plan_found(plan, field, found, what, says, log):
+    """Sets the plan's ``field`` to the names the analysis ``found`` (None with one
+    replica or none found), unless a given plan lists its own (checked: only names
+    found, ``what`` says what they must be); logs ``says`` and the names."""
+    names = list(found)
+    _check_given(getattr(plan, field), names, field, what)
     if plan.num_replicas < 2 or not names:
-        plan.random_draws = None
-    elif plan.random_draws is None:
-        plan.random_draws = names
-        log(f"plan: random draws of the batch's rows, each replica keeping its own: {', '.join(names)}")
+        setattr(plan, field, None)
+    elif getattr(plan, field) is None:
+        setattr(plan, field, names)
+        log(f"plan: {says}: {', '.join(names)}")
 
 
 def _collectives_span(plan, cluster):

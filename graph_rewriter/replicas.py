@@ -156,3 +156,42 @@ def replica_ranks(graph, rm, scope):
     if rm.template:
         rm.per_replica_outputs.append(ranks.name)   # replica k reads output k
     return ranks
+
+
+def merge_over_replicas(graph, rm, name, how):
+    """Renames replica 0's op of the original tensor ``name`` (``replica_0/<op>``, the
+    first free name; ``rm.merged`` records it) and builds the ``how`` ("concat" along
+    axis 0 in replica order, "sum", "mean") of every local replica's value under the
+    original name, on the global device; returns its output. Only names move: every
+    reader of replica 0's value keeps reading it. (A template replica's copy in the
+    list stands for replicas 1..R-1: the export writes every one.)"""
+    from graph_rewriter import dtypes
+    from graph_rewriter.ir import Tensor, split_tensor_name
+    from graph_rewriter.op_builder import const, dtype_of, make_op
+    op, index = split_tensor_name(name)
+    master = graph.node(op)
+    renamed = graph.unique_name(_master_prefix(rm) + op)
+    graph.rename_node(master, renamed)
+    rm.merged[op] = renamed
+    copies = [Tensor(rm.node(graph, i, op), index) for i in rm.built]
+    device = rm.global_device
+    scope = f"{op}/merge_over_replicas"   # the helpers' names (global nodes, like the merge)
+    with graph.adding_to_replica(GLOBAL):
+        if how == "concat":
+            axis = const(graph, f"{scope}/axis", 0, "int32", device)
+            node = make_op(graph, "ConcatV2", op, [copies, axis], device=device)
+        elif how == "sum":
+            node = make_op(graph, "AddN", op, [copies], device=device)
+        else:
+            total = make_op(graph, "AddN", f"{scope}/sum", [copies], device=device).output(0)
+            divisor = const(graph, f"{scope}/replicas", rm.num_local,
+                            dtypes.as_dtype(dtype_of(total)).name, device)
+            node = make_op(graph, "RealDiv", op, [total, divisor], device=device)
+    if node.name != op:
+        raise GraphRewriteError(f"internal: the merge of '{name}' could not take the name '{op}'")
+    return node.output(0)
+
+
+def _master_prefix(rm):
+    """Replica 0's prefix in the family of the others' ("replica_1/" -> "replica_0/")."""
+    return rm.prefixes[1][:-len("1/")] + "0/"

@@ -134,6 +134,10 @@ class Session(tf.compat.v1.Session):
         self._static_batches = {i["static_batch"] for i in self._inputs.values()
                                 if i["mode"] == "per_replica" and i["static_batch"] is not None}
         self._num_replicas = md.get("local_replicas", md["num_replicas"])
+        # values with a row per row of the batch that hold every replica's rows under
+        # their name (an RNN's zero state, fed with the last step's final state)
+        self._row_defaults = {_tensor_key(n) for n in md["plan"].get("row_defaults") or []
+                              if n in self._merged_in_graph}
         self._node_names = {n.name for n in self.result.graph_def.node}
         # between-graph ps: the chief draws this run's id before it first beats, and declares
         # the run started if its first run resets nothing (graph_rewriter/ps_state.py)
@@ -236,7 +240,7 @@ class Session(tf.compat.v1.Session):
     def _check_feeds(self, feed_dict):
         if not feed_dict:
             return feed_dict
-        out = {}
+        out, defaults = {}, []
         for key, value in _expand_sparse_feeds(feed_dict).items():
             name = key if isinstance(key, str) else getattr(key, "name", None)
             if name is None:
@@ -250,6 +254,8 @@ class Session(tf.compat.v1.Session):
                 self._check_sparse_rows(tname, value)
             elif tname in self._inputs and self._inputs[tname]["mode"] == "per_replica" and static is not None:
                 self._check_static_rows(tname, value, static)
+            elif tname in self._row_defaults and self._num_replicas > 1:
+                defaults.append((tname, value))
             elif tname in self._batch_inputs and self._num_replicas > 1:
                 rows = np.shape(value)[0] if np.ndim(value) > 0 else None
                 r = self._num_replicas
@@ -267,7 +273,15 @@ class Session(tf.compat.v1.Session):
                         f"input '{tname}' gets {rows} rows, which do not split evenly across {r} "
                         f"replicas (the mean of replica means would differ from the batch mean)",
                         hint=f"feed a multiple of {r} rows")
+            elif self._num_replicas > 1 and self._copies(tname):
+                out.update(self._feed_every_copy(tname, value))
+                continue
             out[tname] = value
+        # (a split batch fed with them says how many rows they take)
+        split = [np.shape(v)[0] for k, v in out.items() if k in self._batch_inputs and np.ndim(v) > 0
+                 and self._inputs.get(k, {}).get("mode", "split") == "split"]
+        for tname, value in defaults:
+            self._check_row_default(tname, value, split[0] if split else None)
         for shape, (indices, _) in self._sparse.items():
             if indices in out and shape not in out and self._num_replicas > 1:
                 raise GraphRewriteError(
@@ -276,6 +290,36 @@ class Session(tf.compat.v1.Session):
                     hint="feed the SparseTensor itself ({sparse_tensor: tf.compat.v1.SparseTensorValue(...)}) "
                          f"or '{shape}' with the others")
         return out
+
+    def _copies(self, tname):
+        """Every local replica's copy of an original tensor the graph computes once per
+        replica (none for a node that exists once, a merged output, an unknown name)."""
+        op, index = split_tensor_name(tname)
+        if op not in self._node_names or op in self._merged_in_graph:
+            return []
+        names = self._replica_names(op)
+        return [f"{n}:{index}" for n in names] if len(names) == self._num_replicas else []
+
+    def _feed_every_copy(self, tname, value):
+        """A tensor the graph computes in every replica, fed by its original name: a value
+        of every replica's rows is split across the replicas in order, as a batch input
+        is (the tensor depends on the batch and its first dimension is unknown, or its
+        first dimension is a static per-replica batch and the value holds R of them);
+        any other value is fed to every replica's copy, so no replica keeps its own (a
+        learning rate computed in the graph, fed to override it)."""
+        copies, r = self._copies(tname), self._num_replicas
+        shape = self.graph.get_tensor_by_name(tname).shape
+        rows = np.shape(value)[0] if np.ndim(value) > 0 else None
+        first = shape[0] if shape.rank else None
+        if shape.rank and first is None and split_tensor_name(tname)[0] in self._variant:
+            if rows is None or rows < r or rows % r:
+                raise GraphRewriteError(
+                    f"'{tname}' gets {'a scalar' if rows is None else f'{rows} row(s)'}: it holds the batch's "
+                    f"rows, each of {r} replicas computing its own, so a value fed for it is split across them",
+                    hint=f"feed every replica's rows, a multiple of {r}, concatenated in replica order")
+        elif first is None or first not in self._static_batches or rows != r * first:
+            return dict.fromkeys(copies, value)
+        return dict(zip(copies, np.split(np.asarray(value), r)))
 
     def _check_sparse_rows(self, tname, value):
         r = self._num_replicas
@@ -287,6 +331,28 @@ class Session(tf.compat.v1.Session):
                 f"{'no dense shape' if rows is None else f'{rows} row(s)'} (the dense shape's first "
                 f"dimension), which do not split evenly across {r} replicas",
                 hint=f"feed a multiple of {r} rows")
+
+    def _check_row_default(self, tname, value, batch_rows):
+        """A fed value with a row per row of the batch holds every local replica's rows:
+        as many as its tensor's static first dimension says, else as many as the batch
+        fed with it (``batch_rows``), else a multiple of R."""
+        r = self._num_replicas
+        rows = np.shape(value)[0] if np.ndim(value) > 0 else None
+        shape = self.graph.get_tensor_by_name(tname).shape
+        want = shape[0] if shape.rank else None
+        want = batch_rows if want is None else want
+        if want is not None:
+            wrong, takes = rows != want, f"{want} rows"
+        else:
+            wrong, takes = rows is None or rows < r or rows % r != 0, f"a multiple of {r} rows"
+        if wrong:
+            got = "a scalar" if rows is None else f"{rows} row(s)"
+            raise GraphRewriteError(
+                f"'{tname}' gets {got}, but it holds a row per row of the batch for each of {r} "
+                f"replicas: it takes {takes}",
+                hint="feed every replica's rows, concatenated in replica order: a value this Session fetches "
+                     "(an RNN's final state) holds them where its rank is known; one of unknown rank (a v1 "
+                     "while loop's output) is replica 0's unless rewrite's merge={name: 'concat'} says so")
 
     def _check_static_rows(self, tname, value, batch):
         r = self._num_replicas

@@ -7,7 +7,9 @@
 the client runs the init op, then ``--steps`` steps of [loss, train op], and writes the
 losses and the values of the ``--read`` tensors to ``--out``. Several ``--train-op``
 (with as many ``--loss``) take turns, step k running the (k mod n)-th: a GAN's or a
-multi-task script's train ops run in alternation. Every session call is
+multi-task script's train ops run in alternation. ``--carry FETCH=FEED`` fetches FETCH
+with every step and feeds its value as FEED in the next one: a recurrent language
+model's final state carried into its initial state (TensorFlow's PTB tutorial). Every session call is
 bounded by ``--timeout`` seconds: a dead peer becomes an error, not a hang. Used by the
 demo and the multi-process tests; also a template for a user's own worker script.
 """
@@ -22,9 +24,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="train_op",
-               init="init", timeout=120.0, delay=0.0, log=None):
+               init="init", timeout=120.0, delay=0.0, log=None, carry=()):
     """Trains ``steps`` steps; returns (losses, {read name: value}, step times). ``loss``
-    and ``train_op`` may be lists of one length: step k runs their (k mod n)-th."""
+    and ``train_op`` may be lists of one length: step k runs their (k mod n)-th.
+    ``carry``: (fetch, feed) pairs; each step fetches ``fetch`` and the next feeds its
+    value as ``feed`` (the first step feeds what ``feeds`` gives, or nothing)."""
     import tensorflow as tf
 
     import graph_rewriter as gr
@@ -38,7 +42,9 @@ def run_worker(graph, target, feeds, steps, reads, loss="loss:0", train_op="trai
             started = time.perf_counter()
             pair = [loss, train_op] if isinstance(train_op, str) else [
                 loss[step % len(loss)], train_op[step % len(train_op)]]
-            value, _ = sess.run(pair, feed_dict=feed, options=options)
+            if step:
+                feed.update(zip([name for _, name in carry], carried))
+            value, _, carried = sess.run(pair + [[name for name, _ in carry]], feed_dict=feed, options=options)
             times.append(time.perf_counter() - started)
             losses.append(float(value))
             if log is not None:
@@ -80,7 +86,12 @@ def main(argv=None):
                    help="the op a step runs (default train_op); repeated: they take turns, step k runs the (k mod n)-th")
     p.add_argument("--loss", action="append", default=None,
                    help="the loss a step fetches (default loss:0); one per --train-op")
+    p.add_argument("--carry", action="append", default=[], metavar="FETCH=FEED",
+                   help="fetch FETCH with every step and feed its value as FEED in the next (an RNN's state)")
     args = p.parse_args(argv)
+    carry = [tuple(pair.split("=", 1)) for pair in args.carry]
+    if any(len(pair) != 2 or not all(pair) for pair in carry):
+        p.error(f"--carry takes FETCH=FEED, got {args.carry}")
     train_ops, step_losses = args.train_op or ["train_op"], args.loss or ["loss:0"]
     if len(train_ops) != len(step_losses):
         p.error(f"{len(train_ops)} --train-op but {len(step_losses)} --loss: give one --loss per --train-op")
@@ -90,7 +101,7 @@ def main(argv=None):
         log = (lambda step, loss: print(f"step {step} loss {loss:.6f}", flush=True)) if args.progress else None
         losses, values, times = run_worker(args.graph, args.target, feeds, args.steps, args.read,
                                            loss=step_losses, train_op=train_ops,
-                                           timeout=args.timeout, delay=args.delay, log=log)
+                                           timeout=args.timeout, delay=args.delay, log=log, carry=carry)
     except Exception as e:  # reported to the parent through the exit status and stderr
         sys.stderr.write(f"worker_client: {type(e).__name__}: {' '.join(str(e).split())[:2000]}\n")
         return 3

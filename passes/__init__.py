@@ -23,6 +23,7 @@ from graph_rewriter.passes.communication import CommunicationPass
 from graph_rewriter.passes.accumulate import AccumulatePass
 from graph_rewriter.passes.sync_queues import SyncQueuesPass
 from graph_rewriter.passes.shard_variables import ShardVariablesPass
+from graph_rewriter.passes.row_defaults import RowDefaultsPass
 from graph_rewriter.passes.merge_outputs import MergeOutputsPass
 from graph_rewriter.passes.meta_graph import MetaGraphPass
 from graph_rewriter.passes.heartbeat import HeartbeatPass
@@ -35,5 +36,5 @@ __all__ = ["SaverPass", "LowerCondsPass", "PlanPass", "ReplicatePass", "SplitInp
            "MirrorVariablesPass",
            "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",
-           "ShardVariablesPass", "LossSumsPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
+           "ShardVariablesPass", "LossSumsPass", "RowDefaultsPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
            "StepSequencePass", "PlacePass", "MetadataPass"]

@@ -56,6 +56,7 @@ from graph_rewriter.ir import GLOBAL, Tensor, split_tensor_name
 from graph_rewriter.op_builder import const, dtype_of, make_op
 from graph_rewriter.op_vocabulary import COLLECTIVES, VARIABLE_OPS
 from graph_rewriter.pass_manager import Pass
+from graph_rewriter.replicas import merge_over_replicas
 from graph_rewriter.ps_state import TAKES
 from graph_rewriter.traversal import ancestors
 
@@ -75,7 +76,8 @@ class MergeOutputsPass(Pass):
     # It renames replica 0's copy of an output, so every pass that finds replica 0's
     # nodes by their original names (through the ReplicaMap or the graph) runs first.
     after = frozenset({"replicate", "split_inputs", "loss_sums", "mirror_variables", "micro_batches", "allreduce",
-                       "allgather", "communication", "accumulate", "sync_queues", "shard_variables"})
+                       "allgather", "communication", "accumulate", "sync_queues", "shard_variables",
+                       "row_defaults"})
 
     def applies(self, ctx):
         return ctx.num_local_replicas > 1
@@ -96,7 +98,7 @@ class MergeOutputsPass(Pass):
         hows = _decide(graph, ctx, wanted)
         merged = {}   # original tensor name -> the merge node's output
         for name, how in hows.items():
-            merged[name] = _merge(graph, rm, name, how)
+            merged[name] = merge_over_replicas(graph, rm, name, how)
             ctx.info(f"merge_outputs: {name} is the {how} over {rm.num_local} replicas; "
                      f"replica 0's value is {rm.name(0, split_tensor_name(name)[0])}:0")
         for node, value in summaries:
@@ -235,33 +237,6 @@ def _decide(graph, ctx, wanted):
     return out
 
 
-def _merge(graph, rm, name, how):
-    """Renames replica 0's op of ``name`` and builds the ``how`` of every local replica's
-    value under the original name, on the global device; returns its output."""
-    op, index = split_tensor_name(name)
-    master = graph.node(op)
-    renamed = graph.unique_name(_master_prefix(rm) + op)
-    graph.rename_node(master, renamed)
-    rm.merged[op] = renamed
-    copies = [Tensor(rm.node(graph, i, op), index) for i in rm.built]
-    device = rm.global_device
-    scope = f"{op}/merge_over_replicas"   # the helpers' names (global nodes, like the merge)
-    with graph.adding_to_replica(GLOBAL):
-        if how == "concat":
-            axis = const(graph, f"{scope}/axis", 0, "int32", device)
-            node = make_op(graph, "ConcatV2", op, [copies, axis], device=device)
-        elif how == "sum":
-            node = make_op(graph, "AddN", op, [copies], device=device)
-        else:
-            total = make_op(graph, "AddN", f"{scope}/sum", [copies], device=device).output(0)
-            divisor = const(graph, f"{scope}/replicas", rm.num_local,
-                            dtypes.as_dtype(dtype_of(total)).name, device)
-            node = make_op(graph, "RealDiv", op, [total, divisor], device=device)
-    if node.name != op:
-        raise GraphRewriteError(f"internal: the merge of '{name}' could not take the name '{op}'")
-    return node.output(0)
-
-
 def _mean(graph, rm, name, scope):
     """The mean of every local replica's copy of the original tensor ``name``, unnamed."""
     op, index = split_tensor_name(name)
@@ -293,11 +268,6 @@ def _flat_concat(graph, rm, name, scope):
     with graph.adding_to_replica(GLOBAL):
         return make_op(graph, "ConcatV2", scope, [parts, const(graph, f"{scope}/axis", 0, "int32", device)],
                        device=device).output(0)
-
-
-def _master_prefix(rm):
-    """Replica 0's prefix in the family of the others' ("replica_1/" -> "replica_0/")."""
-    return rm.prefixes[1][:-len("1/")] + "0/"
 
 
 def _key(name):

@@ -15,7 +15,9 @@ Per replica (the plan's InputPlan mode "per_replica": every input with a static 
 dimension, and with batch_split="per_replica" the others), each replica takes a batch
 of its own:
 
-- a placeholder is fed the R replicas' batches concatenated in replica order. A static
+- a placeholder is fed the R replicas' batches concatenated in replica order (a
+  PlaceholderWithDefault's default, then, is every replica's: its copies concatenated,
+  _default_every_replicas_rows). A static
   one [B, ...] keeps its name and takes R*B rows (its shape attribute says so); the
   same Split hands replica k rows k*B..(k+1)*B-1, whose static shape [B, ...] is what
   the constants TensorFlow folded while building the graph (tf.shape(x), the gradient
@@ -84,8 +86,11 @@ class SplitInputsPass(Pass):
             if ip.mode == "per_replica" and ip.kind in DRAWN:
                 drawn.setdefault(x.node, None)
                 continue
-            if ip.mode == "per_replica" and ip.static_batch is not None:
+            static = ip.mode == "per_replica" and ip.static_batch is not None
+            if static:
                 _set_first_dimension(x.node, r * ip.static_batch)
+            if x.node.op == "PlaceholderWithDefault":
+                _default_every_replicas_rows(graph, rm, x.node, static)
             readers = [(c, pos) for c, pos in x.node.consumers(x.index)]
             axis = const(graph, f"{x.node.name}/split_for_replicas/axis", 0, "int32", rm.global_device)
             split = make_op(graph, "Split", f"{x.node.name}/split_for_replicas", [axis, x],
@@ -286,6 +291,28 @@ def _shard_function_body(fn, num_workers, me):
         shard = function_node(fn, "ShardDataset", fresh(f"{batch.name}/shard_for_worker"),
                               [batch.input[0], count, index], _element_attrs(batch.attr))
         batch.input[0] = f"{shard.name}:handle:0"
+
+
+def _default_every_replicas_rows(graph, rm, placeholder, static):
+    """A PlaceholderWithDefault batch input (an RNN's initial state over its zero state)
+    exists once and is split like a fed batch, so unfed its default must hold every
+    replica's rows: the replicas' copies of the default concatenated in replica order
+    (a template replica's copy stands for 1..R-1: the export lists every one), or, for
+    a default that exists once, R times over where the input takes R static batches.
+    A default that exists once beside a split input is the whole batch's already (its
+    shape comes from the unsplit input)."""
+    default = placeholder.inputs[0]
+    if rm.is_cloned(graph, default.node.name):
+        parts = [rm.node(graph, i, default.node.name).output(default.index) for i in rm.built]
+    elif static:
+        parts = [default] * rm.num_local
+    else:
+        return
+    scope = f"{placeholder.name}/default_for_replicas"
+    with graph.adding_to_replica(GLOBAL):
+        rows = make_op(graph, "ConcatV2", scope, [parts, const(graph, f"{scope}/axis", 0, "int32", rm.global_device)],
+                       device=rm.global_device)
+    placeholder.set_input(0, rows.output(0))
 
 
 def _set_first_dimension(node, rows):

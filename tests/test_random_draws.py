@@ -18,6 +18,7 @@ import tensorflow as tf
 import graph_rewriter as gr
 from graph_rewriter import graph_io
 from graph_rewriter.analysis import analyze
+from graph_rewriter.testing import harness
 from graph_rewriter.testing.tf1_scripts import dropout_batches, dropout_mlp, transformer_block
 from pass_graphs import PS2_WORKERS2
 
@@ -281,17 +282,9 @@ def test_a_v1_loops_draw_takes_the_rank_through_its_frame():
 def test_the_template_export_equals_every_replica_built(kind):
     graph_def = _build(kind)
 
-    def canonical(node):   # control inputs are a set (tests/test_template_replicas.py)
-        out = type(node)()
-        out.CopyFrom(node)
-        del out.input[:]
-        out.input.extend([i for i in node.input if not i.startswith("^")]
-                         + sorted(i for i in node.input if i.startswith("^")))
-        return out.SerializeToString(deterministic=True)
-
     def exported(**kw):
         result = gr.rewrite(graph_def, devices_per_worker=4, device_type="CPU", **kw)
-        return ({n.name: canonical(n) for n in result.graph_def.node},
+        return (harness.canonical_nodes(result.graph_def),
                 sorted(f.SerializeToString(deterministic=True) for f in result.graph_def.library.function))
     assert exported() == exported(materialize_replicas=True)
 

@@ -147,6 +147,22 @@ def trained_rewritten(result, graph_def, feeds):
         return train_and_read(sess, graph_def, feeds)
 
 
+def canonical_nodes(graph_def):
+    """{node name: its serialized NodeDef with its control inputs sorted}: TensorFlow
+    treats a node's control inputs as a set, and the template export lists a single
+    node's control inputs from replicas 1..R-1 where building every replica lists them
+    in the order the passes added them (tests/test_template_replicas.py)."""
+    out = {}
+    for node in graph_def.node:
+        copy = type(node)()
+        copy.CopyFrom(node)
+        del copy.input[:]
+        copy.input.extend([i for i in node.input if not i.startswith("^")]
+                          + sorted(i for i in node.input if i.startswith("^")))
+        out[node.name] = copy.SerializeToString(deterministic=True)
+    return out
+
+
 def assert_trained_alike(what, got, want, rtol, atol, first="losses"):
     """Asserts two train_and_read results agree: the per-step values (``first``) and
     every variable, the same variables on both sides; ``what`` names the run."""

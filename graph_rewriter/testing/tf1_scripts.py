@@ -2493,18 +2493,37 @@ class _LSTMCell:
     only for state_size, output_size, zero_state and a call. Variables "kernel" [inputs
     + hidden, 4 * hidden] and "bias" under ``scope`` in dynamic_rnn's own scope
     ("bidirectional_rnn/fw/fw/kernel"). ``dropout``: the rate of a dropout on the step's
-    input (what a DropoutWrapper's input_keep_prob does), seeded, drawn at every step."""
+    input (what a DropoutWrapper's input_keep_prob does), seeded, drawn at every step.
+    ``hidden`` units, ``forget_bias`` (BasicLSTMCell's 0.0 in TensorFlow's PTB tutorial).
+    ``zeros``: how zero_state builds the state: "stack" one ``tf.zeros(tf.stack([batch,
+    hidden]))`` for c and h; "cell" as rnn_cell's zero_state does, a Fill each for c and
+    h of ``concat([expand_dims(batch, 0), [hidden]])`` (of two constants for a Python
+    int batch); "zeros" ``tf.zeros([batch, hidden])`` each (a Const for an int batch)."""
 
-    state_size = (TAG_HIDDEN, TAG_HIDDEN)
-    output_size = TAG_HIDDEN
+    def __init__(self, scope, dropout=0.0, hidden=TAG_HIDDEN, forget_bias=1.0, zeros="stack"):
+        self.scope, self.dropout, self.hidden, self.forget_bias, self.zeros = (
+            scope, dropout, hidden, forget_bias, zeros)
 
-    def __init__(self, scope, dropout=0.0):
-        self.scope, self.dropout = scope, dropout
+    @property
+    def state_size(self):
+        return self.hidden, self.hidden
 
-    def zero_state(self, batch_size, dtype):
+    @property
+    def output_size(self):
+        return self.hidden
+
+    def zero_state(self, batch_size, dtype, name=None):
         tf, _ = _tf()
-        zeros = tf.zeros(tf.stack([batch_size, TAG_HIDDEN]), dtype)
-        return zeros, zeros
+        if self.zeros == "stack":
+            zeros = tf.zeros(tf.stack([batch_size, self.hidden]), dtype)
+            return zeros, zeros
+        if self.zeros == "cell":
+            rows = tf.constant([batch_size]) if isinstance(batch_size, int) else tf.expand_dims(batch_size, 0)
+            size = tf.concat([rows, tf.constant([self.hidden])], 0)
+        else:
+            size = [batch_size, self.hidden]
+        names = (f"{name}_c", f"{name}_h") if name else (None, None)
+        return tuple(tf.zeros(size, dtype, name=n) for n in names)
 
     def __call__(self, x, state, scope=None):
         tf, tf1 = _tf()
@@ -2512,10 +2531,10 @@ class _LSTMCell:
         if self.dropout:
             x = tf.nn.dropout(x, rate=self.dropout, seed=5)
         with tf1.variable_scope(self.scope, reuse=tf1.AUTO_REUSE):
-            kernel = tf1.get_variable("kernel", [int(x.shape[-1]) + TAG_HIDDEN, 4 * TAG_HIDDEN])
-            bias = tf1.get_variable("bias", [4 * TAG_HIDDEN], initializer=tf1.zeros_initializer())
+            kernel = tf1.get_variable("kernel", [int(x.shape[-1]) + self.hidden, 4 * self.hidden])
+            bias = tf1.get_variable("bias", [4 * self.hidden], initializer=tf1.zeros_initializer())
         i, j, f, o = tf.split(tf.matmul(tf.concat([x, h], 1), kernel) + bias, 4, 1)
-        c = c * tf.sigmoid(f + 1.0) + tf.sigmoid(i) * tf.tanh(j)
+        c = c * tf.sigmoid(f + self.forget_bias) + tf.sigmoid(i) * tf.tanh(j)
         h = tf.sigmoid(o) * tf.tanh(c)
         return h, (c, h)
 
@@ -2588,6 +2607,137 @@ def sequence_tagger_batches(steps, batch, seed=0):
              "lengths:0": rng.randint(1, TAG_STEPS + 1, size=batch).astype(np.int32),
              "tags:0": rng.randint(TAG_CLASSES, size=(batch, TAG_STEPS)).astype(np.int32)}
             for _ in range(steps)]
+
+
+LM_VOCAB, LM_HIDDEN, LM_STEPS, LM_LAYERS = 29, 8, 5, 2
+CARRIED_STATES = ("cell", "zeros", "placeholder", "with_default")
+
+
+def carried_state_lm(batch=None, state="cell", rnn="unrolled", control_flow=None):
+    """A word language model that carries its LSTM state from step to step through the
+    feed, as TensorFlow's PTB tutorial (ptb_word_lm.py) and char-rnn write it, scaled
+    down: words x and next words y [batch, LM_STEPS]; an embedding; LM_LAYERS LSTM
+    layers (BasicLSTMCell's arithmetic, forget bias 0.0); ``initial_state`` of every
+    layer, c and h; a softmax over LM_VOCAB words; the cost PTB's sequence_loss gives
+    (averaged over the batch, summed over the steps); the gradients clipped by their
+    global norm (0.25: it fires) and SGD at 1.0 with a global step.
+
+    ``batch``: an int builds static placeholders [batch, LM_STEPS] (one batch per
+    replica) and the zero state for ``batch`` rows; None dynamic ones, the zero state's
+    rows ``tf.shape(x)[0]``. ``state``, the tensors a script feeds with the last step's
+    final state (their names: ``carried_state_names``):
+    "cell" the zero state as rnn_cell's zero_state builds it (a Fill each);
+    "zeros" as ``tf.zeros([batch, hidden])`` (a Const for an int batch);
+    "placeholder" a placeholder each ([batch, hidden], [None, hidden]; fed from the
+    first step, with zeros);
+    "with_default" a placeholder_with_default each over rnn_cell's zero state.
+    ``rnn``: "unrolled" (a Python loop over the steps, as PTB builds it) or
+    "dynamic_rnn" (tf.compat.v1.nn.dynamic_rnn over a MultiRNNCell-like stack, a while
+    loop; ``control_flow`` "v1" or "v2"). Returns the GraphDef (fetch loss:0 and the
+    final state, run train_op, init)."""
+    from graph_rewriter.testing.models import ControlFlow
+    tf, tf1 = _tf()
+    if state not in CARRIED_STATES:
+        raise ValueError(f"state must be one of {CARRIED_STATES}, got {state!r}")
+    g = tf.Graph()
+    with g.as_default(), ControlFlow(control_flow):
+        tf1.set_random_seed(7)
+        x = tf1.placeholder(tf.int32, [batch, LM_STEPS], name="x")
+        y = tf1.placeholder(tf.int32, [batch, LM_STEPS], name="y")
+        rows = batch if batch is not None else tf.shape(x)[0]
+        init = tf1.random_uniform_initializer(-0.5, 0.5, seed=3)
+        with tf1.variable_scope("lm", initializer=init):
+            embedding = tf1.get_variable("embedding", [LM_VOCAB, LM_HIDDEN])
+            inputs = tf.nn.embedding_lookup(embedding, x)
+            cells = [_LSTMCell(f"layer_{k}", hidden=LM_HIDDEN, forget_bias=0.0,
+                               zeros="zeros" if state == "zeros" else "cell") for k in range(LM_LAYERS)]
+            initial = []
+            with tf.name_scope("initial_state"):
+                for k, cell in enumerate(cells):
+                    if state == "placeholder":
+                        pair = tuple(tf1.placeholder(tf.float32, [batch, LM_HIDDEN], name=f"layer_{k}_{p}")
+                                     for p in "ch")
+                    elif state == "with_default":
+                        zero = cell.zero_state(rows, tf.float32, name=f"layer_{k}_zero")
+                        pair = tuple(tf1.placeholder_with_default(z, [batch, LM_HIDDEN], name=f"layer_{k}_{p}")
+                                     for z, p in zip(zero, "ch"))
+                    else:
+                        pair = cell.zero_state(rows, tf.float32, name=f"layer_{k}")
+                    initial.append(pair)
+            if rnn == "unrolled":
+                states, outputs = list(initial), []
+                for t in range(LM_STEPS):
+                    h = inputs[:, t, :]
+                    for k, cell in enumerate(cells):
+                        h, states[k] = cell(h, states[k])
+                    outputs.append(h)
+                output = tf.reshape(tf.concat(outputs, 1), [-1, LM_HIDDEN])
+                final = states
+            elif rnn == "dynamic_rnn":
+                stack = _CellStack(cells)
+                output, final = tf1.nn.dynamic_rnn(stack, inputs, initial_state=tuple(initial))
+                output = tf.reshape(output, [-1, LM_HIDDEN])
+            else:
+                raise ValueError(f"rnn must be 'unrolled' or 'dynamic_rnn', got {rnn!r}")
+            w = tf1.get_variable("softmax_w", [LM_HIDDEN, LM_VOCAB])
+            b = tf1.get_variable("softmax_b", [LM_VOCAB])
+            logits = tf.matmul(output, w) + b
+            xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.reshape(y, [-1]), logits=logits)
+            # sequence_loss(average_across_timesteps=False, average_across_batch=True), summed
+            cost = tf.reduce_sum(tf.reduce_mean(tf.reshape(xent, [-1, LM_STEPS]), 0))
+        tf.identity(cost, name="loss")
+        with tf.name_scope("final_state"):
+            for k, (c, h) in enumerate(final):
+                tf.identity(c, name=f"layer_{k}_c")
+                tf.identity(h, name=f"layer_{k}_h")
+        step = tf1.train.get_or_create_global_step()
+        variables = tf1.trainable_variables()
+        grads, norm = tf.clip_by_global_norm(tf.gradients(cost, variables), 0.25)
+        tf.identity(norm, name="grad_norm")
+        tf1.train.GradientDescentOptimizer(1.0).apply_gradients(zip(grads, variables), global_step=step,
+                                                                name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+class _CellStack:
+    """A MultiRNNCell of _LSTMCells for dynamic_rnn: the state a tuple of (c, h) pairs."""
+
+    def __init__(self, cells):
+        self.cells = cells
+
+    @property
+    def state_size(self):
+        return tuple(c.state_size for c in self.cells)
+
+    @property
+    def output_size(self):
+        return self.cells[-1].output_size
+
+    def zero_state(self, batch_size, dtype):
+        return tuple(c.zero_state(batch_size, dtype) for c in self.cells)
+
+    def __call__(self, x, states, scope=None):
+        out = []
+        for cell, state in zip(self.cells, states):
+            x, state = cell(x, state)
+            out.append(state)
+        return x, tuple(out)
+
+
+def carried_state_names():
+    """(initial, final): the tensor names of carried_state_lm's initial state (what a
+    script feeds) and final state (what it fetches), layer by layer, c then h."""
+    initial = [f"lm/initial_state/layer_{k}_{p}:0" for k in range(LM_LAYERS) for p in "ch"]
+    final = [f"final_state/layer_{k}_{p}:0" for k in range(LM_LAYERS) for p in "ch"]
+    return initial, final
+
+
+def carried_state_text(rows, steps, seed=0):
+    """Word ids [rows, steps * LM_STEPS + 1]: ``rows`` streams of text, as PTB's reader
+    lays out its corpus (row r a contiguous stretch of it); step t trains on columns
+    t * LM_STEPS .. (t + 1) * LM_STEPS, predicting the next column's words."""
+    return np.random.RandomState(seed).randint(LM_VOCAB, size=(rows, steps * LM_STEPS + 1)).astype(np.int32)
 
 
 MOCO_FEATURES, MOCO_DIM, MOCO_QUEUE = 6, 5, 32

@@ -146,6 +146,8 @@ def build_inputs(out_dir, keras=False):
     graphs["script_dann_v2"] = tf1_scripts.dann("custom", "v2")   # in a v2 cond: lowered, a head
     graphs["script_minibatch_stddev"] = tf1_scripts.minibatch_stddev_mlp()   # rows grouped by a clamped count
     graphs["script_broadcast_mean"] = tf1_scripts.stored_totals_classifier("broadcast_mean")   # a [4] into [1, 4]
+    graphs["script_carried_state_static"] = tf1_scripts.carried_state_lm(4, "cell")   # PTB's fed zero state
+    graphs["script_carried_state_default"] = tf1_scripts.carried_state_lm(None, "with_default", "dynamic_rnn", "v2")
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
     records = tf1_scripts.sparse_feature_records(16)   # a SparseTensor in the batch: fed, and from tf.data

@@ -121,7 +121,9 @@ class GradientCut:
     # (a GAN's discriminator and generator train ops, each run at steps of its own).
     train_ops: list = None
     # A state whose value is a sum or a count over the batch's rows: "sum" (the
-    # replicas' values add up to one device's); None: averaged (a batch mean).
+    # replicas' values add up to one device's); a state of a row per row of a static
+    # batch (a stateful RNN's): "rows" (each replica keeps its own, one device's is
+    # their concatenation); None: averaged (a batch mean).
     combine: str = None
     # A later update of a variable an earlier cut updates too (a BatchNorm applied twice:
     # a GAN's discriminator on real and fake rows, a Keras model called on a tensor):
@@ -1012,9 +1014,12 @@ class _Analyzer:
         seed_nodes = {t.node for t in seeds}
         gradient_cuts = [c for c in cuts if not self._state_like(c)]
         cut_variables = {v for c in gradient_cuts for v in c.variables}
-        candidates = [(n, var) for n, var, _ in self.writes   # (not a v2 cond's call writing in its functions)
+        # (not a v2 cond's call writing in its functions; not a state of a row per row of a
+        # static batch, which each replica keeps its own rows of: _holds_row_states)
+        candidates = [(n, var) for n, var, _ in self.writes
                       if n in variant0 and var.name not in cut_variables and var.node not in self.saver_nodes
-                      and n.op not in _FUNCTIONAL and not in_gradients_scope(n.name, self.gradient_scopes)]
+                      and n.op not in _FUNCTIONAL and not in_gradients_scope(n.name, self.gradient_scopes)
+                      and not self._row_shaped(var)]
         rows = [(n, var) for n, var in candidates if _holds_rows(_written_value(n), seed_nodes)]
         if not rows:
             return [], [], []
@@ -1085,6 +1090,25 @@ class _Analyzer:
         return cut.source == "assign-walk" and (
             len(cut.variables) == 1 or not self._from_backward(cut.values)) and (
             self.declared_trainable is None or not set(cut.variables) & set(self.declared_trainable))
+
+    def _holds_row_states(self, cut):
+        """True if a state cut writes a state of a row per row of a static batch: every
+        variable it writes has rank 2 or more and the static batch as its first
+        dimension, and the value is no reduction over the rows (a stateful RNN's
+        state, Keras' ``LSTM(stateful=True)`` assigning its final state into ``[batch,
+        units]`` variables after every step). One device's variable holds the rows of
+        its batch of R x B; replica k's copy holds its own rows of it, which no
+        exchange between the replicas gives (the mean of the replicas' states mixes
+        unrelated streams)."""
+        rank = static_rank(cut.values)
+        return all(self._row_shaped(self.variables[name]) and rank in (None, len(self.variables[name].shape))
+                   for name in cut.variables) and summed_op(cut.values).op not in _STATISTICS
+
+    def _row_shaped(self, var):
+        """True if a variable has rank 2 or more and a static batch as its first
+        dimension: a row per row of a replica's batch."""
+        return (var.shape is not None and len(var.shape) >= 2
+                and var.shape[0] in set(self.static_batch.values()) - {None})
 
     def _check_updates_invariant(self, variant):
         """Every write to a variable must now be the same on every replica."""
@@ -1839,6 +1863,7 @@ class _Analyzer:
                 # a state fed from the backward pass accumulates gradients (NVIDIA BERT's
                 # accumulators): averaged like them, even a bias's (a Sum over the rows)
                 cut.combine = (None if in_gradients_scope(cut.values.node.name, self.gradient_scopes)
+                               else "rows" if self._holds_row_states(cut)
                                else batch_combine(cut.values, batch_nodes))
             else:
                 primary.role, primary.trainable = "trainable", True

@@ -297,7 +297,8 @@ def choose(plan, topo, model, can_use_ps, mode="mixed"):
     fill = min(pack, sum(c.bytes or 0 for c in plan.cuts)) or pack
     for cut in plan.cuts:
         if cut.role == "state":
-            cut.costs = {"allreduce": allreduce_cost(cut.bytes or 0, topo, model, fill).to_dict()}
+            if cut.sync != "local":   # (a state of each replica's own rows: no exchange)
+                cut.costs = {"allreduce": allreduce_cost(cut.bytes or 0, topo, model, fill).to_dict()}
             continue
         var = plan.variable(cut.variable)
         shards = best_shards(cut, var, topo, model, max(topo.ps_tasks, 1)) if can_use_ps else 1

@@ -71,6 +71,8 @@ def report(result, batch_size=None):
             sync = f"allreduce pack{'s' if len(packs) > 1 else ''} {', '.join(map(str, packs))}"
         elif cut["sync"] == "accumulate":
             sync = f"ps accumulator ({cut['kind']})"
+        elif cut["sync"] == "local":
+            sync = "local (each replica keeps its own rows)"
         else:
             sync = "allgather rows"
         copies = [p + v["name"] for p in prefixes if (p + v["name"]) in nodes]

@@ -15,6 +15,9 @@ from graph_rewriter.errors import GraphRewriteError
 
 PLAN_FORMAT = "graph_rewriter.plan/1"
 DENSE_SYNCS = ("allreduce", "accumulate")
+# a state of a row per row of the batch (combine "rows", a stateful RNN's): each
+# replica's copy keeps its own value, no exchange
+LOCAL = "local"
 SPARSE_SYNCS = ("allgather", "allreduce", "accumulate")  # allreduce on sparse = sparse_as_dense
 
 
@@ -46,7 +49,8 @@ class CutPlan:
     # GAN): gradients of different train ops go in different packs; None: absent from the JSON
     train_ops: list = None
     # a state update that is a sum or a count over the batch: "sum" (the replicas' values
-    # are added, not averaged); None: averaged (absent from the JSON)
+    # are added, not averaged); a state of a row per row of a static batch: "rows" (each
+    # replica keeps its own, sync "local"); None: averaged (absent from the JSON)
     combine: str = None
     # a later update of a variable another cut updates too (a BatchNorm applied twice):
     # "<variable>/update_<k>", what packs list; None: the variable's name (absent from the JSON)
@@ -284,13 +288,19 @@ class Plan:
         if placement not in ("ps", "mirrored"):
             raise GraphRewriteError(f"placement for '{name}' is {placement!r}", hint="use ps or mirrored")
         group = self.group(name)
+        local = [c.variable for c in self.cuts if c.sync == LOCAL and c.variable in {v.name for v in group}]
+        if local and placement == "ps":
+            raise GraphRewriteError(
+                f"variable '{local[0]}' holds a row per row of each replica's batch (each replica keeps its "
+                "own rows: sync 'local'), which one copy on a parameter server cannot hold",
+                hint="keep it mirrored")
         for v in group:
             v.placement = placement
             v.ps_task = (ps_task or 0) if placement == "ps" else None
             v.shards = None
         names = {v.name for v in group}
         for c in self.cuts:
-            if c.variable in names:
+            if c.variable in names and c.sync != LOCAL:
                 c.sync = "accumulate" if placement == "ps" else (
                     "allreduce" if c.kind == "dense" else "allgather")
         return self

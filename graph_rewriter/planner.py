@@ -21,7 +21,7 @@ from graph_rewriter.cost_model import Topology
 from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.op_vocabulary import input_kind, shardable_user
 from graph_rewriter.options import COMMUNICATIONS, DEFAULT_BYTES_PER_PACK
-from graph_rewriter.plan import (DENSE_SYNCS, DRAWN, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan,
+from graph_rewriter.plan import (DENSE_SYNCS, DRAWN, LOCAL, SPARSE_SYNCS, CutPlan, InputPlan, PackPlan, Plan, VariablePlan,
                                  joined_train_ops)
 
 
@@ -60,6 +60,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _choose_algorithm(result, options, Topology.of(cluster, options.devices_per_worker))
     _note_hybrid_without_sparse(result, info)
     _note_queues_without_runners(result, graph, info)
+    _note_row_states(result, info)
     _plan_normalizers(result, analysis, cluster, info)
     _plan_random_draws(result, analysis, info)
     _plan_row_defaults(result, analysis, info)
@@ -182,6 +183,23 @@ MICRO_BATCH_COUNTS_START = "with accumulation_steps"
 MICRO_BATCH_COUNTS = (MICRO_BATCH_COUNTS_START + " {k} the loss divides by each micro-batch's count ({names}), "
                       "not the whole batch's: unless the micro-batches count alike (tokens, non-zero weights, "
                       "selected rows), the {k} runs differ from one step on the whole batch")
+
+
+ROW_STATES_START = "variables hold a row per row of each replica's batch"
+ROW_STATES = (ROW_STATES_START + " ({names}: a stateful RNN's state): each replica keeps its own rows, and "
+              "one device's value is the replicas' copies concatenated in replica order; a checkpoint saves "
+              "replica 0's copy, which a restore gives every replica")
+
+
+def _note_row_states(plan, log):
+    """Names the states each replica keeps its own rows of (sync "local"): what a user
+    reads by the variable's name, and what a checkpoint holds, is replica 0's rows."""
+    names = [c.variable for c in plan.cuts if c.sync == LOCAL]
+    plan.notes = [n for n in plan.notes or [] if not n.startswith(ROW_STATES_START)] or None
+    if names and plan.num_replicas > 1:
+        note = ROW_STATES.format(names=", ".join(names))
+        plan.notes = (plan.notes or []) + [note]
+        log(f"plan: {note}")
 
 
 def _check_given(given, found, field, what):
@@ -676,7 +694,8 @@ def make_plan(analysis, options, num_replicas, num_ps=0, topology=None, can_use_
     cuts = []
     for c in analysis.cuts:
         var = analysis.variables[c.variable]
-        sync = "allreduce" if c.kind == "dense" or options.sparse_as_dense else "allgather"
+        sync = LOCAL if c.combine == "rows" else (
+            "allreduce" if c.kind == "dense" or options.sparse_as_dense else "allgather")
         shape, nbytes = _state_shape(c, var) if c.role == "state" else (var.shape, var.nbytes)
         cuts.append(CutPlan(
             variable=c.variable, kind=c.kind, values=c.values.name,
@@ -759,7 +778,8 @@ def place_for_strategy(plan, strategy, shard_bytes):
     if strategy not in ("ps", "hybrid"):
         return plan
     if strategy == "ps":
-        chosen = [v.name for v in plan.variables]
+        local = {v.name for c in plan.cuts if c.sync == LOCAL for v in plan.group(c.variable)}
+        chosen = [v.name for v in plan.variables if v.name not in local]   # (each replica's own rows)
     else:
         sparse = {c.variable for c in plan.cuts if c.kind == "sparse"}
         chosen = [v.name for v in plan.variables if v.name in sparse or v.slot_of in sparse]
@@ -891,14 +911,18 @@ def check_plan(plan, analysis, options, num_replicas):
             raise GraphRewriteError(
                 f"the plan names variable '{c.key}', which has no gradient in this graph",
                 hint="make the plan again for this graph (graph-rewrite plan)")
-        allowed = DENSE_SYNCS if c.kind == "dense" else SPARSE_SYNCS
+        allowed = (LOCAL,) if found.combine == "rows" else DENSE_SYNCS if c.kind == "dense" else SPARSE_SYNCS
         if c.sync not in allowed:
             raise GraphRewriteError(
                 f"plan: variable '{c.variable}' has sync {c.sync!r}; a {c.kind} gradient "
                 f"allows {', '.join(allowed)}")
     for c in plan.cuts:
         placement = plan.variable(c.variable).placement
-        if (c.sync == "accumulate") != (placement == "ps"):
+        if c.sync == LOCAL and placement == "ps":
+            raise GraphRewriteError(
+                f"plan: variable '{c.variable}' is on a ps, but it holds each replica's own rows (sync 'local')",
+                hint="keep it mirrored")
+        if c.sync != LOCAL and (c.sync == "accumulate") != (placement == "ps"):
             raise GraphRewriteError(
                 f"plan: variable '{c.variable}' is {placement} but its gradient sync is "
                 f"{c.sync!r}", hint="parameter-server variables use sync 'accumulate'; use "

@@ -148,6 +148,7 @@ def build_inputs(out_dir, keras=False):
     graphs["script_broadcast_mean"] = tf1_scripts.stored_totals_classifier("broadcast_mean")   # a [4] into [1, 4]
     graphs["script_carried_state_static"] = tf1_scripts.carried_state_lm(4, "cell")   # PTB's fed zero state
     graphs["script_carried_state_default"] = tf1_scripts.carried_state_lm(None, "with_default", "dynamic_rnn", "v2")
+    graphs["script_stateful_variables"] = tf1_scripts.carried_state_lm(4, "variables")   # a state of a row per row
     graphs["script_bn_discriminator_twice"] = tf1_scripts.batch_norm_twice("discriminator")[0]   # updated twice
     graphs["script_multi_task"] = tf1_scripts.multi_task("adam", embedding=True, clip=True)[0]   # two train ops, one encoder
     records = tf1_scripts.sparse_feature_records(16)   # a SparseTensor in the batch: fed, and from tf.data

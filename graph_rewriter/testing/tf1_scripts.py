@@ -2610,7 +2610,7 @@ def sequence_tagger_batches(steps, batch, seed=0):
 
 
 LM_VOCAB, LM_HIDDEN, LM_STEPS, LM_LAYERS = 29, 8, 5, 2
-CARRIED_STATES = ("cell", "zeros", "placeholder", "with_default")
+CARRIED_STATES = ("cell", "zeros", "placeholder", "with_default")   # fed by the script
 
 
 def carried_state_lm(batch=None, state="cell", rnn="unrolled", control_flow=None):
@@ -2630,15 +2630,19 @@ def carried_state_lm(batch=None, state="cell", rnn="unrolled", control_flow=None
     "zeros" as ``tf.zeros([batch, hidden])`` (a Const for an int batch);
     "placeholder" a placeholder each ([batch, hidden], [None, hidden]; fed from the
     first step, with zeros);
-    "with_default" a placeholder_with_default each over rnn_cell's zero state.
+    "with_default" a placeholder_with_default each over rnn_cell's zero state;
+    "variables" (static batches only) a non-trainable variable each, [batch, hidden]
+    ("lm/state/layer_k_c"), zeros at first, read as the initial state and assigned the
+    final state after the update (a stateful model: the script feeds nothing but the
+    words).
     ``rnn``: "unrolled" (a Python loop over the steps, as PTB builds it) or
     "dynamic_rnn" (tf.compat.v1.nn.dynamic_rnn over a MultiRNNCell-like stack, a while
     loop; ``control_flow`` "v1" or "v2"). Returns the GraphDef (fetch loss:0 and the
     final state, run train_op, init)."""
     from graph_rewriter.testing.models import ControlFlow
     tf, tf1 = _tf()
-    if state not in CARRIED_STATES:
-        raise ValueError(f"state must be one of {CARRIED_STATES}, got {state!r}")
+    if state not in CARRIED_STATES + ("variables",) or (state == "variables" and batch is None):
+        raise ValueError(f"state must be one of {CARRIED_STATES} or, with an int batch, 'variables'; got {state!r}")
     g = tf.Graph()
     with g.as_default(), ControlFlow(control_flow):
         tf1.set_random_seed(7)
@@ -2651,12 +2655,17 @@ def carried_state_lm(batch=None, state="cell", rnn="unrolled", control_flow=None
             inputs = tf.nn.embedding_lookup(embedding, x)
             cells = [_LSTMCell(f"layer_{k}", hidden=LM_HIDDEN, forget_bias=0.0,
                                zeros="zeros" if state == "zeros" else "cell") for k in range(LM_LAYERS)]
-            initial = []
+            initial, state_variables = [], []
             with tf.name_scope("initial_state"):
                 for k, cell in enumerate(cells):
                     if state == "placeholder":
                         pair = tuple(tf1.placeholder(tf.float32, [batch, LM_HIDDEN], name=f"layer_{k}_{p}")
                                      for p in "ch")
+                    elif state == "variables":
+                        kept = [tf1.get_variable(f"state/layer_{k}_{p}", [batch, LM_HIDDEN], trainable=False,
+                                                 initializer=tf1.zeros_initializer()) for p in "ch"]
+                        state_variables += kept
+                        pair = tuple(tf.identity(v, name=f"layer_{k}_{p}") for v, p in zip(kept, "ch"))
                     elif state == "with_default":
                         zero = cell.zero_state(rows, tf.float32, name=f"layer_{k}_zero")
                         pair = tuple(tf1.placeholder_with_default(z, [batch, LM_HIDDEN], name=f"layer_{k}_{p}")
@@ -2694,10 +2703,47 @@ def carried_state_lm(batch=None, state="cell", rnn="unrolled", control_flow=None
         variables = tf1.trainable_variables()
         grads, norm = tf.clip_by_global_norm(tf.gradients(cost, variables), 0.25)
         tf.identity(norm, name="grad_norm")
-        tf1.train.GradientDescentOptimizer(1.0).apply_gradients(zip(grads, variables), global_step=step,
-                                                                name="train_op")
+        if state == "variables":
+            update = tf1.train.GradientDescentOptimizer(1.0).apply_gradients(zip(grads, variables), global_step=step)
+            with tf.control_dependencies([update]):
+                kept = [tf1.assign(v, t) for v, t in zip(state_variables, [t for pair in final for t in pair])]
+            tf.group(update, *kept, name="train_op")
+        else:
+            tf1.train.GradientDescentOptimizer(1.0).apply_gradients(zip(grads, variables), global_step=step,
+                                                                    name="train_op")
         tf1.global_variables_initializer()
     return g.as_graph_def()
+
+
+def keras_stateful_lm(batch):
+    """The language model as a Keras script writes it stateful (tf_keras, graph mode):
+    an Embedding, ``LSTM(LM_HIDDEN, stateful=True, return_sequences=True)`` (its state
+    two ``[batch, LM_HIDDEN]`` variables the layer assigns after every step, its
+    ``updates``), a Dense softmax; the mean cross-entropy (loss:0), the legacy SGD's
+    ``get_updates`` with the layer's updates (train_op), seeded initializers; x, y
+    [batch, LM_STEPS]. Returns (GraphDef, the state variables' names)."""
+    import tf_keras as keras
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.int32, [batch, LM_STEPS], name="x")
+        y = tf1.placeholder(tf.int32, [batch, LM_STEPS], name="y")
+        embed = keras.layers.Embedding(LM_VOCAB, LM_HIDDEN,
+                                       embeddings_initializer=keras.initializers.RandomUniform(-0.5, 0.5, seed=2))
+        lstm = keras.layers.LSTM(LM_HIDDEN, stateful=True, return_sequences=True,
+                                 kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+                                 recurrent_initializer=keras.initializers.Orthogonal(seed=4))
+        dense = keras.layers.Dense(LM_VOCAB, kernel_initializer=keras.initializers.GlorotUniform(seed=5))
+        logits = dense(lstm(embed(x)))
+        loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)),
+                           name="loss")
+        optimizer = keras.optimizers.legacy.SGD(0.5)
+        weights = embed.trainable_weights + lstm.trainable_weights + dense.trainable_weights
+        tf.group(*optimizer.get_updates(loss, weights), *lstm.updates, name="train_op")
+        tf1.variables_initializer(tf1.global_variables() + optimizer.variables(), name="init")
+        states = [v.op.name for v in lstm.states]
+    return g.as_graph_def(), states
 
 
 class _CellStack:

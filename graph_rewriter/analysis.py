@@ -386,7 +386,9 @@ class _Analyzer:
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         sampled_rows = self._find_sampled_rows(seeds, variant0, training)
-        positioned_rows, differentiated_rows = self._find_positioned_rows(seeds, variant0, training)
+        positioned_rows, differentiated_rows = (
+            [name for name in found if name not in moved_rows]   # (a gather by a shuffle moves the rows)
+            for found in self._find_positioned_rows(seeds, variant0, training))
         # (a statistic a state update stores non-linearly counts too: weight normalization's
         # data-dependent init assigns its gain 1 / sqrt(var) of the batch, no gradient
         # reading it; the ops the updates' values are computed by)
@@ -1525,6 +1527,8 @@ class _Analyzer:
         where the input pipeline put two views of the examples; not one that splits
         back a concatenation along the rows made in the graph: _split_pieces), a slice
         of some of the rows (``h[:n]``, ``h[0]``, ``h[::2]``; ``h[::-1]`` is a move), a
+        gather along the rows by indices the batch's values do not decide
+        (``tf.gather(h, [0, 1])``, ``tf.range(0, n, 2)``; a top_k's are a ranking), a
         reshape grouping them by position (a prototypical network's support embeddings,
         ``tf.reshape(h, [n_way, -1, d])``, class by class). A
         replica's batch is a contiguous shard of the batch, so its halves are not the
@@ -1540,7 +1544,10 @@ class _Analyzer:
             if n.op not in _POSITIONAL or n not in variant0 or in_gradients_scope(n.name, self.gradient_scopes):
                 continue
             value = n.inputs[1] if n.op == "Split" else n.inputs[0]
-            if n.op == "Split":
+            if n.op == "GatherV2":   # (by indices the batch's values do not decide: positions)
+                takes = _int_const(n.inputs[2]) == [0] and not (_value_ancestors(n.inputs[1].node)
+                                                               | {n.inputs[1].node}) & seed_nodes
+            elif n.op == "Split":
                 takes = _split_axis(n) == 0 and not _split_pieces(n, _rows_follow(True, 4096), 4096)
             elif n.op == "SplitV":
                 takes = _split_axis(n, n.inputs[2], n.inputs[0]) == 0
@@ -2484,7 +2491,7 @@ def _split_pieces(split, follow, limit):
     return [t.node for t in concat.inputs[:-1]] if concat is not None else []
 
 
-_POSITIONAL = frozenset(("Split", "SplitV", "Slice", "StridedSlice", "Reshape"))
+_POSITIONAL = frozenset(("Split", "SplitV", "Slice", "StridedSlice", "Reshape", "GatherV2"))
 
 
 def _int_const(tensor):

@@ -38,8 +38,9 @@ Nothing else is lowered: a graph without such a cond is unchanged.
 
 import re
 
-from graph_rewriter import opdefs
+from graph_rewriter import dtypes, opdefs
 from graph_rewriter.analysis import _POSITIONAL, _SHAPE_ONLY, _reaches_rows, analyze
+from graph_rewriter.errors import GraphRewriteError
 from graph_rewriter.ir import COLOCATION_ATTR
 from graph_rewriter.op_builder import make_op
 from graph_rewriter.pass_manager import Pass
@@ -83,6 +84,8 @@ class LowerCondsPass(Pass):
         added, dropped, lowered, calls, renames = [], [], [], [], {}
         for call_name, found in statistics.items():
             call = graph.get(call_name)
+            if call is not None and call_name in taking and not _lowerable(call, functions):
+                _refuse_rows_in_unlowerable(call, functions)
             if call is None or not _lowerable(call, functions):
                 continue   # the plan refuses the statistic, naming the function it is in
             # (the backward If reads the forward's intermediates, or, where it needs none,
@@ -151,6 +154,80 @@ def _branches_take_positions(call, functions):
                 return True
             reached.add(nd.name)
     return False
+
+
+def _refuse_rows_in_unlowerable(call, functions):
+    """Refuses a v2 cond that takes the batch's rows by position (a slice or split along
+    axis 0 in a branch) and cannot be lowered: left a function, each replica would take
+    the positions of its own rows where one device takes the batch's, silently (a
+    branch run for its effects too, a print or an assign inside a tf.function's cond:
+    0.59 from one device in the loss after 3 steps at 2 replicas). A slice of the
+    features only (``h[:, :2]``) takes no rows and is left as it is."""
+    taken = _rows_taken_by_position(call, functions)
+    if taken is None:
+        return
+    function, node = taken
+    fn = functions[function]
+    why = ("ops it runs for their effects (control outputs: a print, an assign)"
+           if fn.control_ret or fn.signature.control_output else "attribute placeholders")
+    raise GraphRewriteError(
+        f"the v2 cond '{call.name}' takes the batch's rows by position in its branch '{function}' "
+        f"('{node.name}', a {node.op} along axis 0), and that branch has {why}, which graph_rewriter "
+        "cannot inline: each replica would take the positions of its own rows, not one device's",
+        hint="take the rows outside the cond (slice first, then tf.cond on the slice), or move the "
+             "print or assign out of the branch")
+
+
+def _rows_taken_by_position(call, functions):
+    """(function, NodeDef) of the first op in a branch of the If ``call`` that takes rows
+    by position along axis 0 of a value computed from its arguments (a slice, a split, a
+    gather along axis 0; a slice whose axis-0 bounds are no constants counts), or None."""
+    for _, attr, _ in _BRANCHES:
+        fn = functions.get(call.attr[attr].func.name)
+        if fn is None:
+            continue
+        consts = {nd.name: nd for nd in fn.node_def if nd.op == "Const"}
+        reached = {a.name for a in fn.signature.input_arg}
+        for nd in _body_order(fn):
+            reads = [i.split(":")[0] for i in nd.input if not i.startswith("^")]
+            if nd.op in _SHAPE_ONLY or not any(r in reached for r in reads):
+                continue
+            value = 1 if nd.op == "Split" else 0   # (Split reads its axis first)
+            if nd.op in _TAKES_ROWS and len(reads) > value and reads[value] in reached and _along_axis_0(nd, consts):
+                return fn.signature.name, nd
+            reached.add(nd.name)
+    return None
+
+
+# the ops of a branch _rows_taken_by_position looks at
+_TAKES_ROWS = _TAKES_POSITIONS | {"Gather", "GatherV2", "ResourceGather"}
+
+
+def _along_axis_0(nd, consts):
+    """True if a body NodeDef takes rows along axis 0 of its value (its bounds or axis
+    read from the body's constants; unknown ones count)."""
+    def first(position):
+        if position >= len(nd.input):
+            return None
+        c = consts.get(nd.input[position].split(":")[0])
+        values = list(dtypes.int_values(c.attr["value"].tensor)) if c is not None else []
+        return values[0] if values else None
+    if nd.op == "StridedSlice":
+        masks = {k: nd.attr[k].i for k in ("begin_mask", "end_mask", "shrink_axis_mask", "ellipsis_mask",
+                                            "new_axis_mask")}
+        if masks["ellipsis_mask"] & 1 or masks["new_axis_mask"] & 1:
+            return False
+        whole = masks["begin_mask"] & 1 and masks["end_mask"] & 1 and not masks["shrink_axis_mask"] & 1
+        return not (whole and first(3) in (1, None) and (first(3) == 1 or len(nd.input) < 4))
+    if nd.op == "Slice":
+        return not (first(1) == 0 and first(2) == -1)
+    if nd.op == "Split":
+        return first(0) in (0, None)
+    if nd.op == "SplitV":
+        return first(2) in (0, None)
+    if nd.op in ("GatherV2", "ResourceGather"):
+        return nd.op == "ResourceGather" or first(2) in (0, None)
+    return nd.op == "Gather"
 
 
 def _lowerable(call, functions):

@@ -145,3 +145,69 @@ def test_two_workers_train_dann_as_one_device(control_flow, pool, procs, tmp_pat
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def _effectful_cond(take):
+    """A v2 cond on a training flag whose branch takes ``take(h)`` of a layer's rows and
+    also prints (built as inside a tf.function, where the print is a control output of
+    the branch function: such a cond cannot be inlined). Returns the GraphDef."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        tf1.enable_control_flow_v2()
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        train = tf1.placeholder_with_default(True, [], name="train")
+        w = tf1.get_variable("w", [4, 4], initializer=tf1.glorot_uniform_initializer(seed=1))
+        h = tf.matmul(x, w)
+
+        def taken():
+            rows = take(h)
+            tf.print("rows", tf.shape(rows))
+            return rows
+
+        g._add_control_dependencies = True   # (what a tf.function's graph sets)
+        rows = tf.cond(train, taken, lambda: take(h))
+        g._add_control_dependencies = False
+        loss = tf.reduce_mean(tf.square(rows), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("take,op", [(lambda h: h[:4], "StridedSlice"), (lambda h: h[1], "StridedSlice"),
+                                     (lambda h: tf_split(h, 0), "Split"), (lambda h: tf_gather(h, 0), "GatherV2")],
+                         ids=["first_rows", "one_row", "split_rows", "gather_rows"])
+def test_a_cond_taking_rows_that_cannot_be_inlined_is_refused(take, op):
+    """Before, such a cond stayed a function: each replica took the positions of its own
+    rows, silently (the first four rows: 0.59 from one device in the loss after three
+    steps at 2 replicas, no note). Now the rewrite stops, naming the cond, its branch,
+    the op and why, and says what to do."""
+    with pytest.raises(gr.GraphRewriteError) as e:
+        _rewrite(_effectful_cond(take))
+    message = str(e.value)
+    assert "the v2 cond 'cond' takes the batch's rows by position in its branch 'cond_true" in message, message
+    assert f"a {op} along axis 0" in message and "control outputs" in message and "outside the cond" in message
+
+
+@pytest.mark.parametrize("take", [lambda h: h[:, :2], lambda h: tf_split(h, 1), lambda h: tf_gather(h, 1)],
+                         ids=["features", "split_features", "gather_features"])
+def test_a_cond_taking_features_that_cannot_be_inlined_trains_as_one_device(take):
+    """The control: a slice, split or gather of the features (axis 1) takes no rows;
+    the cond is left a function and R replicas train as one device."""
+    graph_def = _effectful_cond(take)
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(8, 4).astype(np.float32)} for _ in range(3)]
+    want = harness.trained_on_one_device(graph_def, feeds)
+    got = harness.trained_rewritten(_rewrite(graph_def), graph_def, feeds)
+    harness.assert_trained_alike("features", got, want, RTOL, ATOL)
+
+
+def tf_split(h, axis):
+    import tensorflow as tf
+    return tf.split(h, 2, axis)[0]
+
+
+def tf_gather(h, axis):
+    import tensorflow as tf
+    return tf.gather(h, [0, 1], axis=axis)

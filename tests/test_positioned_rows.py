@@ -77,3 +77,47 @@ def test_each_replicas_own_positions_would_be_caught(model):
     assert f"'{op}'" in note and "rows taken by their position in the batch" in note
     losses, _ = _trained(result, graph_def, feeds)
     assert np.max(np.abs(np.array(losses) - want_losses)) > 1e-3, (losses, want_losses)
+
+
+def _gathering(axis, indices="constant"):
+    """An MLP whose loss reads the rows (axis 0) or the features (axis 1) a gather takes,
+    by constant indices or by indices from the batch's count of rows (every other row).
+    Returns the GraphDef."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.get_variable("w", [4, 4], initializer=tf1.glorot_uniform_initializer(seed=1))
+        h = tf.matmul(x, w)
+        picked = [0, 1] if indices == "constant" else tf.range(0, tf.shape(h)[axis], 2)
+        taken = tf.gather(h, picked, axis=axis, name="taken")
+        loss = tf.reduce_mean(tf.square(taken), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("indices", ["constant", "from_the_count"])
+def test_rows_a_gather_takes_by_position_are_noted(indices):
+    """``tf.gather(h, [0, 1])`` (or every other row, ``tf.range(0, n, 2)``) takes rows by
+    their position: before, each replica took its own shard's rows 0 and 1, silently
+    (0.26 from one device in the loss after three steps at 2 replicas). The head cannot
+    be computed (the gather's gradient is sparse, its indices read by the rows'
+    backward), so the plan's notes name the gather; a gather by indices the batch's
+    values decide (a top_k) is a ranking, not this."""
+    result = gr.rewrite(_gathering(0, indices), devices_per_worker=2, device_type="CPU")
+    notes = [n for n in result.plan.notes or [] if n.startswith(ROWS_MEET_START)]
+    assert notes and "'taken'" in notes[0], result.plan.notes
+
+
+def test_features_a_gather_takes_train_as_one_device():
+    """The control: a gather along the features (axis 1) takes no rows: no note, and 2
+    replicas train as one device."""
+    graph_def = _gathering(1)
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(8, 4).astype(np.float32)} for _ in range(3)]
+    result = gr.rewrite(graph_def, devices_per_worker=2, device_type="CPU")
+    assert not [n for n in result.plan.notes or [] if n.startswith(ROWS_MEET_START)], result.plan.notes
+    harness.assert_trained_alike("features", harness.trained_rewritten(result, graph_def, feeds),
+                                 harness.trained_on_one_device(graph_def, feeds), RTOL, ATOL)

@@ -348,16 +348,24 @@ class SyncQueuesPass(Pass):
     @staticmethod
     def _barrier_maker(graph, ctx):
         """A function that makes an op end with a barrier over the workers (see the module
-        docstring), or does nothing when no collective spans the workers."""
+        docstring), or does nothing when no collective spans the workers. With every
+        gradient accumulated on the ps (no all-reduce cut) an op still runs a collective
+        where the plan mirrors a variable: the init op's broadcast of its initial value
+        (spectral normalization's vectors, a stateful RNN's rows). That step takes its id
+        from the workers' shared sequence too, so it ends with a barrier; an op that runs
+        no collective keeps a step id of its own and needs none."""
         plan, cluster = ctx.plan, ctx.cluster
         workers = cluster.compute_tasks
-        if len(workers) < 2 or all(c.sync == "accumulate" for c in plan.cuts):
+        if len(workers) < 2:
             return lambda op, kind, index: None
+        every_op = any(c.sync != "accumulate" for c in plan.cuts)
         hosts = host_group(cluster)
         me = cluster.device(cluster.task, "CPU", 0)
         gkey = group_key(hosts)
 
         def end_with_barrier(op, kind, index):
+            if not every_op and not any(n.op in COLLECTIVES for n in ancestors([op])):
+                return
             scope = graph.unique_name(f"graph_rewriter/end_of_{kind}")
             zero = const(graph, f"{scope}/zero", 0.0, "float32", me)
             # An op with data inputs (a train op that is the global step's assign_add on

@@ -369,6 +369,41 @@ def test_one_accumulator_per_ps_gradient(model, optimizer, strategy, replicas):
     assert all(len(a) == 1 for a in owners.values()), owners
 
 
+def test_a_ps_init_that_broadcasts_a_mirrored_variable_ends_with_a_workers_barrier():
+    """Under ps a variable the forward pass writes (spectral normalization's vector u)
+    is mirrored, so the init op broadcasts its initial value: a collective, so the step
+    takes its id from the sequence the workers share. The chief's init also writes the
+    ps (its reset of the run's state, RESET_DONE); without a barrier worker 1's init,
+    done once it had the broadcast, cleaned that step id up on the ps while the chief's
+    write was still under way ('Aborted: Cleanup <step id>' on reset_done/set: a loopback
+    test failed once on CI). Now the init ends with a barrier after all it runs on the
+    ps; the train op runs no collective and keeps its own step ids, without a barrier."""
+    from graph_rewriter.testing.tf1_scripts import spectral_norm_mlp
+    cluster = {"worker": ["localhost:2222", "localhost:2223"], "ps": ["localhost:2224"]}
+    graphs = [gr.rewrite(spectral_norm_mlp(), cluster, strategy="ps", task=f"worker:{k}",
+                         devices_per_worker=1, device_type="CPU").graph_def for k in (0, 1)]
+    ends = [_ends_with_barrier(gd, "init") for gd in graphs]
+    assert all(ends), "the init op does not end with a barrier"
+    keys = [(_const_int(gd, e.input[2]), _const_int(gd, e.input[3])) for gd, e in zip(graphs, ends)]
+    assert keys[0] == keys[1], f"the workers' barriers do not meet: {keys}"
+    for k, (gd, end) in enumerate(zip(graphs, ends)):
+        nodes = {n.name: n for n in gd.node}
+        after = _ancestors(nodes, "init") - _ancestors(nodes, end.name) - {end.name}
+        on_ps = sorted(n for n in after if nodes[n].device.startswith("/job:ps"))
+        assert not on_ps, f"worker {k}: the init runs {on_ps} on the ps after its barrier"
+        assert _ends_with_barrier(gd, "train_op") is None
+
+
+def _ancestors(nodes, name):
+    seen, stack = set(), [name]
+    while stack:
+        n = stack.pop().lstrip("^").split(":")[0]
+        if n not in seen:
+            seen.add(n)
+            stack.extend(nodes[n].input)
+    return seen
+
+
 def _ends_with_barrier(gd, op_name):
     """The collective every control input of ``op_name`` funnels into, or None."""
     nodes = {n.name: n for n in gd.node}

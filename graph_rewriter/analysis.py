@@ -207,6 +207,14 @@ class Analysis:
     # names of forward ops that take rows of the batch by their position in it (its halves
     # by tf.split(h, 2, 0), h[:n]): a replica's batch is a shard, its halves not the batch's
     positioned_rows: list = dataclasses.field(default_factory=list)
+    # names of variables whose update reads a nonlinear function of several gradients,
+    # computed after the backward pass, which the rewrite could not average apart (a
+    # gradient surgery over gradients batched by tf.vectorized_map): _split_joins
+    unsplit_joins: list = dataclasses.field(default_factory=list)
+    # names of backward-pass sums over the batch's rows (a weight's gradient) whose value
+    # the step differentiates again (GradNorm's gradient norms in a loss, MAML's inner
+    # step on the whole batch): each replica's is its own rows' (_find_regradients)
+    regradients: list = dataclasses.field(default_factory=list)
     # names of forward statistics over the batch's rows that training uses other than
     # linearly (BatchNorm in training mode, a center loss): each replica's is its shard's
     batch_statistics: list = dataclasses.field(default_factory=list)
@@ -353,6 +361,7 @@ class _Analyzer:
         # (only static batch sizes), the data still tells gradients from other updates.
         seeds = batch or [t for t in broadcast if _rank(t) != 0]
         variant0 = variant_nodes(seeds, set())
+        self._unsplit_joins = []
         cuts = self._find_cuts(seeds, variant0)
         gathered_rows, regions, rows_into_state = self._find_row_gathers(seeds, variant0, cuts)
         explained = {var for var, _ in regions}
@@ -380,11 +389,12 @@ class _Analyzer:
         normalizers = self._find_normalizers(seeds, variant0)
         batch_draws = self._find_batch_draws(seeds, variant0)
         row_defaults = self._find_row_defaults(seeds, variant0)
-        loss_sums = self._find_loss_sums(seeds, variant0)
+        loss_sums = self._find_loss_sums(seeds, variant0, cuts)
         row_products = self._find_row_products(seeds, variant0)
         training = _Lazy(lambda: _value_ancestors_of(
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
+        regradients = self._find_regradients(seeds, variant0)
         sampled_rows = self._find_sampled_rows(seeds, variant0, training)
         positioned_rows, differentiated_rows = (
             [name for name in found if name not in moved_rows]   # (a gather by a shuffle moves the rows)
@@ -461,7 +471,8 @@ class _Analyzer:
             row_products=row_products, product_head=product_head, product_head_obstacle=head_obstacle,
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
             row_move_obstacles=move_obstacles, looped_draws=looped_draws,
-            positioned_rows=positioned_rows + differentiated_rows,
+            positioned_rows=positioned_rows + differentiated_rows, unsplit_joins=self._unsplit_joins,
+            regradients=regradients,
             batch_statistics=batch_statistics,
             stored_statistics=[name for name in batch_statistics
                                if ":" not in name and self.g.node(name) not in training.value],
@@ -766,6 +777,7 @@ class _Analyzer:
             grad = _walk_to_gradient(value, variant_mid, batch)
             add(GradientCut(values=grad, kind="dense", source="assign-walk"), n, var)
         cuts = self._hoist(cuts, batch, variant0)
+        cuts = self._split_joins(cuts, batch, variant0)
         # Cuts found through scatters and assigns name their variable: the one the batch
         # computation reads (the trainable one), else the first written.
         out = list(cuts.values())
@@ -835,6 +847,79 @@ class _Analyzer:
             moved.received = sorted(set(moved.received) | {t.name for t in key if t is not None})
             moved.post_processing = sorted(set(moved.post_processing) | ops)
         return out
+
+    def _split_joins(self, cuts, batch, variant0):
+        """Moves a cut that is no tensor of the backward pass, but a nonlinear function of
+        several of its gradients computed after it, to each of those gradients. Gradient
+        surgery (PCGrad: each task's gradients flattened into one vector, projected on
+        the others' where they conflict, summed and unflattened) reshapes, concatenates,
+        slices and reduces the gradients, which the element-wise walk of _hoist does not
+        pass: the cut stayed where the update reads it, and the replicas averaged their
+        projections, which differ from the projection of the averages one device makes.
+        Only tf.gradients' scope names tell the backward pass from what follows it, so a
+        graph without them keeps its cuts; so does a cut whose walk meets the batch's rows
+        (per-example gradients, a batch statistic) or only linear ops (averaging
+        commutes with them)."""
+        if not any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order):
+            return cuts
+        out = {}
+        for key, cut in cuts.items():
+            if cut.source == "hint" or cut.kind != "dense" or in_backward(cut.values.node.name, self.gradient_scopes):
+                out.setdefault(key, cut)
+                continue
+            found = _backward_sources(cut.values, variant0, batch,
+                                      lambda n: in_backward(n.name, self.gradient_scopes))
+            if found is None:
+                out.setdefault(key, cut)
+                continue
+            stops, ops = found
+            owners = {t: self._gradient_variable(t, self.variables) for t in stops}
+            if None in owners.values():
+                # (a tensor that is no one variable's gradient: gradients tf.vectorized_map
+                # batched over tasks): the cut stays, and the plan notes it
+                out.setdefault(key, cut)
+                self._unsplit_joins.extend(v for v in cut.variables if v not in self._unsplit_joins)
+                continue
+            for values in sorted(stops, key=lambda t: self.position.get(t.node, 0)):
+                moved = out.get((values, None))
+                if moved is None:
+                    moved = out[(values, None)] = dataclasses.replace(
+                        cut, values=values, indices=None, variable=owners[values], variables=[],
+                        linear=False, received=[], post_processing=[])
+                for name in cut.variables:
+                    if name not in moved.variables:
+                        moved.variables.append(name)
+                moved.received = sorted(set(moved.received) | set(cut.received) | {cut.values.name})
+                moved.post_processing = sorted(set(moved.post_processing) | set(cut.post_processing) | ops)
+        return out
+
+    def _gradient_variable(self, tensor, names):
+        """Which of the variables ``names`` a tensor of the backward pass is the gradient
+        of, or None: tf.gradients builds the gradient of an op's inputs under
+        "<scope>/<op>_grad/", so it is the variable that op reads (one of ``names``); an
+        AddN of a variable's gradients from several reads is that of its first input."""
+        for _ in range(64):
+            name = tensor.node.name
+            if "_grad/" not in name:
+                if tensor.node.op not in ("AddN", "Identity") or not tensor.node.inputs:
+                    return None
+                tensor = tensor.node.inputs[0]
+                continue
+            parts = name[:name.index("_grad/")].split("/")
+            for k in range(1, len(parts)):
+                forward = self.g.get("/".join(parts[k:]))
+                if forward is None:
+                    continue
+                read = {v.name for v in (variable_of(t.node.inputs[0] if t.node.op == "ReadVariableOp" else t)
+                                         for t in forward.inputs) if v is not None} & set(names)
+                if len(read) != 1:
+                    return None
+                name = read.pop()
+                shape = self.variables[name].shape
+                # (its shape: a gradient batched by tf.vectorized_map has another rank)
+                return name if shape is not None and static_rank(tensor) == len(shape) else None
+            return None
+        return None
 
     def _averaged_stops(self, walks, cuts, batch, variant0):
         """The stops to average: those downstream of no other stop, then any stop that
@@ -1296,7 +1381,7 @@ class _Analyzer:
         return out
 
     # ---- losses summed over the batch -------------------------------------------------
-    def _find_loss_sums(self, seeds, variant0):
+    def _find_loss_sums(self, seeds, variant0, cuts=()):
         """Sums over the batch's rows that a loss adds up, not divided by a count of
         them: ``tf.reduce_sum(tf.square(p - y))``, ``tf.nn.l2_loss(p - y)``, a
         ``tf.compat.v1.losses`` loss with ``reduction=SUM``, and a sum divided by a
@@ -1311,7 +1396,12 @@ class _Analyzer:
         a mask) nor, with static batches, on a constant multiple of the static batch or
         its reciprocal (``reduce_sum(x) / BATCH``, which a model built for R x BATCH
         divides by R x BATCH). Then everything between the sum and the loss is linear in
-        it, with coefficients the same on every replica."""
+        it, with coefficients the same on every replica. And the backward pass its
+        gradient enters computes a gradient the rewrite averages (a cut's value is in
+        its tf.gradients scope): a sum whose gradient is taken with respect to the batch
+        itself (``tf.gradients(tf.reduce_sum(D(x)), x)``, a gradient penalty's per-row
+        input gradients) is no loss, and each replica's rows' gradients are one
+        device's as they are; scaled by R, the penalty was R^2 times one device's."""
         variables = {v.node for v in self.variables.values()}
         static = {b for b in self.static_batch.values() if b and b > 1}
         candidates = {}
@@ -1323,6 +1413,10 @@ class _Analyzer:
             return []
         entries = gradient_entries(self.g.nodes, candidates)
         seed_nodes = {t.node for t in seeds}
+        # the backward passes whose gradients the rewrite averages (None: a hint's cut,
+        # which may be anywhere, keeps every sum)
+        averaged = None if any(c.source == "hint" for c in cuts) else {
+            scope for c in cuts if c.role == "gradient" for scope in self._origin_scopes(c.values)}
         out = []
         for name, node in candidates.items():
             found = entries.get(name)
@@ -1332,8 +1426,37 @@ class _Analyzer:
             grads = {t for t, _ in found}
             if any(t.node in variant0 or _counts_rows(t.node, static) for t in grads):
                 continue
+            if averaged is not None and not {self._backward_scope(t.node.name) for t in grads} & averaged:
+                continue
             out.append(name)
         return out
+
+    def _origin_scopes(self, tensor, limit=10000):
+        """The tf.gradients scopes of the backward nodes a cut's value comes from: its
+        own, or, for a cut where the update reads it after affine post-processing (a
+        gradient divided by the loss scale), those its walk back outside any backward
+        pass meets first."""
+        scopes, seen, stack = set(), {tensor.node}, [tensor.node]
+        while stack and len(seen) < limit:
+            n = stack.pop()
+            scope = self._backward_scope(n.name) if in_backward(n.name, self.gradient_scopes) else None
+            if scope is not None:
+                scopes.add(scope)
+                continue
+            for t in n.inputs:
+                if t.node not in seen:
+                    seen.add(t.node)
+                    stack.append(t.node)
+        return scopes
+
+    def _backward_scope(self, name):
+        """The tf.gradients scope a backward node is in ("gradients_1/", "grads/",
+        "SGD/gradients/" for a Keras optimizer's), or None."""
+        for scope in self.gradient_scopes:
+            if name.startswith(scope):
+                return scope
+        m = _GRADIENTS_SCOPE.search(name)
+        return name[:m.end()] if m is not None else None
 
     # ---- rows that meet other rows -----------------------------------------------------
     def _find_row_products(self, seeds, variant0):
@@ -1567,6 +1690,56 @@ class _Analyzer:
         differentiated = self._differentiated(unread, training)
         return ([name for name in candidates if name not in unread],
                 [name for name in candidates if name in differentiated])
+
+    def _find_regradients(self, seeds, variant0):
+        """Sums over the batch's rows that a backward pass computes (a weight's gradient,
+        ``x^T dy``; a bias's, BiasAddGrad) and that leave it into what a gradient reads:
+        GradNorm's norms of each task's gradient in the loss that trains the task
+        weights, MAML's inner step ``w - lr * dL/dw`` on the whole batch before the
+        outer loss. A weight's gradient is averaged where it reaches its update; one the
+        step differentiates again is each replica's own rows' gradient, whose norm (or
+        step) is not one device's, and no average of the results makes it so."""
+        if not any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order):
+            return []
+        seed_nodes = {t.node for t in seeds}
+        out = []
+        for n in self.order:
+            if n not in variant0 or not in_backward(n.name, self.gradient_scopes):
+                continue
+            if n.op == "MatMul":
+                # (x^T dy: the rows of the forward input x, and of the backward's dy, which
+                # the shapes then make rows too; the walk to the rows does not pass dy's ops)
+                found = (n.attr["transpose_a"].b and not n.attr["transpose_b"].b
+                         and _reaches_rows(n.inputs[0], seed_nodes, strict=True))
+            elif n.op == "BiasAddGrad":
+                found = True    # (the sum of dy over every axis but the channels')
+            else:
+                continue
+            if found and self._differentiated_again(n):
+                out.append(n.name)
+        return out
+
+    def _differentiated_again(self, node, limit=20000):
+        """True if a value of the backward pass leaves it (through its own ops) into ops
+        outside any backward pass whose values a backward pass reads: a loss computed
+        from the gradient (GradNorm's norms) or weights stepped by it (MAML's fast
+        weights) that tf.gradients differentiates. Post-processing that ends in the
+        updates (clipping, an optimizer by hand, a Keras optimizer's IdentityN) is read
+        by no backward op; an update's effect on later reads is a control edge, which
+        the walk does not follow (SAM's ascent)."""
+        stack, seen = [node], {node}
+        while stack and len(seen) < limit:
+            n = stack.pop()
+            inside = in_backward(n.name, self.gradient_scopes)
+            for c, _ in n.consumers():
+                if c in seen:
+                    continue
+                if not inside and in_backward(c.name, self.gradient_scopes):
+                    return True
+                if inside or not in_backward(c.name, self.gradient_scopes):
+                    seen.add(c)
+                    stack.append(c)
+        return False
 
     def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums, stored):
         """Forward statistics over the batch's rows (a reduction whose constant axes
@@ -3453,6 +3626,49 @@ class _PostProcessingWalk:
         for v, i in stops:
             out.add((v, i if i is not None else start_indices))
         return out
+
+
+# Ops the average commutes with whatever their inputs: layout (reshapes, slices,
+# concatenations, stacks, transposes) and sums.
+_LINEAR = frozenset(("Identity", "IdentityN", "Snapshot", "StopGradient", "Cast", "Neg", "AddV2", "Add", "Sub", "AddN",
+                     "Reshape", "ConcatV2", "Concat", "Pack", "Unpack", "StridedSlice", "Slice", "Split",
+                     "SplitV", "Squeeze", "ExpandDims", "Transpose", "Sum", "Mean"))
+
+
+def _backward_sources(start, variant, batch, in_backward, limit=100000):
+    """({the backward pass's tensors ``start`` is computed from}, {op types between}) when
+    what computes ``start`` from them, outside the backward pass, is nonlinear in them
+    (_split_joins); None when the walk meets the batch's rows, a tensor of no backward
+    pass, only linear ops, or one backward tensor only."""
+    stops, ops, seen, stack = set(), set(), {start}, [start]
+    nonlinear = False
+    while stack:
+        t = stack.pop()
+        n = t.node
+        if t in batch:
+            return None
+        if in_backward(n):
+            stops.add(t)
+            continue
+        if n.op in PASS_THROUGH or n.op in FUNCTION_CALLS or opdefs.op_def(n.op) is None or len(seen) > limit:
+            return None    # control flow and calls: left to _hoist's walk
+        inputs = [n.inputs[t.index]] if n.op == "IdentityN" else n.inputs   # (output k is input k)
+        live = [u for u in inputs if u.node in variant or u in batch]
+        if not live or n.op in ("Placeholder", "PlaceholderWithDefault"):
+            return None    # variant from something else than the backward pass
+        ops.add(n.op)
+        if n.op in ("Mul", "RealDiv", "Div"):    # linear by a factor the batch does not decide
+            linear = len(live) == 1 and (n.op == "Mul" or live[0] is n.inputs[0])
+        else:
+            linear = n.op in _LINEAR
+        nonlinear = nonlinear or not linear
+        for u in live:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    if not nonlinear or len(stops) < 2:
+        return None
+    return stops, ops
 
 
 def rows_reduced(cut):

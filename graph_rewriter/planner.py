@@ -460,6 +460,10 @@ LOOPED_DRAWS = (LOOPED_DRAWS_START + " ({names}, e.g. tf.map_fn's random flip or
                 "loop runs a step per row of its own rows, and its kernel draws for them what one device draws "
                 "for the batch's first rows, so the draws, and the step, differ from one device's (the "
                 "replicas' draws coincide)")
+REGRADIENTS = (ROWS_MEET_START + " in {names} (a gradient of the batch's loss that the step differentiates "
+               "again, e.g. GradNorm's norms of the tasks' gradients, MAML's inner step on the whole batch): "
+               "each replica computes it from its own rows, with or without synchronised batch statistics, "
+               "and the step differs from one device's")
 SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
                   "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
                   "rows and the replicas' means are averaged alike, so unless every replica selects as many "
@@ -471,7 +475,11 @@ def _note_rows_meeting(plan, analysis, log):
     mixup, batch statistics, a mean over selected rows left unsynced), each replica
     computes with its own rows: the plan's notes and the log say so (docs/semantics.md,
     "Rows that meet other rows")."""
-    notes = [n for n in plan.notes or [] if not n.startswith((ROWS_MEET_START, LOOP_BOUNDS_START, LOOPED_DRAWS_START))]
+    notes = [n for n in plan.notes or [] if not n.startswith((ROWS_MEET_START, LOOP_BOUNDS_START, LOOPED_DRAWS_START,
+                                                               UNSPLIT_JOINS_START))]
+    if plan.num_replicas > 1 and analysis.unsplit_joins:
+        notes.append(UNSPLIT_JOINS.format(names=_listed(analysis.unsplit_joins)))
+        log(f"plan: {notes[-1]}")
     unsynced = [n for n in analysis.loop_bounds if n not in (plan.loop_bounds or ())]
     if plan.num_replicas > 1 and unsynced:
         notes.append(LOOP_BOUNDS.format(names=_listed(unsynced)))
@@ -503,11 +511,19 @@ def _note_rows_meeting(plan, analysis, log):
                                 (STORED_STATISTICS, [n for n in analysis.stored_statistics
                                                      if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means
-                                                  if n not in (plan.selected_means or ())])):
+                                                  if n not in (plan.selected_means or ())]),
+                                (REGRADIENTS, analysis.regradients)):
             if names:
                 notes.append(template.format(names=_listed(names), shard=f"1/{plan.num_replicas}"))
                 log(f"plan: {notes[-1]}")
     plan.notes = notes or None
+
+UNSPLIT_JOINS_START = "gradients meet after the backward pass"
+UNSPLIT_JOINS = (UNSPLIT_JOINS_START + " in the updates of {names} through a nonlinear function of several of "
+                 "them that the rewrite cannot average apart (gradients batched by tf.vectorized_map, as PCGrad "
+                 "projects them): each replica computes it from its own gradients and the replicas average the "
+                 "results, so the step differs from one device's; compute the per-task gradients with one "
+                 "tf.gradients call each")
 
 
 def _listed(names, limit=4):

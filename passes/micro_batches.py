@@ -35,6 +35,42 @@ from graph_rewriter.ps_state import MICRO_BATCHES, init_ops, int_variable, share
 from graph_rewriter.traversal import ancestors, descendants, reaches
 
 
+def _check_no_gradient_after_another(graph, rm, cuts):
+    """Refuses a gradient computed after an update that reads another gradient: SAM's
+    second gradient, taken at the weights its ascent along the first moved (the ascent
+    reads the first gradient), or a GAN step whose generator gradient waits for the
+    discriminator's update. The first gradient's mean over the k micro-batches exists
+    only on the k-th run, and the later gradient of every micro-batch would need it: the
+    sums would hold gradients of weights one device never had (0.56 in SAM's variables
+    after four steps at k=2, on one replica). SAM's ascent is a state cut (an assign of
+    the trained variables), which accumulation leaves to every run; a state of other
+    variables (a moving average of the loss the gradients wait for) changes no weight."""
+    first = rm.built[0]
+    trained = {v for c in cuts if c.role != "state" for v in c.variables}
+    trained |= {rm.prefixes[first] + v for v in trained}
+    earlier = {rm.tensor(graph, first, c.values).node: c for c in cuts
+               if c.role != "state" or trained & set(c.variables)}
+    gradients = {rm.tensor(graph, first, c.values).node: c for c in cuts if c.role != "state"}
+
+    def writes_after(nodes):
+        # (through a write of a trained variable: tf.gradients' own grouping of an op's
+        # input gradients is a control edge from one gradient to another)
+        return [n for n in descendants(nodes) if any(v.name in trained for v, _ in written_variables(n, graph.library))]
+
+    if not set(gradients) & descendants(writes_after(list(earlier))):
+        return    # (one walk for the common case; the pair is looked for only when there is one)
+    for node, cut in earlier.items():
+        later = [gradients[n] for n in descendants(writes_after([node])) if n in gradients and n is not node]
+        if later:
+            raise GraphRewriteError(
+                f"accumulation_steps: the gradient '{later[0].values}' of variable '{later[0].variable}' is computed "
+                f"after an update that reads the gradient '{cut.values}' of variable '{cut.variable}' (an ascent "
+                "along the gradient, as SAM takes, or one optimizer's update before another's gradient): a "
+                "micro-batch's later gradient would need the earlier one's mean over every micro-batch, which "
+                "exists only on the last run",
+                hint="rewrite without accumulation_steps (a larger global batch over more replicas instead)")
+
+
 class MicroBatchesPass(Pass):
     name = "micro_batches"
     requires = frozenset({"plan", "replicas"})
@@ -49,6 +85,7 @@ class MicroBatchesPass(Pass):
         if k == 1 or not cuts:
             return False
         rm = ctx.replicas
+        _check_no_gradient_after_another(graph, rm, plan.cuts)
         before = set(graph.names())
         inits = init_ops(graph, plan, ctx.replicas)
         counter = int_variable(graph, f"{MICRO_BATCHES}/count",
@@ -93,7 +130,7 @@ class MicroBatchesPass(Pass):
         update readers; returns the new tensors the readers read."""
         rm = ctx.replicas
         k = ctx.plan.accumulation_steps
-        scope = f"{rm.prefixes[i]}{MICRO_BATCHES}/{cut.variable}"
+        scope = f"{rm.prefixes[i]}{MICRO_BATCHES}/{cut.key}"   # (a variable with several gradients: one sum each)
         values = rm.tensor(graph, i, cut.values)
         targets = {rm.prefixes[i] + v for v in cut.variables} | set(cut.variables)
         value_readers = [(c, p) for c, p in values.node.consumers(values.index) if leads_to_write(c, targets)]

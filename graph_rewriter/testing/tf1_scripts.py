@@ -490,7 +490,7 @@ def dann(flip="override", control_flow="v2", slicing="slice", evaluation="rows")
         y = tf1.placeholder(tf.float32, [None, 3], name="y")
         domain = tf1.placeholder(tf.float32, [None, 2], name="domain")
         train = tf1.placeholder_with_default(True, [], name="train")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2), use_resource=True)
         feature = tf.nn.relu(tf.matmul(x, w1))
 
         def source(t):
@@ -1472,6 +1472,189 @@ def spectral_norm_mlp(resource=True):
         out = tf.matmul(tf.nn.relu(tf.matmul(x, normalized(w1, "w1"))), normalized(w2, "w2"))
         loss = tf.reduce_mean(tf.square(out - y), name="loss")
         tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+# gradient_surgery_mtl's forms: how the per-task gradients are computed and combined
+SURGERY_FORMS = ("per_task", "vectorized", "summed")
+
+
+def gradient_surgery_mtl(form="per_task"):
+    """PCGrad (Yu et al., 2020, "Gradient Surgery for Multi-Task Learning") as its TF1
+    code writes it: two tasks over a shared layer, x [None, 4] -> relu 16 (w1) -> a
+    squared error head (wa) and an absolute error head (wb) against y. Each task's
+    gradients over [w1, wa, wb] are flattened into one vector; each vector is projected
+    on the normal plane of every other where their dot product is negative, ``g_i -=
+    min(g_i . g_k / |g_k|^2, 0) g_k``; the projections are summed, unflattened and applied
+    by Adam 0.01. ``form``: "per_task" (one tf.gradients call per task, its None
+    gradients zeros), "vectorized" (the authors' code: tf.vectorized_map over the
+    stacked losses, both for the gradients and for the projection) or "summed" (the task
+    vectors summed without projection: a linear join). Returns the GraphDef (init,
+    train_op, loss:0 the tasks' sum; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        wa = tf1.get_variable("wa", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3), use_resource=True)
+        wb = tf1.get_variable("wb", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=4), use_resource=True)
+        h = tf.nn.relu(tf.matmul(x, w1))
+        losses = [tf.reduce_mean(tf.square(tf.matmul(h, wa) - y)), tf.reduce_mean(tf.abs(tf.matmul(h, wb) + y))]
+        tf.identity(losses[0] + losses[1], name="loss")
+        variables = [w1, wa, wb]
+
+        def flat(grads):
+            return tf.concat([tf.reshape(d if d is not None else tf.zeros_like(v), [-1])
+                              for d, v in zip(grads, variables)], 0)
+
+        if form == "vectorized":
+            tasks = tf.vectorized_map(lambda loss: tf.concat(
+                [tf.reshape(d, [-1]) for d in tf.gradients(loss, variables) if d is not None], 0), tf.stack(losses))
+        else:
+            tasks = tf.stack([flat(tf.gradients(loss, variables)) for loss in losses])
+
+        def project(task):
+            for k in range(len(losses)):
+                inner = tf.reduce_sum(task * tasks[k])
+                task = task - tf.minimum(inner / tf.reduce_sum(tasks[k] * tasks[k]), 0.0) * tasks[k]
+            return task
+
+        if form == "summed":
+            total = tf.reduce_sum(tasks, 0)
+        elif form == "vectorized":
+            total = tf.reduce_sum(tf.vectorized_map(project, tasks), 0)
+        else:
+            total = tf.reduce_sum(tf.stack([project(tasks[i]) for i in range(len(losses))]), 0)
+        grads, start = [], 0
+        for v in variables:
+            size = int(v.shape.num_elements())
+            grads.append(tf.reshape(total[start:start + size], v.shape))
+            start += size
+        tf1.train.AdamOptimizer(0.01).apply_gradients(zip(grads, variables), name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+# differentiated_gradient_mlp's kinds: a gradient of the batch's loss that the step
+# differentiates again (each replica's own: noted), and gradients it need not note
+REGRADIENT_KINDS = ("gradnorm", "maml_batch")
+PER_ROW_GRADIENT_KINDS = ("maml_tasks", "input_penalty_sum", "input_penalty")
+
+
+def differentiated_gradient_mlp(kind="gradnorm"):
+    """A step whose loss is computed from a gradient, over x [None, 4] -> relu 16 (w1) ->
+    1 (w2) (and two heads wa, wb for gradnorm), Adam 0.01. ``kind``:
+
+    - "gradnorm" (Chen et al., 2018): task weights [2] trained so the tasks' gradient
+      norms at w1, ``|d(t_i L_i)/dw1|``, approach their mean times the tasks' relative
+      inverse training rates to the power 1.5 (a target under stop_gradient), by the
+      L1 distance; the weights renormalised to sum to 2 after the step.
+    - "maml_batch": MAML's inner step on the whole batch (one task per batch): fast
+      weights ``w - 0.1 dL/dw``, the outer loss at them on the inputs halved.
+    - "maml_tasks": the same per task, ``tf.map_fn`` over the rows of x [None, 5, 4] (a
+      row is a task of 5 examples), as cbfinn/maml writes it.
+    - "input_penalty_sum": a gradient penalty on the inputs, ``(|dD/dx_i| - 1)^2``
+      averaged over the rows, the input gradient taken of ``tf.reduce_sum(D(x))`` (a
+      sum over the rows that is no loss); "input_penalty": of ``D(x)`` itself.
+
+    Returns the GraphDef (init, train_op, loss:0; dropout_batches, or
+    task_batches for maml_tasks)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        rows = [None, 5] if kind == "maml_tasks" else [None]
+        x = tf1.placeholder(tf.float32, rows + [4], name="x")
+        y = tf1.placeholder(tf.float32, rows + [1], name="y")
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2), use_resource=True)
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3), use_resource=True)
+
+        def net(inputs, a, b):
+            return tf.matmul(tf.nn.relu(tf.matmul(inputs, a)), b)
+
+        def maml(inputs, labels):
+            inner = tf.reduce_mean(tf.square(net(inputs, w1, w2) - labels))
+            d1, d2 = tf.gradients(inner, [w1, w2])
+            return tf.reduce_mean(tf.square(net(inputs * 0.5, w1 - 0.1 * d1, w2 - 0.1 * d2) - labels))
+
+        if kind == "gradnorm":
+            wb = tf1.get_variable("wb", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=4), use_resource=True)
+            weights = tf1.get_variable("task_weights", [2], initializer=tf1.ones_initializer(), use_resource=True)
+            first = tf1.get_variable("initial_losses", [2], initializer=tf1.ones_initializer(), trainable=False,
+                                     use_resource=True)
+            h = tf.nn.relu(tf.matmul(x, w1))
+            losses = tf.stack([tf.reduce_mean(tf.square(tf.matmul(h, w2) - y)),
+                               tf.reduce_mean(tf.abs(tf.matmul(h, wb) + y))])
+            weighted = weights * losses
+            loss = tf.reduce_sum(weighted, name="loss")
+            norms = tf.stack([tf.norm(tf.gradients(weighted[i], w1)[0]) for i in range(2)])
+            rates = losses / first
+            target = tf.stop_gradient(tf.reduce_mean(norms) * (rates / tf.reduce_mean(rates)) ** 1.5)
+            balance = tf.reduce_sum(tf.abs(norms - target))
+            model = [w1, w2, wb]
+            step = tf1.train.AdamOptimizer(0.01).apply_gradients(
+                list(zip(tf.gradients(loss, model), model)) + [(tf.gradients(balance, weights)[0], weights)])
+            with tf.control_dependencies([step]):
+                tf.group(weights.assign(2.0 * weights / tf.reduce_sum(weights)), name="train_op")
+        else:
+            if kind == "maml_batch":
+                loss = tf.identity(maml(x, y), name="loss")
+            elif kind == "maml_tasks":
+                loss = tf.reduce_mean(tf.map_fn(lambda a: maml(*a), (x, y), dtype=tf.float32), name="loss")
+            else:
+                out = net(x, w1, w2)
+                ys = tf.reduce_sum(out) if kind == "input_penalty_sum" else out
+                penalty = tf.reduce_mean(tf.square(tf.norm(tf.gradients(ys, x)[0], axis=1) - 1.0))
+                loss = tf.identity(tf.reduce_mean(tf.square(out - y)) + 0.1 * penalty, name="loss")
+            tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+def task_batches(steps, tasks, seed=0):
+    """``steps`` feeds of ``tasks`` rows of 5 examples each (x [tasks, 5, 4], y [tasks,
+    5, 1]) for differentiated_gradient_mlp("maml_tasks")."""
+    rng = np.random.RandomState(seed)
+    return [{"x:0": rng.randn(tasks, 5, 4).astype(np.float32), "y:0": rng.randn(tasks, 5, 1).astype(np.float32)}
+            for _ in range(steps)]
+
+
+def sharpness_aware_mlp(norm="global"):
+    """SAM (Foret et al., 2021, "Sharpness-Aware Minimization") in a TF1 step: the
+    gradient g of the loss, an ascent to ``w + rho g / |g|`` (assign_add, rho 0.5; the norm
+    ``norm`` "global" over every gradient, or "per_tensor"), the loss and its gradient
+    again at the perturbed weights (read after the ascent), the ascent undone
+    (assign_sub, after that gradient) and Momentum 0.1, 0.9 applying the second gradient.
+    x [None, 4] -> relu 16 (w1) -> 1 (w2), squared error; loss:0 is the first loss.
+    Returns the GraphDef (init, train_op, loss:0; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1, w2 = (tf1.get_variable(name, shape, initializer=tf1.glorot_uniform_initializer(seed=seed), use_resource=True)
+                  for name, shape, seed in (("w1", [4, 16], 2), ("w2", [16, 1], 3)))
+        variables = [w1, w2]
+
+        def loss_at(reads):
+            return tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, reads[0])), reads[1]) - y))
+
+        loss = tf.identity(loss_at([v.read_value() for v in variables]), name="loss")
+        grads = tf.gradients(loss, variables)
+        if norm == "global":
+            scale = 0.5 / (tf.linalg.global_norm(grads) + 1e-12)
+            ascents = [scale * d for d in grads]
+        else:
+            ascents = [0.5 * d / (tf.norm(d) + 1e-12) for d in grads]
+        ascend = [v.assign_add(e) for v, e in zip(variables, ascents)]
+        with tf.control_dependencies(ascend):
+            perturbed = [v.read_value() for v in variables]
+        sharp = tf.gradients(loss_at(perturbed), variables)
+        with tf.control_dependencies(sharp):
+            descend = [v.assign_sub(e) for v, e in zip(variables, ascents)]
+        with tf.control_dependencies(descend):
+            tf1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(zip(sharp, variables), name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")
     return g.as_graph_def()
 

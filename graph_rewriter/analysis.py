@@ -1693,7 +1693,8 @@ class _Analyzer:
 
     def _find_regradients(self, seeds, variant0):
         """Sums over the batch's rows that a backward pass computes (a weight's gradient,
-        ``x^T dy``; a bias's, BiasAddGrad) and that leave it into what a gradient reads:
+        ``x^T dy``, a convolution filter's; a bias's, BiasAddGrad) and that leave it into
+        what a gradient reads:
         GradNorm's norms of each task's gradient in the loss that trains the task
         weights, MAML's inner step ``w - lr * dL/dw`` on the whole batch before the
         outer loss. A weight's gradient is averaged where it reaches its update; one the
@@ -1711,8 +1712,9 @@ class _Analyzer:
                 # the shapes then make rows too; the walk to the rows does not pass dy's ops)
                 found = (n.attr["transpose_a"].b and not n.attr["transpose_b"].b
                          and _reaches_rows(n.inputs[0], seed_nodes, strict=True))
-            elif n.op == "BiasAddGrad":
-                found = True    # (the sum of dy over every axis but the channels')
+            elif n.op in ("BiasAddGrad", "Conv2DBackpropFilter", "Conv3DBackpropFilterV2",
+                          "DepthwiseConv2dNativeBackpropFilter"):
+                found = True    # (sums of dy, times the input's patches, over the rows)
             else:
                 continue
             if found and self._differentiated_again(n):

@@ -1539,7 +1539,7 @@ def gradient_surgery_mtl(form="per_task"):
 
 # differentiated_gradient_mlp's kinds: a gradient of the batch's loss that the step
 # differentiates again (each replica's own: noted), and gradients it need not note
-REGRADIENT_KINDS = ("gradnorm", "maml_batch")
+REGRADIENT_KINDS = ("gradnorm", "gradnorm_conv", "maml_batch")
 PER_ROW_GRADIENT_KINDS = ("maml_tasks", "input_penalty_sum", "input_penalty")
 
 
@@ -1551,6 +1551,9 @@ def differentiated_gradient_mlp(kind="gradnorm"):
       norms at w1, ``|d(t_i L_i)/dw1|``, approach their mean times the tasks' relative
       inverse training rates to the power 1.5 (a target under stop_gradient), by the
       L1 distance; the weights renormalised to sum to 2 after the step.
+      "gradnorm_conv": the same with a 2x2 convolution of 16 filters (w1 [2, 2, 1, 16])
+      over x as a 2x2 image for the shared layer, heads [64, 1], as the paper's
+      SegNet shares convolutions.
     - "maml_batch": MAML's inner step on the whole batch (one task per batch): fast
       weights ``w - 0.1 dL/dw``, the outer loss at them on the inputs halved.
     - "maml_tasks": the same per task, ``tf.map_fn`` over the rows of x [None, 5, 4] (a
@@ -1578,12 +1581,20 @@ def differentiated_gradient_mlp(kind="gradnorm"):
             d1, d2 = tf.gradients(inner, [w1, w2])
             return tf.reduce_mean(tf.square(net(inputs * 0.5, w1 - 0.1 * d1, w2 - 0.1 * d2) - labels))
 
-        if kind == "gradnorm":
-            wb = tf1.get_variable("wb", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=4), use_resource=True)
+        if kind in ("gradnorm", "gradnorm_conv"):
+            units = 64 if kind == "gradnorm_conv" else 16
+            if kind == "gradnorm_conv":
+                w1 = tf1.get_variable("conv", [2, 2, 1, 16], initializer=tf1.glorot_uniform_initializer(seed=5),
+                                      use_resource=True)
+                w2 = tf1.get_variable("wa", [units, 1], initializer=tf1.glorot_uniform_initializer(seed=6),
+                                      use_resource=True)
+                h = tf.reshape(tf.nn.relu(tf.nn.conv2d(tf.reshape(x, [-1, 2, 2, 1]), w1, 1, "SAME")), [-1, units])
+            else:
+                h = tf.nn.relu(tf.matmul(x, w1))
+            wb = tf1.get_variable("wb", [units, 1], initializer=tf1.glorot_uniform_initializer(seed=4), use_resource=True)
             weights = tf1.get_variable("task_weights", [2], initializer=tf1.ones_initializer(), use_resource=True)
             first = tf1.get_variable("initial_losses", [2], initializer=tf1.ones_initializer(), trainable=False,
                                      use_resource=True)
-            h = tf.nn.relu(tf.matmul(x, w1))
             losses = tf.stack([tf.reduce_mean(tf.square(tf.matmul(h, w2) - y)),
                                tf.reduce_mean(tf.abs(tf.matmul(h, wb) + y))])
             weighted = weights * losses

@@ -490,7 +490,7 @@ def dann(flip="override", control_flow="v2", slicing="slice", evaluation="rows")
         y = tf1.placeholder(tf.float32, [None, 3], name="y")
         domain = tf1.placeholder(tf.float32, [None, 2], name="domain")
         train = tf1.placeholder_with_default(True, [], name="train")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2), use_resource=True)
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
         feature = tf.nn.relu(tf.matmul(x, w1))
 
         def source(t):
@@ -1497,7 +1497,7 @@ def gradient_surgery_mtl(form="per_task"):
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
         y = tf1.placeholder(tf.float32, [None, 1], name="y")
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2))
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2), use_resource=True)
         wa = tf1.get_variable("wa", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3), use_resource=True)
         wb = tf1.get_variable("wb", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=4), use_resource=True)
         h = tf.nn.relu(tf.matmul(x, w1))

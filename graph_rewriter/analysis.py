@@ -860,20 +860,19 @@ class _Analyzer:
         graph without them keeps its cuts; so does a cut whose walk meets the batch's rows
         (per-example gradients, a batch statistic) or only linear ops (averaging
         commutes with them)."""
-        if not any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order):
+        if not self._names_backward():
             return cuts
         out = {}
         for key, cut in cuts.items():
-            if cut.source == "hint" or cut.kind != "dense" or in_backward(cut.values.node.name, self.gradient_scopes):
+            if cut.source == "hint" or cut.kind != "dense" or self._in_backward(cut.values.node):
                 out.setdefault(key, cut)
                 continue
-            found = _backward_sources(cut.values, variant0, batch,
-                                      lambda n: in_backward(n.name, self.gradient_scopes))
+            found = _backward_sources(cut.values, variant0, batch, self._in_backward)
             if found is None:
                 out.setdefault(key, cut)
                 continue
             stops, ops = found
-            owners = {t: self._gradient_variable(t, self.variables) for t in stops}
+            owners = {t: self._gradient_variable(t) for t in stops}
             if None in owners.values():
                 # (a tensor that is no one variable's gradient: gradients tf.vectorized_map
                 # batched over tasks): the cut stays, and the plan notes it
@@ -893,10 +892,10 @@ class _Analyzer:
                 moved.post_processing = sorted(set(moved.post_processing) | set(cut.post_processing) | ops)
         return out
 
-    def _gradient_variable(self, tensor, names):
-        """Which of the variables ``names`` a tensor of the backward pass is the gradient
-        of, or None: tf.gradients builds the gradient of an op's inputs under
-        "<scope>/<op>_grad/", so it is the variable that op reads (one of ``names``); an
+    def _gradient_variable(self, tensor):
+        """Which variable a tensor of the backward pass is the gradient of, or None:
+        tf.gradients builds the gradient of an op's inputs under "<scope>/<op>_grad/",
+        so it is the one variable that op reads; an
         AddN of a variable's gradients from several reads is that of its first input."""
         for _ in range(64):
             name = tensor.node.name
@@ -911,7 +910,7 @@ class _Analyzer:
                 if forward is None:
                     continue
                 read = {v.name for v in (variable_of(t.node.inputs[0] if t.node.op == "ReadVariableOp" else t)
-                                         for t in forward.inputs) if v is not None} & set(names)
+                                         for t in forward.inputs) if v is not None} & set(self.variables)
                 if len(read) != 1:
                     return None
                 name = read.pop()
@@ -1156,14 +1155,22 @@ class _Analyzer:
             out.append((t.name, readers))
         return out, regions, refused
 
+    def _names_backward(self):
+        """True if some node is in a tf.gradients scope (a graph whose backward pass was
+        renamed has none, and the walks that tell it by its names do not apply)."""
+        if self._named_backward is None:
+            self._named_backward = any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order)
+        return self._named_backward
+
+    def _in_backward(self, node):
+        return in_backward(node.name, self.gradient_scopes)
+
     def _from_backward(self, tensor, limit=4096):
         """True if ``tensor`` is computed from the backward pass (a gradient, as an
         optimizer's sparse update is), not from the forward pass and the batch alone.
         Only tf.gradients' scope names tell: in a graph without them (renamed) every
         update counts as from the backward pass, as before."""
-        if self._named_backward is None:
-            self._named_backward = any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order)
-        if not self._named_backward:
+        if not self._names_backward():
             return True
         return _search_back(tensor.node, lambda m: in_gradients_scope(m.name, self.gradient_scopes),
                             lambda m: [t.node for t in m.inputs], limit) is not None
@@ -1431,23 +1438,14 @@ class _Analyzer:
             out.append(name)
         return out
 
-    def _origin_scopes(self, tensor, limit=10000):
+    def _origin_scopes(self, tensor):
         """The tf.gradients scopes of the backward nodes a cut's value comes from: its
         own, or, for a cut where the update reads it after affine post-processing (a
         gradient divided by the loss scale), those its walk back outside any backward
         pass meets first."""
-        scopes, seen, stack = set(), {tensor.node}, [tensor.node]
-        while stack and len(seen) < limit:
-            n = stack.pop()
-            scope = self._backward_scope(n.name) if in_backward(n.name, self.gradient_scopes) else None
-            if scope is not None:
-                scopes.add(scope)
-                continue
-            for t in n.inputs:
-                if t.node not in seen:
-                    seen.add(t.node)
-                    stack.append(t.node)
-        return scopes
+        start = tensor.node
+        reached = {start} if self._in_backward(start) else ancestors([start], data_only=True, stop=self._in_backward)
+        return {self._backward_scope(n.name) for n in reached if self._in_backward(n)}
 
     def _backward_scope(self, name):
         """The tf.gradients scope a backward node is in ("gradients_1/", "grads/",
@@ -1700,12 +1698,12 @@ class _Analyzer:
         outer loss. A weight's gradient is averaged where it reaches its update; one the
         step differentiates again is each replica's own rows' gradient, whose norm (or
         step) is not one device's, and no average of the results makes it so."""
-        if not any(in_gradients_scope(m.name, self.gradient_scopes) for m in self.order):
+        if not self._names_backward():
             return []
         seed_nodes = {t.node for t in seeds}
         out = []
         for n in self.order:
-            if n not in variant0 or not in_backward(n.name, self.gradient_scopes):
+            if n not in variant0 or not self._in_backward(n):
                 continue
             if n.op == "MatMul":
                 # (x^T dy: the rows of the forward input x, and of the backward's dy, which
@@ -1732,13 +1730,13 @@ class _Analyzer:
         stack, seen = [node], {node}
         while stack and len(seen) < limit:
             n = stack.pop()
-            inside = in_backward(n.name, self.gradient_scopes)
+            inside = self._in_backward(n)
             for c, _ in n.consumers():
                 if c in seen:
                     continue
-                if not inside and in_backward(c.name, self.gradient_scopes):
+                if not inside and self._in_backward(c):
                     return True
-                if inside or not in_backward(c.name, self.gradient_scopes):
+                if inside or not self._in_backward(c):
                     seen.add(c)
                     stack.append(c)
         return False

@@ -464,6 +464,12 @@ REGRADIENTS = (ROWS_MEET_START + " in {names} (a gradient of the batch's loss th
                "again, e.g. GradNorm's norms of the tasks' gradients, MAML's inner step on the whole batch): "
                "each replica computes it from its own rows, with or without synchronised batch statistics, "
                "and the step differs from one device's")
+UNSPLIT_JOINS_START = "gradients meet after the backward pass"
+UNSPLIT_JOINS = (UNSPLIT_JOINS_START + " in the updates of {names} through a nonlinear function of several of "
+                 "them that the rewrite cannot average apart (gradients batched by tf.vectorized_map, as PCGrad "
+                 "projects them): each replica computes it from its own gradients and the replicas average the "
+                 "results, so the step differs from one device's; compute the per-task gradients with one "
+                 "tf.gradients call each")
 SELECTED_MEANS = (ROWS_MEET_START + " in {names} (a mean over the rows a condition on the batch selects, e.g. "
                   "tf.boolean_mask of the labelled rows): each replica divides by its own count of selected "
                   "rows and the replicas' means are averaged alike, so unless every replica selects as many "
@@ -517,13 +523,6 @@ def _note_rows_meeting(plan, analysis, log):
                 notes.append(template.format(names=_listed(names), shard=f"1/{plan.num_replicas}"))
                 log(f"plan: {notes[-1]}")
     plan.notes = notes or None
-
-UNSPLIT_JOINS_START = "gradients meet after the backward pass"
-UNSPLIT_JOINS = (UNSPLIT_JOINS_START + " in the updates of {names} through a nonlinear function of several of "
-                 "them that the rewrite cannot average apart (gradients batched by tf.vectorized_map, as PCGrad "
-                 "projects them): each replica computes it from its own gradients and the replicas average the "
-                 "results, so the step differs from one device's; compute the per-task gradients with one "
-                 "tf.gradients call each")
 
 
 def _listed(names, limit=4):

@@ -60,7 +60,9 @@ def _check_no_gradient_after_another(graph, rm, cuts):
     if not set(gradients) & descendants(writes_after(list(earlier))):
         return    # (one walk for the common case; the pair is looked for only when there is one)
     for node, cut in earlier.items():
-        later = [gradients[n] for n in descendants(writes_after([node])) if n in gradients and n is not node]
+        # (sorted: a set's order is the nodes' ids', and the message must not change from run to run)
+        later = sorted((gradients[n] for n in descendants(writes_after([node])) if n in gradients and n is not node),
+                       key=lambda c: c.values)
         if later:
             raise GraphRewriteError(
                 f"accumulation_steps: the gradient '{later[0].values}' of variable '{later[0].variable}' is computed "

@@ -215,6 +215,11 @@ class Analysis:
     # the step differentiates again (GradNorm's gradient norms in a loss, MAML's inner
     # step on the whole batch): each replica's is its own rows' (_find_regradients)
     regradients: list = dataclasses.field(default_factory=list)
+    # names of backward-pass values per row of the batch (a gradient with respect to an
+    # input or an activation) of a mean over the rows, that the step uses by their scale
+    # (a gradient penalty of the mean's input gradients): a replica's is R times one
+    # device's per row (_find_row_gradients)
+    row_gradients: list = dataclasses.field(default_factory=list)
     # names of forward statistics over the batch's rows that training uses other than
     # linearly (BatchNorm in training mode, a center loss): each replica's is its shard's
     batch_statistics: list = dataclasses.field(default_factory=list)
@@ -395,6 +400,7 @@ class _Analyzer:
             c.values.node for c in cuts if c.role == "gradient"))
         moved_rows = self._find_moved_rows(seeds, variant0, training)
         regradients = self._find_regradients(seeds, variant0)
+        row_gradients = self._find_row_gradients(seeds, variant0, cut_tensors, loss_sums)
         sampled_rows = self._find_sampled_rows(seeds, variant0, training)
         positioned_rows, differentiated_rows = (
             [name for name in found if name not in moved_rows]   # (a gather by a shuffle moves the rows)
@@ -472,7 +478,7 @@ class _Analyzer:
             moved_rows=moved_rows, ranked_rows=ranked_rows, sampled_rows=sampled_rows, row_moves=row_moves,
             row_move_obstacles=move_obstacles, looped_draws=looped_draws,
             positioned_rows=positioned_rows + differentiated_rows, unsplit_joins=self._unsplit_joins,
-            regradients=regradients,
+            regradients=regradients, row_gradients=row_gradients,
             batch_statistics=batch_statistics,
             stored_statistics=[name for name in batch_statistics
                                if ":" not in name and self.g.node(name) not in training.value],
@@ -1741,6 +1747,87 @@ class _Analyzer:
                     stack.append(c)
         return False
 
+    def _find_row_gradients(self, seeds, variant0, cut_tensors, loss_sums):
+        """Gradients with respect to the batch's rows (an input's, an activation's) that
+        leave the backward pass into the step, where the step uses their scale: of a
+        mean over the rows, or of a loss sum the rewrite counts R times (loss_sums), a
+        replica's is R times one device's per row. Its loss divides by its own N / R
+        rows; the averaged weight gradients make up for that, nothing makes up for
+        these. A gradient penalty on ``tf.gradients(tf.reduce_mean(D(x)), x)``, K-FAC's
+        output-gradient factor from the loss's gradients times a constant batch size.
+        Not listed where the use does not see the scale: times a count of the rows
+        first (the replica's count makes the product one device's, as K-FAC's own
+        normalizer does), its sign (FGSM), its division by its own norm per row; nor
+        a gradient of a sum no loss is (``tf.reduce_sum(D(x))``, K-FAC's sampled loss),
+        which is one device's per row. Divided by its norm over the rows (the batch's,
+        whatever its scale) it is listed as the rows meeting."""
+        if not self._names_backward():
+            return []
+        seed_nodes = {t.node for t in seeds}
+        static = {b for b in self.static_batch.values() if b and b > 1}
+        scaled = {}   # {tf.gradients scope: its gradients are R times one device's per row}
+        out = []
+        for n in self.order:
+            if n not in variant0 or not self._in_backward(n):
+                continue
+            leaving = sorted({c.inputs[pos] for c, pos in n.consumers() if not self._in_backward(c)},
+                             key=lambda t: t.index)
+            for t in leaving:
+                if t in cut_tensors or not _holds_row_gradient(t, seed_nodes, self._in_backward):
+                    continue
+                use = _row_gradient_use(t, self._in_backward, variant0, static, cut_tensors)
+                if use == "meets":
+                    out.append(t.name)
+                    continue
+                if use != "scaled":
+                    continue
+                scope = self._backward_scope(n.name)
+                if scope not in scaled:
+                    scaled[scope] = any(self._means_rows(y, seed_nodes, variant0, static, loss_sums)
+                                        for y in self._scope_ys(scope))
+                if scaled[scope]:
+                    out.append(t.name)
+        return out
+
+    def _scope_ys(self, scope):
+        """The forward ops a tf.gradients scope differentiates: those whose backward
+        reads its default initial gradients (``<scope>grad_ys_<i>``, ones of each y's
+        shape). A scope given its grad_ys has none."""
+        out = []
+        for n in self.order:
+            if not n.name.startswith(scope) or not _GRAD_YS.fullmatch(n.name[len(scope):]):
+                continue
+            for c, _ in n.consumers():
+                rest = c.name[len(scope):]
+                if "_grad/" in rest:
+                    y = self.g.get(rest[:rest.rindex("_grad/")])
+                    if y is not None and y not in out:
+                        out.append(y)
+        return out
+
+    def _means_rows(self, node, seed_nodes, variant0, static, loss_sums, depth=0):
+        """True if a differentiated value is, through ops linear in it, a mean over the
+        batch's rows (a Mean whose axes hold them, a value divided by a count of them
+        or by a sum over them, a loss normalizer) or a loss sum the rewrite scales."""
+        if depth > 32:
+            return False
+        if node.name in loss_sums:
+            return True
+        if node.op == "Mean":
+            return (_reaches_rows(node.inputs[0], seed_nodes)
+                    and (_const_axes_hold_rows(node.inputs[1], node.inputs[0]) or _sums_every_axis(node)))
+        if node.op in ("RealDiv", "Div", "DivNoNan"):
+            divisor = node.inputs[1]
+            if divisor.node in variant0 or _counts_rows(divisor.node, static):
+                return True
+            inputs = node.inputs[:1]
+        elif node.op in ("Identity", "Snapshot", "Cast", "Neg", "AddV2", "Add", "Sub", "AddN", "Mul"):
+            inputs = node.inputs
+        else:
+            return False
+        return any(self._means_rows(t.node, seed_nodes, variant0, static, loss_sums, depth + 1)
+                   for t in inputs if t.node in variant0)
+
     def _find_batch_statistics(self, seeds, variant0, training, normalizers, loss_sums, stored):
         """Forward statistics over the batch's rows (a reduction whose constant axes
         hold the rows, a product of two batch tensors contracting the rows, a
@@ -2563,6 +2650,122 @@ def _holds_rows(tensor, batch_nodes, limit=4096):
     return _search_back(tensor, lambda t: t.node in batch_nodes, follow, limit) is not None
 
 
+_GRAD_YS = re.compile(r"grad_ys_\d+")
+# the backward ops of element-wise activations: their output holds the rows their
+# forward input holds (ReluGrad(dy, features), TanhGrad(y, dy))
+_ACTIVATION_GRADS = frozenset(("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SoftplusGrad",
+                               "SoftsignGrad", "TanhGrad", "SigmoidGrad", "SqrtGrad", "RsqrtGrad"))
+
+
+def _holds_row_gradient(tensor, seed_nodes, in_backward, limit=4096):
+    """True if a backward-pass value holds a value per row of the batch (a gradient
+    with respect to an input or an activation): walking back through the backward ops
+    that keep rows apart (element-wise ones, activations' gradients, a MatMul's left
+    operand ``dy w^T``, a reshape to a forward operand's shape) it meets a forward
+    value that holds the rows, strictly (_reaches_rows). A weight's gradient ``x^T dy``
+    contracts them, a bias's sums them."""
+    forward = _rows_follow(True, limit)
+
+    def follow(n):
+        if not in_backward(n):
+            return forward(n)
+        if n.op == "MatMul":
+            return [] if n.attr["transpose_a"].b else [n.inputs[0].node]
+        if n.op == "Reshape" and n.inputs[1].node.op == "Shape":
+            # (a broadcasting op's gradient, summed by BroadcastGradientArgs' axes and
+            # reshaped to its forward operand's shape: rows where that operand has them)
+            return [n.inputs[1].node.inputs[0].node]
+        if n.op in ELEMENTWISE or n.op in _ACTIVATION_GRADS or n.op == "AddN":
+            return [t.node for t in n.inputs]
+        return []
+    return _search_back(tensor.node, lambda n: n in seed_nodes, follow, limit) is not None
+
+
+def _row_gradient_use(tensor, in_backward, variant0, static, cut_tensors, limit=256):
+    """How the step uses a per-row gradient that leaves the backward pass, following it
+    through element-wise ops: "meets" where its norm over the batch's rows divides it,
+    "scaled" where anything sees its scale, "free" where every use is its product with
+    a count of the rows, its sign, its division by its own norm per row (the norm's own
+    ops included), or a weight's gradient (the cuts' post-processing)."""
+    use, stack, seen = "free", [tensor], set()
+    while stack and len(seen) < limit:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        consumers = t.node.consumers(t.index)
+        norms, norm_ops = {}, set()
+        for c, pos in consumers:
+            other = _normalizer_operand(c, pos)
+            if other is not None:
+                norms[c], ops = _own_norm(other, t.node)
+                if norms[c] == "batch":
+                    return "meets"
+                if norms[c] == "rows":
+                    norm_ops |= ops
+        for c, pos in consumers:
+            if in_backward(c) or c.op == "Sign" or c in norm_ops or norms.get(c) == "rows":
+                continue
+            if c.op in ("Mul", "MulNoNan") and len(c.inputs) == 2 and (
+                    _row_count_only(c.inputs[1 - pos], variant0) is not None
+                    or _counts_rows(c.inputs[1 - pos].node, static)):
+                continue
+            if c.op not in ELEMENTWISE and c.op not in ("Select", "SelectV2", "ClipByValue"):
+                use = "scaled"
+            elif c.output(0) not in cut_tensors:
+                stack.append(c.output(0))
+    return use
+
+
+def _normalizer_operand(c, pos):
+    """The operand that may normalise the one at ``pos`` of ``c``: a quotient's
+    divisor, a product's reciprocal (``x * rsqrt(sum(x^2))``, tf.nn.l2_normalize)."""
+    if c.op in ("RealDiv", "Div", "DivNoNan") and pos == 0:
+        return c.inputs[1]
+    if c.op in ("Mul", "MulNoNan") and len(c.inputs) == 2 and \
+            _strip_identity(c.inputs[1 - pos]).node.op in ("Rsqrt", "Reciprocal", "Inv"):
+        return c.inputs[1 - pos]
+    return None
+
+
+def _own_norm(tensor, source, limit=256):
+    """("rows", its ops) if ``tensor`` is computed from ``source`` through a reduction
+    that keeps the rows apart (its norm per row, ``tf.norm(g, axis=1)``), ("batch", ...)
+    if through one over them (its norm over the batch), else (None, ...); walking back
+    through element-wise ops. Its ops: the nodes between ``source`` and ``tensor``."""
+    found, stack, seen, parents = None, [(tensor.node, False)], set(), {}
+    while stack and len(seen) < limit:
+        n, reduced = stack.pop()
+        if (n, reduced) in seen:
+            continue
+        seen.add((n, reduced))
+        if n is source:
+            found = found or ("rows" if reduced else None)
+            continue
+        if n.op in _REDUCTIONS and len(n.inputs) > 1:
+            if _const_axes_hold_rows(n.inputs[1], n.inputs[0]) or n.op == "Sum" and _sums_every_axis(n):
+                if source in _value_ancestors(n):
+                    return "batch", set()
+                continue
+            if _int_const(n.inputs[1]) is None:
+                continue
+            nexts = [(n.inputs[0].node, True)]
+        elif n.op in ELEMENTWISE:
+            nexts = [(t.node, reduced) for t in n.inputs]
+        else:
+            continue
+        for m in nexts:
+            parents.setdefault(m[0], set()).add(n)
+            stack.append(m)
+    ops, stack = set(), [source]   # (the nodes on the way down from source)
+    while stack:
+        for m in parents.get(stack.pop(), ()):
+            if m not in ops:
+                ops.add(m)
+                stack.append(m)
+    return found, ops
+
+
 def _search_back(node, found, follow, limit):
     """The first node ``found`` accepts, walking back from ``node`` along the nodes
     ``follow(n)`` gives, each visited once, at most ``limit`` of them; or None (nodes
@@ -2610,6 +2813,7 @@ def _rows_follow(strict, limit, slices=False):
         elif n.op == "Split" and strict:
             return _split_pieces(n, follow, limit)
         elif n.op in _ROW_LOCAL and not (strict and n.op in _MOVES_ROWS and not _keeps_first_axis(n)
+                                         and not _concats_features(n)
                                          and not (slices and _keeps_rows_in_order(n))):
             return [t.node for t in n.inputs]
         return []
@@ -2790,6 +2994,21 @@ def _reduces_moved_rows(n, seed_nodes):
         return False
     a = rows_axis(n.inputs[0], lambda t: _reaches_rows(t, seed_nodes, strict=True), elementwise=True)
     return a is not None and rank > 0 and any(v % rank == a for v in axes)
+
+
+def _concats_features(n):
+    """True for a ConcatV2 along a constant axis other than the rows' (K-FAC's
+    homogeneous coordinate, ``tf.concat([a, tf.ones_like(a[:, :1])], -1)``): each
+    row of its output is the same row of every input, in order."""
+    if n.op != "ConcatV2":
+        return False
+    axis = _int_const(n.inputs[-1])
+    if not axis or len(axis) != 1:
+        return False
+    if axis[0] > 0:
+        return True
+    rank = next((r for r in (static_rank(t) for t in n.inputs[:-1]) if r is not None), None)
+    return rank is not None and axis[0] + rank > 0
 
 
 def _keeps_rows_in_order(n):
@@ -3630,9 +3849,10 @@ class _PostProcessingWalk:
 
 # Ops the average commutes with whatever their inputs: layout (reshapes, slices,
 # concatenations, stacks, transposes) and sums.
-_LINEAR = frozenset(("Identity", "IdentityN", "Snapshot", "StopGradient", "Cast", "Neg", "AddV2", "Add", "Sub", "AddN",
-                     "Reshape", "ConcatV2", "Concat", "Pack", "Unpack", "StridedSlice", "Slice", "Split",
-                     "SplitV", "Squeeze", "ExpandDims", "Transpose", "Sum", "Mean"))
+# (not _LINEAR, the ops statistics pass linearly: _used_non_linearly)
+_JOIN_LINEAR = frozenset(("Identity", "IdentityN", "Snapshot", "StopGradient", "Cast", "Neg", "AddV2", "Add", "Sub",
+                          "AddN", "Reshape", "ConcatV2", "Concat", "Pack", "Unpack", "StridedSlice", "Slice", "Split",
+                          "SplitV", "Squeeze", "ExpandDims", "Transpose", "Sum", "Mean"))
 
 
 def _backward_sources(start, variant, batch, in_backward, limit=100000):
@@ -3660,7 +3880,7 @@ def _backward_sources(start, variant, batch, in_backward, limit=100000):
         if n.op in ("Mul", "RealDiv", "Div"):    # linear by a factor the batch does not decide
             linear = len(live) == 1 and (n.op == "Mul" or live[0] is n.inputs[0])
         else:
-            linear = n.op in _LINEAR
+            linear = n.op in _JOIN_LINEAR
         nonlinear = nonlinear or not linear
         for u in live:
             if u not in seen:

@@ -464,6 +464,13 @@ REGRADIENTS = (ROWS_MEET_START + " in {names} (a gradient of the batch's loss th
                "again, e.g. GradNorm's norms of the tasks' gradients, MAML's inner step on the whole batch): "
                "each replica computes it from its own rows, with or without synchronised batch statistics, "
                "and the step differs from one device's")
+ROW_GRADIENTS = (ROWS_MEET_START + " in {names} (a gradient with respect to the batch's rows that leaves the "
+                 "backward pass, of a mean over the rows, e.g. a gradient penalty on tf.gradients(tf.reduce_mean(D(x)), "
+                 "x) or a curvature factor from the loss's output gradients times a constant batch size): each "
+                 "replica's loss is the mean over its own rows, so its gradient per row is {replicas} times one "
+                 "device's, or divided by its norm over the replica's rows, and the step differs from one device's; "
+                 "differentiate a sum over the rows (tf.reduce_sum) or multiply by tf.shape(x)[0], which is the "
+                 "replica's count of rows")
 UNSPLIT_JOINS_START = "gradients meet after the backward pass"
 UNSPLIT_JOINS = (UNSPLIT_JOINS_START + " in the updates of {names} through a nonlinear function of several of "
                  "them that the rewrite cannot average apart (gradients batched by tf.vectorized_map, as PCGrad "
@@ -518,9 +525,10 @@ def _note_rows_meeting(plan, analysis, log):
                                                      if n not in (plan.sync_batch_statistics or ())]),
                                 (SELECTED_MEANS, [n for n in analysis.selected_means
                                                   if n not in (plan.selected_means or ())]),
-                                (REGRADIENTS, analysis.regradients)):
+                                (REGRADIENTS, analysis.regradients), (ROW_GRADIENTS, analysis.row_gradients)):
             if names:
-                notes.append(template.format(names=_listed(names), shard=f"1/{plan.num_replicas}"))
+                notes.append(template.format(names=_listed(names), shard=f"1/{plan.num_replicas}",
+                                             replicas=plan.num_replicas))
                 log(f"plan: {notes[-1]}")
     plan.notes = notes or None
 

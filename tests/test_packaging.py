@@ -56,3 +56,27 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     assert "graph_rewriter/passes/__init__.py" in passes and "graph_rewriter/passes/allreduce.py" in passes
     for table in ("gpu_kernels.json", "cpu_kernels.json", "op_defs.pb", "tf_protos.pb"):
         assert f"graph_rewriter/data/{table}" in names   # rewriting without TensorFlow needs them
+
+
+def test_no_module_defines_a_top_level_name_twice():
+    """A module-level constant assigned twice is the second value everywhere, the first
+    one's readers included: analysis.py's _LINEAR (the ops a statistic passes linearly)
+    was silently replaced so by a list of layout ops, and every product of a statistic
+    counted as non-linear. Functions and classes alike."""
+    import ast
+    import collections
+    twice = []
+    for folder in ("graph_rewriter", "passes", "tools"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(root, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read(), path)
+                counts = collections.Counter()
+                for node in tree.body:
+                    if isinstance(node, ast.Assign):
+                        counts.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                    elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                        counts[node.name] += 1
+                twice += [f"{os.path.relpath(path, REPO)}: {k}" for k, v in counts.items() if v > 1]
+    assert not twice, twice

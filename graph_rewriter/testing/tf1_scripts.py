@@ -1540,7 +1540,10 @@ def gradient_surgery_mtl(form="per_task"):
 # differentiated_gradient_mlp's kinds: a gradient of the batch's loss that the step
 # differentiates again (each replica's own: noted), and gradients it need not note
 REGRADIENT_KINDS = ("gradnorm", "gradnorm_conv", "maml_batch")
-PER_ROW_GRADIENT_KINDS = ("maml_tasks", "input_penalty_sum", "input_penalty")
+PER_ROW_GRADIENT_KINDS = ("maml_tasks", "input_penalty_sum", "input_penalty", "input_penalty_counted")
+# ... and the input gradients of a mean over the rows, whose scale the step uses: each
+# replica's is R times one device's per row (noted)
+SCALED_ROW_GRADIENT_KINDS = ("input_penalty_mean",)
 
 
 def differentiated_gradient_mlp(kind="gradnorm"):
@@ -1560,7 +1563,10 @@ def differentiated_gradient_mlp(kind="gradnorm"):
       row is a task of 5 examples), as cbfinn/maml writes it.
     - "input_penalty_sum": a gradient penalty on the inputs, ``(|dD/dx_i| - 1)^2``
       averaged over the rows, the input gradient taken of ``tf.reduce_sum(D(x))`` (a
-      sum over the rows that is no loss); "input_penalty": of ``D(x)`` itself.
+      sum over the rows that is no loss); "input_penalty": of ``D(x)`` itself;
+      "input_penalty_mean": of ``tf.reduce_mean(D(x))``, whose gradient per row is
+      1/N of the sum's; "input_penalty_counted": that gradient times
+      ``tf.shape(x)[0]``, the sum's again.
 
     Returns the GraphDef (init, train_op, loss:0; dropout_batches, or
     task_batches for maml_tasks)."""
@@ -1615,10 +1621,117 @@ def differentiated_gradient_mlp(kind="gradnorm"):
                 loss = tf.reduce_mean(tf.map_fn(lambda a: maml(*a), (x, y), dtype=tf.float32), name="loss")
             else:
                 out = net(x, w1, w2)
-                ys = tf.reduce_sum(out) if kind == "input_penalty_sum" else out
-                penalty = tf.reduce_mean(tf.square(tf.norm(tf.gradients(ys, x)[0], axis=1) - 1.0))
+                ys = (tf.reduce_sum(out) if kind == "input_penalty_sum"
+                      else tf.reduce_mean(out) if kind in ("input_penalty_mean", "input_penalty_counted") else out)
+                dx = tf.gradients(ys, x)[0]
+                if kind == "input_penalty_counted":
+                    dx = dx * tf.cast(tf.shape(x)[0], tf.float32)
+                penalty = tf.reduce_mean(tf.square(tf.norm(dx, axis=1) - 1.0))
                 loss = tf.identity(tf.reduce_mean(tf.square(out - y)) + 0.1 * penalty, name="loss")
             tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+# kfac_mlp's normalizers: those that make each replica's factors one device's, and the
+# constant batch size, whose output-gradient factor is R times one device's (noted)
+KFAC_NORMALIZERS = ("count", "sampled")
+KFAC_NOTED_NORMALIZERS = ("constant",)
+
+
+def kfac_mlp(normalizer="count"):
+    """K-FAC (Martens and Grosse, 2015) written by hand as TF1 scripts write it, after
+    tensorflow/kfac's fully connected layers: x [None, 4] -> dense 16 (w1) relu ->
+    dense 1 (w2), each layer's input with a homogeneous coordinate
+    (``tf.concat([a, tf.ones_like(a[:, :1])], -1)``, the bias as the weights' last row),
+    squared error. Each step moves two non-trainable Kronecker factors per layer
+    towards the batch's (EMA 0.9, zeros at first): the input factor ``a^T a / n`` and
+    the output-gradient factor ``g^T g / n``, g the gradient of the loss with respect
+    to the layer's pre-activations; Momentum 0.05, 0.9 (with a global step) applies
+    ``(A + I)^-1 dW (G + I)^-1``, the factors read after their update. ``normalizer``:
+    "count", n = ``tf.shape(x)[0]`` and g the mean loss's gradient times n (the
+    per-row gradients); "sampled", as tensorflow/kfac estimates the Fisher, g the
+    gradient of ``0.5 * sum((s - t)^2)`` for targets t drawn from the model (``s +
+    N(0, 1)``, seeded); "constant", n = 8.0, the batch size a script's flag gives
+    (dropout_batches(steps, 8)). Returns the GraphDef (init, train_op, loss:0)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1 = tf1.get_variable("w1", [5, 16], initializer=tf1.glorot_uniform_initializer(seed=2), use_resource=True)
+        w2 = tf1.get_variable("w2", [17, 1], initializer=tf1.glorot_uniform_initializer(seed=3), use_resource=True)
+
+        def homogeneous(a):
+            return tf.concat([a, tf.ones_like(a[:, :1])], -1)
+        a0 = homogeneous(x)
+        s1 = tf.matmul(a0, w1)
+        a1 = homogeneous(tf.nn.relu(s1))
+        s2 = tf.matmul(a1, w2)
+        loss = tf.reduce_mean(tf.square(s2 - y), name="loss")
+        dw1, dw2, ds1, ds2 = tf.gradients(loss, [w1, w2, s1, s2])
+        n = 8.0 if normalizer == "constant" else tf.cast(tf.shape(x)[0], tf.float32)
+        if normalizer == "sampled":
+            targets = tf.stop_gradient(s2 + tf1.random_normal(tf.shape(s2), seed=5))
+            ds1, ds2 = tf.gradients(0.5 * tf.reduce_sum(tf.square(s2 - targets)), [s1, s2])
+        elif normalizer not in ("count", "constant"):
+            raise ValueError(f"kfac_mlp: unknown normalizer {normalizer!r}")
+        else:
+            ds1, ds2 = ds1 * n, ds2 * n
+        directions = []
+        for name, a, ds, dw in (("layer1", a0, ds1, dw1), ("layer2", a1, ds2, dw2)):
+            factors = []
+            for side, t in (("input", a), ("output", ds)):
+                size = t.shape[1]
+                cov = tf1.get_variable(f"{name}/{side}_factor", [size, size], initializer=tf1.zeros_initializer(),
+                                       trainable=False, use_resource=True)
+                new = cov.assign(0.9 * cov + 0.1 * tf.matmul(t, t, transpose_a=True) / n)
+                factors.append(tf.linalg.inv(new + tf.eye(size)))
+            directions.append(tf.matmul(tf.matmul(factors[0], dw), factors[1]))
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.MomentumOptimizer(0.05, 0.9).apply_gradients(zip(directions, [w1, w2]), global_step=step,
+                                                               name="train_op")
+        tf.group(tf1.global_variables_initializer(), name="init")
+    return g.as_graph_def()
+
+
+# adversarial_mlp's kinds: perturbations whose scale is none of the step's business (one
+# device's), and one normalised over the whole batch (noted)
+ADVERSARIAL_KINDS = ("fgsm", "fgm_rows")
+ADVERSARIAL_NOTED_KINDS = ("fgm_batch",)
+
+
+def adversarial_mlp(kind="fgsm"):
+    """Adversarial training in one TF1 step (Goodfellow et al., 2015; cleverhans' fgm):
+    the gradient of the clean mean loss with respect to x, a perturbation of x by it
+    (under stop_gradient), and the loss as the mean of the clean and the perturbed
+    losses, Adam 0.01. x [None, 4] -> dense 16 (w1) tanh -> dense 1 (w2), squared
+    error. ``kind``: "fgsm", ``0.1 * sign(g)``; "fgm_rows", ``0.1 * g / |g_i|`` per row
+    (``tf.nn.l2_normalize(g, 1)``); "fgm_batch", ``0.1 * g / |g|`` over the batch.
+    Returns the GraphDef (init, train_op, loss:0; dropout_batches)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w1, w2 = _mlp_weights(tf1)
+
+        def loss_at(inputs):
+            return tf.reduce_mean(tf.square(tf.matmul(tf.nn.tanh(tf.matmul(inputs, w1)), w2) - y))
+        clean = loss_at(x)
+        dx = tf.gradients(clean, x)[0]
+        if kind == "fgsm":
+            step = tf.sign(dx)
+        elif kind == "fgm_rows":
+            step = tf.nn.l2_normalize(dx, 1)
+        elif kind == "fgm_batch":
+            step = dx / (tf.norm(dx) + 1e-12)
+        else:
+            raise ValueError(f"adversarial_mlp: unknown kind {kind!r}")
+        perturbed = loss_at(x + tf.stop_gradient(0.1 * step))
+        loss = tf.identity(0.5 * (clean + perturbed), name="loss")
+        tf1.train.AdamOptimizer(0.01).minimize(loss, name="train_op")
         tf.group(tf1.global_variables_initializer(), name="init")
     return g.as_graph_def()
 

@@ -3005,8 +3005,8 @@ def _concats_features(n):
     axis = _int_const(n.inputs[-1])
     if not axis or len(axis) != 1:
         return False
-    if axis[0] > 0:
-        return True
+    if axis[0] >= 0:
+        return axis[0] > 0
     rank = next((r for r in (static_rank(t) for t in n.inputs[:-1]) if r is not None), None)
     return rank is not None and axis[0] + rank > 0
 

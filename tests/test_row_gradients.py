@@ -85,3 +85,18 @@ def test_kfac_input_factors_over_a_homogeneous_coordinate_are_sums_over_the_rows
         assert cut.combine == "sum" and cut.values.startswith("MatMul"), (cut.values, cut.combine)
         cut = counted[f"{layer}/input_factor"]
         assert cut.combine is None and cut.values.startswith("truediv"), (cut.values, cut.combine)
+
+
+def test_a_concatenation_keeps_the_rows_along_a_feature_axis_only():
+    """Along axis 1 or -1 of a rank-2 value each output row is one row of every input;
+    along axis 0 (nce_loss's labels then sampled ids) the rows are moved, and
+    tf.nn.nce_loss' slice of the labels' rows is no slice of the batch's by position."""
+    import tensorflow as tf
+    from graph_rewriter import analysis, graph_io
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        for name, axis in (("rows", 0), ("features", 1), ("last", -1)):
+            tf.concat([x, tf.ones_like(x[:, :1]) if axis else x], axis, name=name)
+    item = graph_io.load_graph(g.as_graph_def())
+    assert [analysis._concats_features(item.node(n)) for n in ("rows", "features", "last")] == [False, True, True]

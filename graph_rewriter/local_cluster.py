@@ -158,7 +158,7 @@ class LocalCluster:
     """Starts ``graph-rewrite serve`` processes for a chief/worker/ps cluster on loopback."""
 
     def __init__(self, workers=2, ps=0, chief=False, device_type="CPU", devices_per_worker=1,
-                 start_timeout=90.0, log_dir=None, supervise=True):
+                 start_timeout=90.0, log_dir=None, supervise=True, launcher=None):
         self.spec = {}
         if chief:
             self.spec["chief"] = [f"localhost:{free_port()}"]
@@ -171,6 +171,10 @@ class LocalCluster:
         self.start_timeout = start_timeout
         self.log_dir = log_dir
         self.supervise = supervise   # False: serve --no-supervise (no server is ever replaced)
+        # What starts each serve process: subprocess.Popen, or an object whose
+        # popen(cmd, **popen_arguments) does (the test suite's fork server: an unsupervised
+        # server forked from a process that has imported TensorFlow starts in milliseconds).
+        self.launcher = launcher
         self.processes = {}  # "job:index" -> Popen
         self._logs = []
 
@@ -201,8 +205,8 @@ class LocalCluster:
             self._logs.append(log)
         else:
             log = subprocess.DEVNULL
-        self.processes[f"{job}:{i}"] = subprocess.Popen(
-            cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+        popen = subprocess.Popen if self.launcher is None else self.launcher.popen
+        self.processes[f"{job}:{i}"] = popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
 
     def _wait_listening(self, job, i, deadline):
         port = int(self.spec[job][i].rsplit(":", 1)[1])

@@ -458,16 +458,18 @@ def _between_client_cmd(*args):
 
 
 @pytest.fixture
-def cluster_factory(tmp_path):
+def cluster_factory(tmp_path, launcher):
     """Starts LocalClusters (ports from free_port(); every server process ended by its id in
-    stop()) and stops them at teardown, whatever happens."""
+    stop()) and stops them at teardown, whatever happens. Their servers are unsupervised,
+    forked by the suite's launcher (tests/conftest.py)."""
     started = []
 
     def make(workers, ps):
         log_dir = tmp_path / f"servers_{len(started)}"
         log_dir.mkdir()
         started.append(LocalCluster(workers=workers, ps=ps, device_type="CPU", devices_per_worker=1,
-                                    start_timeout=START_TIMEOUT, log_dir=str(log_dir)).start())
+                                    start_timeout=START_TIMEOUT, log_dir=str(log_dir), supervise=False,
+                                    launcher=launcher).start())
         return started[-1]
 
     try:

@@ -98,15 +98,15 @@ class Processes:
     """The client processes one test starts; ``end_all`` kills what is still running, by
     process id (each runs in its own session, so its group id is its id)."""
 
-    def __init__(self, log_dir):
-        self.log_dir = log_dir
-        self.started = []   # (name, Popen, log path)
+    def __init__(self, log_dir, launcher):
+        self.log_dir, self.launcher = log_dir, launcher
+        self.started = []   # (name, Popen or fork_server.ForkedProcess, log path)
 
     def start(self, name, cmd, env=None):
         log_path = os.path.join(self.log_dir, f"{name}.log")
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env=env or _env(), start_new_session=True)
+            proc = self.launcher.popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                       env=env or _env(), start_new_session=True)
         self.started.append((name, proc, log_path))
         return proc, log_path
 
@@ -141,8 +141,8 @@ class Processes:
 
 
 @pytest.fixture
-def procs(tmp_path):
-    p = Processes(str(tmp_path))
+def procs(tmp_path, launcher):
+    p = Processes(str(tmp_path), launcher)
     try:
         yield p
     finally:
@@ -163,16 +163,20 @@ def _wait_listening(port, proc, log_path, timeout=START_TIMEOUT):
 
 # ----- clusters ----------------------------------------------------------------------
 
-def _start_cluster(workers, ps, dpw, log_dir):
+def _start_cluster(workers, ps, dpw, log_dir, launcher):
+    """Unsupervised servers (serve --no-supervise), forked by ``launcher``: these tests
+    replace a server themselves when they need a new one (no test here relies on serve
+    replacing a poisoned server; test_faults.py does, with supervised servers)."""
     return LocalCluster(workers=workers, ps=ps, device_type="CPU", devices_per_worker=dpw,
-                        start_timeout=START_TIMEOUT, log_dir=log_dir).start()
+                        start_timeout=START_TIMEOUT, log_dir=log_dir, supervise=False,
+                        launcher=launcher).start()
 
 
 class ClusterPool:
     """At most one live cluster, reused by consecutive tests that ask for its shape."""
 
-    def __init__(self, tmp_path_factory):
-        self.tmp_path_factory = tmp_path_factory
+    def __init__(self, tmp_path_factory, launcher):
+        self.tmp_path_factory, self.launcher = tmp_path_factory, launcher
         self.key = None
         self.cluster = None
 
@@ -182,7 +186,7 @@ class ClusterPool:
             self.stop()
         if self.cluster is None:
             log_dir = str(self.tmp_path_factory.mktemp(f"servers_w{workers}_ps{ps}_d{dpw}"))
-            self.cluster = _start_cluster(workers, ps, dpw, log_dir)
+            self.cluster = _start_cluster(workers, ps, dpw, log_dir, self.launcher)
             self.key = key
         return self.cluster
 
@@ -209,8 +213,8 @@ class ClusterPool:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    p = ClusterPool(tmp_path_factory)
+def pool(tmp_path_factory, launcher):
+    p = ClusterPool(tmp_path_factory, launcher)
     try:
         yield p
     finally:
@@ -227,7 +231,7 @@ def fresh_cluster(pool, tmp_path):
         pool.stop()
         log_dir = tmp_path / f"servers_{len(started)}"
         log_dir.mkdir()
-        started.append(_start_cluster(workers, ps, dpw, str(log_dir)))
+        started.append(_start_cluster(workers, ps, dpw, str(log_dir), pool.launcher))
         return started[-1]
 
     try:
@@ -989,7 +993,7 @@ def _checkpoint_client_cmd(*args):
 
 @pytest.mark.parametrize("strategy, num_ps", [("allreduce", 0), ("ps", 1)])
 def test_training_killed_and_restarted_from_its_checkpoint_ends_like_an_uninterrupted_run(
-        strategy, num_ps, fresh_cluster, procs, tmp_path):
+        strategy, num_ps, fresh_cluster, procs, launcher, tmp_path):
     """In-graph over 2 workers x 1 device (+ a ps): train KILL_AFTER steps saving a
     checkpoint after each, SIGKILL the client and every server, start a new cluster,
     restore the last checkpoint and train the remaining steps. The variables equal the
@@ -1011,7 +1015,7 @@ def test_training_killed_and_restarted_from_its_checkpoint_ends_like_an_uninterr
         return path
 
     first = fresh_cluster(2, num_ps, 1)
-    killed = Processes(str(tmp_path))
+    killed = Processes(str(tmp_path), launcher)
     try:
         proc, log = killed.start("client_a", _checkpoint_client_cmd(
             graph_for(first, "a"), first.target("worker", 0), feeds_path, 0, RESTART_STEPS, ckpt_dir, "-", 5,

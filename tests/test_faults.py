@@ -47,13 +47,12 @@ DETECT_BOUND = 12.0
 class Clients:
     """Client processes of one test, ended by their ids whatever happens."""
 
-    def __init__(self, tmp_path):
-        self.tmp_path, self.procs = tmp_path, []
+    def __init__(self, tmp_path, launcher):
+        self.tmp_path, self.launcher, self.procs = tmp_path, launcher, []
 
     def start(self, name, cmd):
-        out = open(self.tmp_path / f"{name}.out", "w")
-        err = open(self.tmp_path / f"{name}.err", "w")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        with open(self.tmp_path / f"{name}.out", "w") as out, open(self.tmp_path / f"{name}.err", "w") as err:
+            proc = self.launcher.popen(cmd, stdout=out, stderr=err, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         proc.name = name
         self.procs.append(proc)
         return proc
@@ -88,8 +87,8 @@ class Clients:
 
 
 @pytest.fixture
-def clients(tmp_path):
-    c = Clients(tmp_path)
+def clients(tmp_path, launcher):
+    c = Clients(tmp_path, launcher)
     yield c
     c.end_all()
 

@@ -217,8 +217,13 @@ def _client(meta, target, chief, ckpt, last_step, feeds, out, stop_after=0):
     return cmd
 
 
-def _run_clients(cmds, logs):
-    procs = [subprocess.Popen(c, stdout=open(log, "a"), stderr=subprocess.STDOUT) for c, log in zip(cmds, logs)]
+def _start(launcher, cmd, log):
+    with open(log, "a") as out:
+        return launcher.popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _run_clients(launcher, cmds, logs):
+    procs = [_start(launcher, c, log) for c, log in zip(cmds, logs)]
     try:
         return [p.wait(timeout=CLIENT_TIMEOUT) for p in procs]
     finally:
@@ -236,7 +241,7 @@ def _tail(path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["allreduce", "ps", "hybrid"])
-def test_between_graph_monitored_training_killed_and_restarted_equals_one_device(strategy, tmp_path):
+def test_between_graph_monitored_training_killed_and_restarted_equals_one_device(strategy, tmp_path, launcher):
     """Two workers (and a ps), each its own MonitoredTrainingSession client; the chief
     checkpoints at every step. Both clients are killed after 2 steps (os._exit, the
     servers live on), then restarted: the chief restores, every worker takes the
@@ -265,10 +270,10 @@ def test_between_graph_monitored_training_killed_and_restarted_equals_one_device
             return [_client(metas[w], cluster.target("worker", w), w == 0, ckpt, steps,
                             str(tmp_path / f"feeds{w}.npz"), outs[w], stop_after) for w in range(2)]
 
-        codes = _run_clients(cmds(stop_after=2), logs)
+        codes = _run_clients(launcher, cmds(stop_after=2), logs)
         assert codes == [17, 17], (codes, _tail(logs[0]), _tail(logs[1]))   # killed after two steps
         assert tf.train.latest_checkpoint(ckpt).endswith("model.ckpt-2"), _tail(logs[0])
-        codes = _run_clients(cmds(), logs)
+        codes = _run_clients(launcher, cmds(), logs)
         assert codes == [0, 0], (codes, _tail(logs[0]), _tail(logs[1]))
     runs = [json.load(open(o)) for o in outs]
     assert [r["steps"] for r in runs] == [[2, 3], [2, 3]]
@@ -284,7 +289,7 @@ def test_between_graph_monitored_training_killed_and_restarted_equals_one_device
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_monitored_client_started_alone_waits_for_its_peer_and_leaves_the_servers_usable(tmp_path):
+def test_a_monitored_client_started_alone_waits_for_its_peer_and_leaves_the_servers_usable(tmp_path, launcher):
     """``gr.HeartbeatHook(master=target)`` beats and waits for every peer's client before
     MonitoredTrainingSession creates its session (which runs the init ops and their
     collectives): worker 0's client started alone fails after the graph's timeout (8 s)
@@ -303,21 +308,21 @@ def test_a_monitored_client_started_alone_waits_for_its_peer_and_leaves_the_serv
                         str(tmp_path / f"feeds{w}.npz"), outs[w]) for w in range(2)]
         lone_log = str(tmp_path / "lone.log")
         started = time.monotonic()
-        assert _run_clients(cmds[:1], [lone_log]) != [0]
+        assert _run_clients(launcher, cmds[:1], [lone_log]) != [0]
         took = time.monotonic() - started
         assert "the session was not created: no heartbeat within 8 s from worker:1" in _tail(lone_log), \
             _tail(lone_log)
         assert took < 60, took   # the wait (8 s) and the client's start, not the 60 s step timeout
         assert not os.path.exists(outs[0])
         logs = [str(tmp_path / f"client{w}.log") for w in range(2)]
-        codes = _run_clients(cmds, logs)
+        codes = _run_clients(launcher, cmds, logs)
         assert codes == [0, 0], (codes, _tail(logs[0]), _tail(logs[1]))
     _assert_clients_equal_one_device(meta, feeds, outs, steps, rows, ran=[0, 1])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_ps_worker_restarted_before_its_chief_waits_for_the_chiefs_reset(tmp_path):
+def test_a_ps_worker_restarted_before_its_chief_waits_for_the_chiefs_reset(tmp_path, launcher):
     """Parameter servers that kept running: after both clients were killed, worker 1's
     client is started again 5 s before the chief's. Its session is ready at once (the ps
     variables are still initialized), but the chief's restore empties the accumulators:
@@ -340,12 +345,12 @@ def test_a_ps_worker_restarted_before_its_chief_waits_for_the_chiefs_reset(tmp_p
             return _client(metas[w], cluster.target("worker", w), w == 0, ckpt, steps,
                            str(tmp_path / f"feeds{w}.npz"), outs[w], stop_after)
 
-        assert _run_clients([cmd(0, 2), cmd(1, 2)], logs) == [17, 17]
-        procs = [subprocess.Popen(cmd(1), stdout=open(logs[1], "a"), stderr=subprocess.STDOUT)]
+        assert _run_clients(launcher, [cmd(0, 2), cmd(1, 2)], logs) == [17, 17]
+        procs = [_start(launcher, cmd(1), logs[1])]
         try:
             time.sleep(5.0)
             assert procs[0].poll() is None, _tail(logs[1])   # waiting for the chief, not failed
-            procs.insert(0, subprocess.Popen(cmd(0), stdout=open(logs[0], "a"), stderr=subprocess.STDOUT))
+            procs.insert(0, _start(launcher, cmd(0), logs[0]))
             codes = [p.wait(timeout=CLIENT_TIMEOUT) for p in procs]
         finally:
             for p in procs:

@@ -7,12 +7,14 @@ directory, PYTHONPATH and log files; it runs a module as ``__main__``; its exit 
 times out; the child leads its own session, so ``os.killpg(pid)`` ends it; two children
 draw different random numbers; a command whose import-time environment differs from the
 zygote's (``TF_CPP_MIN_LOG_LEVEL``) or that is not this interpreter starts a new
-process instead; closing the launcher ends the children still running; and a forked
+process instead; closing the launcher ends the children still running; an exit status read together
+with the pid is kept; and a forked
 child starts with TensorFlow imported (what saves the time; no timing is asserted)."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,10 +90,12 @@ def test_two_children_draw_different_random_numbers(forks, tmp_path):
 
 def test_other_import_time_settings_start_a_new_interpreter(forks, tmp_path):
     loud = dict(ENV, TF_CPP_MIN_LOG_LEVEL="0")
-    assert isinstance(forks.popen([sys.executable, "-c", "pass"], env=loud, stdout=subprocess.DEVNULL), subprocess.Popen)
-    assert isinstance(forks.popen(["true"], env=ENV), subprocess.Popen)
-    off = fork_server.Launcher(enabled=False)
-    assert isinstance(off.popen([sys.executable, "-c", "pass"], env=ENV), subprocess.Popen)
+    started = [forks.popen([sys.executable, "-c", "pass"], env=loud, stdout=subprocess.DEVNULL),
+               forks.popen(["true"], env=ENV),
+               fork_server.Launcher(enabled=False).popen([sys.executable, "-c", "pass"], env=ENV)]
+    for proc in started:
+        assert isinstance(proc, subprocess.Popen)
+        assert proc.wait(timeout=60) == 0
 
 
 def test_closing_the_launcher_ends_its_children():
@@ -116,9 +120,29 @@ def _alive(pid):
 
 def test_a_forked_child_starts_with_tensorflow_imported(forks, tmp_path):
     """What saves the import: TensorFlow is in the child's modules before its code runs
-    (a new interpreter has only what site imports)."""
+    (a new interpreter has only what site imports); graph_rewriter is not, so each child
+    imports this project's modules itself, as a user's process would."""
     code = "import sys; print('tensorflow' in sys.modules, 'graph_rewriter' in sys.modules)"
     proc, rc, out = _run(forks, tmp_path, ["-c", code])
-    assert isinstance(proc, fork_server.ForkedProcess) and _lines(out)[-1] == "True True", out
+    assert isinstance(proc, fork_server.ForkedProcess) and _lines(out)[-1] == "True False", out
     fresh = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
     assert fresh.stdout.strip() == "False False"
+
+
+def test_an_exit_status_that_arrives_with_the_pid_is_kept():
+    """A child that ends at once: the zygote's "pid" and "exit" lines can reach the
+    launcher in one read; the status is not lost (a lost one read as killed, -9)."""
+    ours, zygotes = socket.socketpair()
+    try:
+        proc = fork_server.ForkedProcess(["x"], 12345, ours, b"exit 7\n")
+        assert proc.poll() == 7 and proc.wait(timeout=1) == 7
+    finally:
+        zygotes.close()
+    ours, zygotes = socket.socketpair()
+    try:
+        proc = fork_server.ForkedProcess(["x"], 12345, ours, b"ex")   # the rest comes later
+        assert proc.poll() is None
+        zygotes.sendall(b"it 3\n")
+        assert proc.wait(timeout=5) == 3
+    finally:
+        zygotes.close()

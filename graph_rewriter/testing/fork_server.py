@@ -3,7 +3,7 @@ already imported TensorFlow, instead of starting a new interpreter for each.
 
 Why: a between-graph test starts a client process per worker, and every one spent about
 4.5 s of CPU importing TensorFlow and graph_rewriter before doing a second of work
-(2 cores, TF 2.21 CPU): in tests/test_cluster.py alone that was 50 clients, about 225 s
+(2 cores, TF 2.21 CPU, of which graph_rewriter's own modules are about 0.1 s): in tests/test_cluster.py alone that was 50 clients, about 225 s
 of CPU. A fork of a process that has imported them (a "zygote", as Android and
 multiprocessing's forkserver do it) starts in about 10 ms and shares those pages.
 
@@ -41,7 +41,6 @@ and with ``GRAPH_REWRITER_TEST_FORK=0``, every command starts a new interpreter.
     launcher.close()
 """
 
-import array
 import ctypes
 import json
 import os
@@ -60,8 +59,11 @@ IMPORT_TIME_VARIABLES = ("PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONDONTWRITEBYT
                          "PYTHONDEVMODE", "PYTHONMALLOC", "LD_PRELOAD", "LD_LIBRARY_PATH")
 IMPORT_TIME_PREFIXES = ("TF_", "CUDA_", "KERAS_", "OMP_", "OPENBLAS_", "MKL_", "ONEDNN_", "XLA_", "GRPC_")
 RUNTIME_VARIABLES = ("TF_CONFIG",)   # read by the code that runs, not at import
-# What the zygote imports: everything a client of the suite needs before its own work.
-PRELOAD = ("numpy", "tensorflow", "graph_rewriter", "graph_rewriter.session", "graph_rewriter.health")
+# What the zygote imports: the third-party modules that cost the time. Not graph_rewriter
+# (about 0.1 s): each child imports this project's modules itself, as a new interpreter
+# would, so a module that works only when something else imported a piece first fails
+# here as it would for a user.
+PRELOAD = ("numpy", "tensorflow")
 ENABLE_VARIABLE = "GRAPH_REWRITER_TEST_FORK"
 READY_TIMEOUT = 120.0     # the zygote importing TensorFlow
 _PR_SET_PDEATHSIG = 1
@@ -92,10 +94,10 @@ def _fd_of(stream, default):
 class ForkedProcess:
     """A child of the zygote, as much of ``subprocess.Popen`` as the tests use."""
 
-    def __init__(self, args, pid, conn):
+    def __init__(self, args, pid, conn, received=b""):
         self.args, self.pid, self._conn = args, pid, conn
         self.returncode = None
-        self._buffer = b""
+        self._buffer = received   # what came after the pid line (a child that has already exited)
 
     def _read_status(self, timeout):
         """Reads the zygote's "exit <status>" line if it comes within ``timeout`` (None:
@@ -103,17 +105,17 @@ class ForkedProcess:
         child (PR_SET_PDEATHSIG)."""
         if self.returncode is not None:
             return self.returncode
-        ready, _, _ = select.select([self._conn], [], [], timeout)
+        ready = b"\n" in self._buffer or select.select([self._conn], [], [], timeout)[0]
         while ready:
+            if b"\n" in self._buffer:
+                self.returncode = int(self._buffer.split()[1])   # "exit <status>"
+                break
             data = self._conn.recv(64)
             if not data:
                 self.returncode = -signal.SIGKILL
                 break
             self._buffer += data
-            if self._buffer.endswith(b"\n"):
-                self.returncode = int(self._buffer.split()[-1])
-                break
-            ready, _, _ = select.select([self._conn], [], [], timeout)
+            ready = b"\n" in self._buffer or select.select([self._conn], [], [], timeout)[0]
         if self.returncode is not None:
             self._conn.close()
         return self.returncode
@@ -219,7 +221,7 @@ class Launcher:
             body = json.dumps({"argv": list(cmd[1:]), "env": env, "cwd": cwd}).encode()
             socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [out, err])
             line = b""
-            while not line.endswith(b"\n"):
+            while b"\n" not in line:
                 ready, _, _ = select.select([conn], [], [], 30.0)
                 chunk = conn.recv(64) if ready else b""
                 if not chunk:
@@ -228,7 +230,8 @@ class Launcher:
         except OSError:
             conn.close()
             return None
-        return ForkedProcess(list(cmd), int(line.split()[1]), conn)
+        first, rest = line.split(b"\n", 1)
+        return ForkedProcess(list(cmd), int(first.split()[1]), conn, rest)
 
     def _stop_zygote(self):
         if self._zygote is not None:
@@ -291,6 +294,8 @@ def _run_child(request, fds, base_path):
         os.environ.update(request["env"])
         random.seed()
         sys.modules["numpy"].random.seed()
+        for name in [m for m in sys.modules if m == "graph_rewriter" or m.startswith("graph_rewriter.")]:
+            del sys.modules[name]   # the zygote's own package (this module): imported again by the child
         argv = request["argv"]
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         if argv[0] == "-c":
@@ -305,7 +310,6 @@ def _run_child(request, fds, base_path):
             import runpy
             sys.path[:] = [request["cwd"]] + extra + base_path
             sys.argv = [argv[1]] + argv[2:]
-            sys.modules.pop(argv[1], None)   # a preloaded module runs again, as __main__
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:

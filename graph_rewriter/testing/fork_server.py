@@ -159,7 +159,7 @@ class Launcher:
         self.started = 0
         self._zygote = None
         self._folder = None
-        self._environment = None  # the zygote's import-time environment
+        self._environment = None  # the zygote's environment
 
     def popen(self, cmd, stdout=None, stderr=None, env=None, cwd=None, start_new_session=False):
         """A forked child if the zygote can run ``cmd`` as a new interpreter would, else
@@ -182,12 +182,15 @@ class Launcher:
     def _can_fork(self, cmd, env):
         if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] not in ("-m", "-c"):
             return False
-        if self._environment is None:
-            self._environment = _import_environment(self._zygote_env())
-        return _import_environment(env) == self._environment
+        return _import_environment(env) == _import_environment(self._zygote_env())
 
     def _zygote_env(self):
-        return dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
+        """The zygote's environment, fixed at first use (a later change to os.environ
+        does not make the zygote's imports differ from what the comparison assumes)."""
+        if self._environment is None:
+            self._environment = dict(os.environ, PYTHONUNBUFFERED="1",
+                                     TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
+        return self._environment
 
     def _start_zygote(self):
         self._folder = tempfile.mkdtemp(prefix="gr_zygote_")

@@ -1,8 +1,10 @@
 """Multi-process tests on real TensorFlow servers on loopback (all marked slow).
 
-Every server is a ``graph-rewrite serve`` process started by LocalCluster (ports from
-free_port()); every between-graph worker is its own client process (``python -m
-graph_rewriter.worker_client``, or the small client loop of this file); every wait is
+Every server is a ``graph-rewrite serve --no-supervise`` process started by LocalCluster
+(ports from free_port()); every between-graph worker is its own client process (``python -m
+graph_rewriter.worker_client``, or the small client loop of this file); both are forked
+by the suite's launcher (tests/conftest.py, graph_rewriter.testing.fork_server) from a
+process that has imported TensorFlow, so none spends 4.5 s importing it; every wait is
 bounded (server start, every session call, every process) and every process a test
 starts is ended by its id in a fixture's teardown, whatever happens.
 
@@ -26,8 +28,8 @@ What is held (docs/api.md, "Semantics"; DESIGN.md, "Multi-worker"):
   listen, have the configured CPU devices, serve a rewritten graph (trained like one
   device), and exit on SIGTERM.
 
-Cost: about 4 minutes on two cores. Starting a cluster takes ~5 s and a worker client
-~5 s. The equivalence cases share one live cluster per number of ps tasks (ClusterPool:
+Cost: about 3 minutes on two cores (8 before the fork server: starting a server or a
+worker client took ~5 s, now well under one). The equivalence cases share one live cluster per number of ps tasks (ClusterPool:
 consecutive cases reuse it; a case that fails while running discards it, since a failed
 collective or a blocked step can poison a server). Each case builds its example with its
 own seed, so no two graphs run on one cluster have the same fingerprint (shared names and

@@ -3213,3 +3213,45 @@ def scheduled_sampling_batches(steps, batch, seed=0):
     rng = np.random.RandomState(seed)
     return [{"tgt:0": rng.randint(DECODE_VOCAB, size=(batch, DECODE_STEPS)).astype(np.int32),
              "lengths:0": rng.randint(1, DECODE_STEPS + 1, size=batch).astype(np.int32)} for _ in range(steps)]
+
+
+# minimize_options_mlp's kinds: the keywords of Optimizer.minimize (and gradient
+# checkpointing) that change how the backward pass is built, not what it computes
+MINIMIZE_OPTIONS = ("colocate", "gate_graph", "gate_none", "accumulate_n", "tree", "recompute", "all")
+
+
+def minimize_options_mlp(kind="colocate"):
+    """dropout_mlp's inputs and weights, w1 read twice (relu(x w1) + tanh(x w1): two
+    gradients that the backward pass aggregates), Momentum 0.9 with a global step; per
+    ``kind`` minimize gets ``colocate_gradients_with_ops=True`` (tensor2tensor's and
+    NMT's default: every gradient op carries a ``_class`` colocation with its forward
+    op), ``gate_gradients=GATE_GRAPH`` (the gradients pass through a tuple of control
+    dependencies) or ``GATE_NONE``, ``aggregation_method`` EXPERIMENTAL_ACCUMULATE_N
+    (AccumulateNV2) or EXPERIMENTAL_TREE, all of colocate, GATE_GRAPH and ACCUMULATE_N,
+    or (``recompute``) the first layer is wrapped in ``tf.recompute_grad`` (gradient
+    checkpointing: the backward pass recomputes it under a custom gradient)."""
+    tf, tf1 = _tf()
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x, y, w1, w2 = _mlp_inputs(None)
+
+        def layer(inputs):
+            return tf.nn.relu(tf.matmul(inputs, w1))
+        h = tf.recompute_grad(layer)(x) if kind == "recompute" else layer(x)
+        h = h + tf.nn.tanh(tf.matmul(x, w1))
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w2) - y), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        options = {"colocate": {"colocate_gradients_with_ops": True},
+                   "gate_graph": {"gate_gradients": tf1.train.Optimizer.GATE_GRAPH},
+                   "gate_none": {"gate_gradients": tf1.train.Optimizer.GATE_NONE},
+                   "accumulate_n": {"aggregation_method": tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N},
+                   "tree": {"aggregation_method": tf.AggregationMethod.EXPERIMENTAL_TREE},
+                   "recompute": {},
+                   "all": {"colocate_gradients_with_ops": True, "gate_gradients": tf1.train.Optimizer.GATE_GRAPH,
+                           "aggregation_method": tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N}}
+        if kind not in options:
+            raise ValueError(f"minimize_options_mlp: unknown kind {kind!r}")
+        tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step, name="train_op", **options[kind])
+        tf1.global_variables_initializer()
+    return g.as_graph_def()

@@ -7,10 +7,10 @@ CPU:0..R-1 (graph_rewriter.testing.harness.device_type; tools/gpu_readiness.py s
 TensorFloat-32 is then turned off so GPU float32 rounds as the tests' tolerance expects.
 Unset, nothing changes: CPU replicas.
 
-The ``launcher`` fixture starts the multi-process tests' Python clients
-(graph_rewriter.testing.fork_server): forked from one process per pytest worker that has
-imported TensorFlow, instead of a new interpreter each (about 4.5 s of CPU saved per
-client); GRAPH_REWRITER_TEST_FORK=0 starts every client as a new interpreter."""
+The ``launcher`` fixture starts the multi-process tests' Python clients and unsupervised
+servers (graph_rewriter.testing.fork_server): forked from one process per pytest worker
+that has imported TensorFlow, instead of a new interpreter each (about 4.5 s of CPU saved
+per process); GRAPH_REWRITER_TEST_FORK=0 starts every one as a new interpreter."""
 
 import os
 

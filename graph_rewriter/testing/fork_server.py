@@ -2,9 +2,9 @@
 already imported TensorFlow, instead of starting a new interpreter for each.
 
 Why: a between-graph test starts a client process per worker, and every one spent about
-4.5 s of CPU importing TensorFlow and graph_rewriter before doing a second of work
-(2 cores, TF 2.21 CPU, of which graph_rewriter's own modules are about 0.1 s): in tests/test_cluster.py alone that was 50 clients, about 225 s
-of CPU. A fork of a process that has imported them (a "zygote", as Android and
+4.5 s of CPU importing TensorFlow before doing a second of work (2 cores, TF 2.21 CPU;
+graph_rewriter's own modules are about 0.1 s of it): tests/test_cluster.py alone starts
+about 100 such clients and servers. A fork of a process that has imported them (a "zygote", as Android and
 multiprocessing's forkserver do it) starts in about 10 ms and shares those pages.
 
 What stays real: each client is its own process with its own pid, session, working
@@ -155,8 +155,6 @@ class Launcher:
         if enabled is None:
             enabled = os.environ.get(ENABLE_VARIABLE, "1") != "0"
         self.enabled = enabled and sys.platform.startswith("linux")
-        self.forked = 0           # children forked, and commands that started an interpreter
-        self.started = 0
         self._zygote = None
         self._folder = None
         self._environment = None  # the zygote's environment
@@ -173,9 +171,7 @@ class Launcher:
                 if stream == subprocess.DEVNULL and fd > 2:
                     os.close(fd)
             if proc is not None:
-                self.forked += 1
                 return proc
-        self.started += 1
         return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                 start_new_session=start_new_session)
 

@@ -44,6 +44,7 @@ from graph_rewriter.protos import types_pb2
 
 from graph_rewriter import dtypes, opdefs
 from graph_rewriter.errors import GraphRewriteError
+from graph_rewriter.invariant_terms import find_invariant_terms
 from graph_rewriter.ir import Tensor
 from graph_rewriter.op_builder import dtype_of
 from graph_rewriter.op_vocabulary import (
@@ -265,6 +266,10 @@ class Analysis:
     # (placeholder, reader, argument) for fed batch inputs a sparse op reads as a
     # SparseTensor's indices that are in no SparseTensor found (an unnamed sparse_placeholder)
     unpaired_sparse: list = dataclasses.field(default_factory=list)
+    # (cut key, AddN node, [input positions]): a dense gradient's terms computed from
+    # variables and constants alone (weight decay's), the same on every replica
+    # (graph_rewriter/invariant_terms.py)
+    invariant_terms: list = dataclasses.field(default_factory=list)
 
     @property
     def trainable(self):
@@ -466,6 +471,8 @@ class _Analyzer:
                     obstacles[name] = reason
                 elif met:
                     row_counts[name] = met
+        invariant_terms = find_invariant_terms(
+            cuts, variant, self.variables, {name for c in cuts if c.combine == "rows" for name in c.variables})
         for cut in cuts:
             # a statistic adding a loss sum up reads the scaled sum (passes/loss_sums.py):
             # R times the replica's rows, so the replicas' mean is one device's total
@@ -488,6 +495,7 @@ class _Analyzer:
             selected_means=selected_means, statistics_obstacles=obstacles, statistics_row_counts=row_counts,
             variables=self.variables, cuts=cuts, batch_inputs=batch, sparse_inputs=self.sparse_inputs, unpaired_sparse=self.unpaired_sparse,
             broadcast_inputs=broadcast, static_batch=self.static_batch, variant=variant, init_ops=init_ops,
+            invariant_terms=invariant_terms,
             saver_nodes=self.saver_nodes, input_pipeline=self.input_pipeline,
             step_counters=[v.name for v in self.variables.values() if v.role == "step"])
 

@@ -175,7 +175,8 @@ def pipeline():
     return [passes.SaverPass(), passes.LowerCondsPass(), passes.PlanPass(), passes.ReplicatePass(),
             passes.SplitInputsPass(), passes.NormalizersPass(), passes.LoopBoundsPass(), passes.GatherRowsPass(),
             passes.ProductHeadsPass(), passes.RowMovesPass(), passes.BatchStatisticsPass(), passes.RandomDrawsPass(),
-            passes.LossSumsPass(), passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
+            passes.LossSumsPass(), passes.InvariantTermsPass(),
+            passes.MirrorVariablesPass(), passes.MicroBatchesPass(), passes.AllReducePass(),
             passes.AllGatherPass(), passes.CommunicationPass(), passes.AccumulatePass(), passes.SyncQueuesPass(),
             passes.ShardVariablesPass(), passes.RowDefaultsPass(), passes.MergeOutputsPass(), passes.MetaGraphPass(), passes.HeartbeatPass(),
             passes.RecordIncarnationsPass(), passes.StepSequencePass(), passes.PlacePass(), passes.MetadataPass()]

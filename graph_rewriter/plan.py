@@ -261,6 +261,13 @@ class Plan:
     # numbers and dense shape its own (passes/split_inputs.py); None: none, and absent
     # from the JSON
     sparse_inputs: list = None
+    # [variable, AddN, [its input tensors]]: terms of a dense gradient computed from variables and
+    # constants alone (weight decay's), the same on every replica: the first replica adds
+    # them R times, the others leave them out, and the all-reduce's mean is one device's
+    # (passes/invariant_terms.py; the default for CPU replicas of one machine); None:
+    # none, and absent from the JSON; an empty list in a given plan keeps every replica
+    # computing them
+    invariant_terms: list = None
 
     def variable(self, name):
         for v in self.variables:
@@ -337,6 +344,8 @@ class Plan:
             del d["synced_row_counts"]
         if d["sparse_inputs"] is None:
             del d["sparse_inputs"]
+        if d["invariant_terms"] is None:
+            del d["invariant_terms"]
         for c in d["cuts"]:
             if c["train_ops"] is None:
                 del c["train_ops"]
@@ -388,7 +397,8 @@ class Plan:
                 gathered_rows=d.get("gathered_rows"), product_head=d.get("product_head"),
                 row_moves=d.get("row_moves"),
                 loss_sums=d.get("loss_sums"), sync_batch_statistics=d.get("sync_batch_statistics"),
-                synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"))
+                synced_row_counts=d.get("synced_row_counts"), sparse_inputs=d.get("sparse_inputs"),
+                invariant_terms=d.get("invariant_terms"))
         except (KeyError, TypeError) as e:
             raise GraphRewriteError(f"{source}: malformed plan: {e}", hint="pass a file written by `graph-rewrite plan` or Plan.to_json()") from None
 

@@ -66,6 +66,7 @@ def plan(graph, analysis, options, cluster, num_replicas, given=None, log=None, 
     _plan_row_defaults(result, analysis, info)
     _plan_loop_bounds(result, analysis, cluster, info)
     _plan_loss_sums(result, analysis, info)
+    _plan_invariant_terms(result, analysis, info)
     _plan_batch_statistics(result, analysis, options, cluster, info, aliases or {})
     _plan_product_head(result, analysis, cluster, info)
     _plan_row_moves(result, analysis, cluster, info)
@@ -350,6 +351,48 @@ def _plan_row_moves(plan, analysis, cluster, log):
         log(f"plan: the rows moved within the batch by {_listed(moves.moves)} (or stacked by loops that draw "
             f"at every step) are moved over every replica's rows: each replica gathers "
             f"{_listed([t for t, _ in moves.gathered])} and keeps its own rows of the moves")
+
+
+def _plan_invariant_terms(plan, analysis, log):
+    """The gradient terms every replica computes alike (the analysis finds them: weight
+    decay's), of gradients all-reduced to their mean in one step: the first replica adds
+    them R times and the others leave them out (passes/invariant_terms.py). By default
+    on CPU replicas of one machine, which share its cores, so the work the other
+    replicas skip is the step's; GPUs work side by side, and there the first one's
+    step, which does it all, is no shorter. A given plan keeps its own choice, checked
+    (an empty list: every replica computes them)."""
+    cuts = {c.key: c for c in plan.cuts}
+    eligible = {}   # (cut key, AddN) -> its terms
+    if plan.num_replicas > 1 and plan.accumulation_steps == 1:
+        for key, total, positions in analysis.invariant_terms:
+            cut = cuts.get(key)
+            if cut is not None and cut.sync == "allreduce" and cut.combine is None:
+                eligible[key, total.name] = [total.inputs[pos].name for pos in positions]
+    given = plan.invariant_terms
+    if given is not None:
+        for entry in given:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[2], (list, tuple))
+                    and entry[2]):
+                raise GraphRewriteError(
+                    f"the plan's invariant_terms entry {entry!r} is not [variable, AddN name, [its input tensors]]",
+                    hint="list only entries `graph-rewrite plan` writes, or [] for none")
+            key, name, terms = entry
+            unknown = [t for t in terms if t not in eligible.get((key, name), ())]
+            if unknown:
+                found = ", ".join(f"{k} ({n})" for k, n in eligible) or "none"
+                raise GraphRewriteError(
+                    f"the plan's invariant_terms names '{unknown[0]}' in the gradient '{name}' of variable "
+                    f"'{key}', which is not a term every replica computes alike of a gradient all-reduced "
+                    f"to its mean (found: {found})",
+                    hint="list only entries `graph-rewrite plan` writes, or [] for none")
+        if plan.num_replicas < 2:
+            plan.invariant_terms = None
+        return
+    one_machine = plan.device_type == "CPU" and plan.num_replicas == plan.devices_per_worker
+    if one_machine and eligible:
+        plan.invariant_terms = [[key, name, terms] for (key, name), terms in eligible.items()]
+        log(f"plan: gradient terms every replica computes alike, added by the first replica alone: "
+            f"{', '.join(t for terms in eligible.values() for t in terms)}")
 
 
 def _plan_loss_sums(plan, analysis, log):

@@ -15,6 +15,7 @@ from graph_rewriter.passes.row_moves import RowMovesPass
 from graph_rewriter.passes.batch_statistics import BatchStatisticsPass
 from graph_rewriter.passes.random_draws import RandomDrawsPass
 from graph_rewriter.passes.loss_sums import LossSumsPass
+from graph_rewriter.passes.invariant_terms import InvariantTermsPass
 from graph_rewriter.passes.mirror_variables import MirrorVariablesPass
 from graph_rewriter.passes.micro_batches import MicroBatchesPass
 from graph_rewriter.passes.allreduce import AllReducePass
@@ -36,5 +37,5 @@ __all__ = ["SaverPass", "LowerCondsPass", "PlanPass", "ReplicatePass", "SplitInp
            "MirrorVariablesPass",
            "MicroBatchesPass",
            "AllReducePass", "AllGatherPass", "CommunicationPass", "AccumulatePass", "SyncQueuesPass",
-           "ShardVariablesPass", "LossSumsPass", "RowDefaultsPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
+           "ShardVariablesPass", "LossSumsPass", "InvariantTermsPass", "RowDefaultsPass", "MergeOutputsPass", "MetaGraphPass", "HeartbeatPass", "RecordIncarnationsPass",
            "StepSequencePass", "PlacePass", "MetadataPass"]

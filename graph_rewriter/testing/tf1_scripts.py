@@ -3255,3 +3255,63 @@ def minimize_options_mlp(kind="colocate"):
         tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step, name="train_op", **options[kind])
         tf1.global_variables_initializer()
     return g.as_graph_def()
+
+
+# weight_decay_mlp's kinds: how public training scripts add weight decay to the loss.
+# The first five give every weight a gradient term the replicas compute alike
+# (graph_rewriter/invariant_terms.py); "noisy" and "fed_rate" do not.
+WEIGHT_DECAYS = ("l2", "regularizer", "clipped", "scaled", "adam", "noisy", "fed_rate")
+
+
+def weight_decay_mlp(kind="l2"):
+    """dropout_mlp's inputs and weights with a bias, a mean squared error plus an L2
+    weight decay of every weight, Momentum 0.9 with a global step, per ``kind``: "l2"
+    (``wd * add_n([tf.nn.l2_loss(v) for v in trainable])``, TF-slim's and
+    tf_cnn_benchmarks' way), "regularizer" (``get_variable(regularizer=...)`` and
+    ``tf.compat.v1.losses.get_regularization_loss()``, the official models' way),
+    "clipped" (compute_gradients, clip_by_global_norm 1.0, apply_gradients: BERT's step),
+    "scaled" (a static loss scale of 128 and its unscaling, mixed precision's), "adam"
+    (Adam's slots), "noisy" (the decay of a noisy copy of w1, ``w1 + normal(seed)``: a
+    stateful draw), "fed_rate" (the decay rate a placeholder_with_default)."""
+    tf, tf1 = _tf()
+    if kind not in WEIGHT_DECAYS:
+        raise ValueError(f"weight_decay_mlp: unknown kind {kind!r}")
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+
+        def decay(w):
+            return 1e-2 * tf.nn.l2_loss(w)
+        regularizer = decay if kind == "regularizer" else None
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2),
+                              regularizer=regularizer)
+        b1 = tf1.get_variable("b1", [16], initializer=tf1.constant_initializer(0.1), regularizer=regularizer)
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3),
+                              regularizer=regularizer)
+        error = tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2) - y))
+        if kind == "regularizer":
+            penalty = tf1.losses.get_regularization_loss()
+        elif kind == "noisy":
+            penalty = 1e-2 * tf.add_n([tf.nn.l2_loss(w1 + tf1.random_normal([4, 16], stddev=0.1, seed=5)),
+                                       tf.nn.l2_loss(b1), tf.nn.l2_loss(w2)])
+        elif kind == "fed_rate":
+            rate = tf1.placeholder_with_default(1e-2, [], name="decay_rate")
+            penalty = rate * tf.add_n([tf.nn.l2_loss(v) for v in (w1, b1, w2)])
+        else:
+            penalty = 1e-2 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
+        loss = tf.identity(error + penalty, name="loss")
+        step = tf1.train.get_or_create_global_step()
+        optimizer = (tf1.train.AdamOptimizer(0.01) if kind == "adam" else tf1.train.MomentumOptimizer(0.1, 0.9))
+        if kind == "clipped":
+            grads, variables = zip(*optimizer.compute_gradients(loss))
+            grads, _ = tf.clip_by_global_norm(grads, 1.0)
+            optimizer.apply_gradients(zip(grads, variables), global_step=step, name="train_op")
+        elif kind == "scaled":
+            scaled = optimizer.compute_gradients(loss * 128.0)
+            optimizer.apply_gradients([(grad / 128.0, v) for grad, v in scaled], global_step=step, name="train_op")
+        else:
+            optimizer.minimize(loss, global_step=step, name="train_op")
+        tf1.global_variables_initializer()
+    return g.as_graph_def()

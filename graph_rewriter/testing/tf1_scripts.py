@@ -3258,16 +3258,17 @@ def minimize_options_mlp(kind="colocate"):
 
 
 # weight_decay_mlp's kinds: how public training scripts add weight decay to the loss.
-# The first five give every weight a gradient term the replicas compute alike
-# (graph_rewriter/invariant_terms.py); "noisy" and "fed_rate" do not.
-WEIGHT_DECAYS = ("l2", "regularizer", "clipped", "scaled", "adam", "noisy", "fed_rate")
+# All but the last two give every weight a gradient term the replicas compute alike
+# (graph_rewriter/invariant_terms.py); "noisy" gives w1 none, "fed_rate" none at all.
+WEIGHT_DECAYS = ("l2", "ref", "regularizer", "clipped", "scaled", "adam", "noisy", "fed_rate")
 
 
 def weight_decay_mlp(kind="l2"):
     """dropout_mlp's inputs and weights with a bias, a mean squared error plus an L2
     weight decay of every weight, Momentum 0.9 with a global step, per ``kind``: "l2"
     (``wd * add_n([tf.nn.l2_loss(v) for v in trainable])``, TF-slim's and
-    tf_cnn_benchmarks' way), "regularizer" (``get_variable(regularizer=...)`` and
+    tf_cnn_benchmarks' way), "ref" (the same with ref variables, TensorFlow 1's
+    default: a read of one is no snapshot), "regularizer" (``get_variable(regularizer=...)`` and
     ``tf.compat.v1.losses.get_regularization_loss()``, the official models' way),
     "clipped" (compute_gradients, clip_by_global_norm 1.0, apply_gradients: BERT's step),
     "scaled" (a static loss scale of 128 and its unscaling, mixed precision's), "adam"
@@ -3284,12 +3285,10 @@ def weight_decay_mlp(kind="l2"):
 
         def decay(w):
             return 1e-2 * tf.nn.l2_loss(w)
-        regularizer = decay if kind == "regularizer" else None
-        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2),
-                              regularizer=regularizer)
-        b1 = tf1.get_variable("b1", [16], initializer=tf1.constant_initializer(0.1), regularizer=regularizer)
-        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3),
-                              regularizer=regularizer)
+        kw = {"regularizer": decay if kind == "regularizer" else None, "use_resource": kind != "ref"}
+        w1 = tf1.get_variable("w1", [4, 16], initializer=tf1.glorot_uniform_initializer(seed=2), **kw)
+        b1 = tf1.get_variable("b1", [16], initializer=tf1.constant_initializer(0.1), **kw)
+        w2 = tf1.get_variable("w2", [16, 1], initializer=tf1.glorot_uniform_initializer(seed=3), **kw)
         error = tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2) - y))
         if kind == "regularizer":
             penalty = tf1.losses.get_regularization_loss()

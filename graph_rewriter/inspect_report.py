@@ -126,6 +126,7 @@ def report(result, batch_size=None):
         **({"product_head": list(plan["product_head"]["products"])} if plan.get("product_head") else {}),
         **({"row_moves": list(plan["row_moves"]["moves"])} if plan.get("row_moves") else {}),
         **({"loss_sums": list(plan["loss_sums"])} if plan.get("loss_sums") else {}),
+        **({"invariant_terms": [key for key, _, _ in plan["invariant_terms"]]} if plan.get("invariant_terms") else {}),
         **({"sync_batch_statistics": list(plan["sync_batch_statistics"])}
            if plan.get("sync_batch_statistics") else {}),
         "replicas": [{"prefix": p, "device": d} for p, d in zip(prefixes, md["replica_devices"])],
@@ -283,6 +284,10 @@ def format_report(rep):
     if rep.get("loss_sums"):
         lines.append("losses summed over the batch's rows (each replica's sum and its gradient count "
                      f"{rep['num_replicas']} times): " + ", ".join(rep["loss_sums"]))
+    if rep.get("invariant_terms"):
+        lines.append("gradient terms every replica computes alike (weight decay's: replica 0 adds them "
+                     f"{rep['num_replicas']} times, the others leave them out), of: "
+                     + ", ".join(rep["invariant_terms"]))
     lines.append(f"replicas:   {rep['num_replicas']}")
     for i, rp in enumerate(rep["replicas"]):
         lines.append(f"  replica {i}: {rp['device']}" + (f"  (nodes '{rp['prefix']}*')" if rp["prefix"] else "  (original names)"))

@@ -12,12 +12,14 @@ other replica leaves it out:
     mean over the replicas: (g_0 + ... + g_{R-1} + R t) / R  =  mean(g) + t
 
 which is one device's gradient as before (rounded differently: R t once, not t added R
-times). The other replicas' copies of the term stay in the graph, unread by the
-gradient; TensorFlow runs only what a fetch needs, so a run of the train op no longer
-computes them there (nor what only they read: the weight-decay loss's backward and,
-when the loss is not fetched, its forward). A fetch of the term by its name still
-reads it. A template replica stands for replicas 1..R-1, so it leaves the term out for
-all of them. Between-graph, only the task holding group rank 0 scales.
+times). The other replicas' copies of the term, and the ops only they read (the
+weight-decay loss's backward), are removed; the ops they waited for stay, and the sum
+waits for those (graph_rewriter/invariant_terms.py: ``ordered_ops``), and a copy a
+merged fetch names (the ``merge`` and ``outputs`` options) stays too. TensorFlow runs
+only what a fetch needs, so unless the loss is fetched the weight-decay loss's forward
+no longer runs there either. A template replica stands for replicas 1..R-1, so it
+leaves the term out for all of them. Between-graph, only the task holding group rank 0
+scales.
 """
 
 from graph_rewriter import dtypes
@@ -39,8 +41,11 @@ class InvariantTermsPass(Pass):
         if rm.group_size == 1 or not plan.invariant_terms:
             return False
         variables = {cut.key: set(cut.variables) for cut in plan.cuts}   # what each cut updates
+        kept = set(ctx.options.merge or ()) | set(ctx.options.outputs or ())   # fetched by name: merged
+        kept = {name.split(":")[0] for name in kept}
         for i in rm.built:
             first = rm.first_replica + i == 0
+            left_out = []
             for key, name, terms in plan.invariant_terms:
                 total = rm.node(graph, i, name)
                 wanted = set(terms)
@@ -49,19 +54,38 @@ class InvariantTermsPass(Pass):
                     with graph.adding_to_replica(i):
                         for pos in positions:
                             total.set_input(pos, _times(graph, total.inputs[pos], rm.group_size, rm.devices[i]))
-                else:
-                    names = variables[key] | {rm.prefixes[i] + v for v in variables[key]}
-                    waits = ordered_ops(total, positions, names)
-                    total.set_inputs([t for pos, t in enumerate(total.inputs) if pos not in positions])
-                    total.set_attr("N", len(total.inputs))
-                    for n in waits:
-                        total.add_control_input(n)
+                    continue
+                names = variables[key] | {rm.prefixes[i] + v for v in variables[key]}
+                waits = ordered_ops(total, positions, names)
+                left_out += [total.inputs[pos].node for pos in positions]
+                total.set_inputs([t for pos, t in enumerate(total.inputs) if pos not in positions])
+                total.set_attr("N", len(total.inputs))
+                for n in waits:
+                    total.add_control_input(n)
+            graph.remove_nodes(_unread(rm, i, left_out, kept))
         return True
 
 
+def _unread(rm, i, starts, kept):
+    """Replica ``i``'s nodes, from ``starts`` up, that nothing reads any more once the
+    terms are left out (the other replicas' copies of a term would be ops only a fetch of
+    a replica's own name runs: the final check takes each such op for a step that runs
+    one replica's collectives). ``kept``: original names a merged fetch reads."""
+    dead, stack = set(), list(starts)
+    while stack:
+        n = stack.pop()
+        if n in dead or n.replica != i or _original_name(rm, i, n) in kept:
+            continue
+        if all(r in dead for r in n.readers()):
+            dead.add(n)
+            stack.extend(t.node for t in n.inputs)
+            stack.extend(n.control_inputs)
+    return dead
+
+
 def _original_name(rm, i, tensor):
-    """The original graph's name of replica ``i``'s ``tensor`` (its clone's name
-    without the replica's prefix)."""
+    """The original graph's name of replica ``i``'s ``tensor`` or node (its clone's
+    name without the replica's prefix)."""
     prefix = rm.prefixes[i]
     name = tensor.name
     return name[len(prefix):] if prefix and name.startswith(prefix) else name

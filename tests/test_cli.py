@@ -26,7 +26,7 @@ GRAPH_REWRITE = os.path.join(os.path.dirname(sys.executable), "graph-rewrite")
 TIMEOUT = 180
 PASSES = ["saver", "lower_conds", "plan", "replicate", "split_inputs", "normalizers", "loop_bounds", "gather_rows", "product_heads", "row_moves",
           "batch_statistics", "random_draws",
-          "loss_sums", "mirror_variables", "micro_batches", "allreduce", "allgather", "communication", "accumulate", "sync_queues", "shard_variables", "row_defaults", "merge_outputs",
+          "loss_sums", "invariant_terms", "mirror_variables", "micro_batches", "allreduce", "allgather", "communication", "accumulate", "sync_queues", "shard_variables", "row_defaults", "merge_outputs",
           "meta_graph", "heartbeat", "record_incarnations", "step_sequence", "place", "metadata"]
 # the passes an allreduce rewrite of the test graph (dense and sparse gradients) needs;
 # the others are skipped

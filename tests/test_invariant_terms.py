@@ -197,3 +197,10 @@ def test_the_mean_of_the_replicas_gradient_fetched_by_name_is_one_devices():
         sess.run("init")
         got = sess.run(name, feeds[0])
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_inspect_names_the_variables_whose_terms_moved():
+    from graph_rewriter.inspect_report import format_report, report
+    text = format_report(report(_cpu(weight_decay_mlp("l2"))))
+    assert "gradient terms every replica computes alike" in text
+    assert "of: w2, b1, w1" in text

@@ -39,7 +39,7 @@ _CONTROL_FLOW = frozenset(("Switch", "RefSwitch", "Merge", "RefMerge", "Enter", 
 # stateful ops that only read a variable: the same value on every replica when the
 # variable's copies are equal
 _VARIABLE_READS = frozenset(("ReadVariableOp",))
-_LIMIT = 4096   # ops a term may depend on before the walks give up (every replica keeps the term)
+_LIMIT = 4096   # ops a term's value may depend on before the walk gives up (every replica keeps it)
 
 
 def find_invariant_terms(cuts, variant, variables, local_rows):
@@ -62,8 +62,7 @@ def find_invariant_terms(cuts, variant, variables, local_rows):
         if total is None:
             continue
         positions = [pos for pos, t in enumerate(total.inputs) if alike(t.node)]
-        if positions and len(positions) < len(total.inputs) \
-                and ordered_ops(total, positions, set(cut.variables), _LIMIT) is not None:
+        if positions and len(positions) < len(total.inputs):
             out.append((cut.key, total, positions))
     return out
 
@@ -91,45 +90,58 @@ def _summed_by(values, alike):
     return None
 
 
-def ordered_ops(total, positions, variable_names, limit=None):
-    """The ops that a sum ``total`` leaving out its inputs at ``positions`` must wait
-    for (module doc), sorted by name; None if the terms depend on more than ``limit``
-    ops. ``variable_names``: the names of the variables its cut updates (of the
-    replica's copies too, once they exist)."""
+def ordered_ops(order, sums):
+    """For each ``(total, positions, variable_names)`` of ``sums``, the ops that the sum
+    ``total`` leaving out its inputs at ``positions`` must wait for (module doc), sorted
+    by name. ``variable_names``: the names of the variables its cut updates (of the
+    replica's copies too, once they exist). ``order``: the graph's nodes, producers
+    before consumers. One walk back over ``order`` marks, for every node, which sums'
+    terms depend on it (data or control) and which by data alone."""
     from graph_rewriter.analysis import variable_of
-    terms = [total.inputs[pos].node for pos in positions]
-    data, stack = set(), list(terms)
-    while stack:
-        n = stack.pop()
-        if n not in data:
-            data.add(n)
-            stack.extend(t.node for t in n.inputs)
-    everything, stack = set(), list(terms)
-    while stack:
-        n = stack.pop()
-        if n in everything:
+    reached, data = {}, {}
+    for j, (total, positions, _) in enumerate(sums):
+        for pos in positions:
+            n = total.inputs[pos].node
+            reached[n] = data[n] = reached.get(n, 0) | 1 << j
+    for n in reversed(order):
+        r = reached.get(n)
+        if not r:
             continue
-        if limit is not None and len(everything) >= limit:
-            return None
-        everything.add(n)
-        stack.extend(t.node for t in n.inputs)
-        stack.extend(n.control_inputs)
-
-    def own(tensor, kind=None):
-        var = variable_of(tensor)
-        return (var is not None and (kind is None or VARIABLE_OPS[var.op] == kind)
-                and var.name in variable_names)
-    waits = []
-    for n in everything:
+        d = data.get(n, 0)
+        for t in n.inputs:
+            reached[t.node] = reached.get(t.node, 0) | r
+            if d:
+                data[t.node] = data.get(t.node, 0) | d
+        for c in n.control_inputs:
+            reached[c] = reached.get(c, 0) | r
+    names = [found for _, _, found in sums]
+    waits = [[] for _ in sums]
+    for n, r in reached.items():
         if n.op in VARIABLE_OPS:
             continue
         if n.op in _VARIABLE_READS:
-            if own(n.inputs[0]):
-                waits.append(n)
-        elif opdefs.is_stateful(n) or (n not in data and n.op not in PASS_THROUGH
-                                       and any(own(t, "ref") for t in n.inputs)):
-            waits.append(n)
-    return sorted(waits, key=lambda n: n.name)
+            var = variable_of(n.inputs[0])
+            for j in _bits(r):
+                if var is not None and var.name in names[j]:
+                    waits[j].append(n)
+        elif opdefs.is_stateful(n):
+            for j in _bits(r):
+                waits[j].append(n)
+        elif n.op not in PASS_THROUGH:
+            refs = [var.name for var in map(variable_of, n.inputs)
+                    if var is not None and VARIABLE_OPS[var.op] == "ref"]
+            for j in _bits(r & ~data.get(n, 0)) if refs else ():
+                if any(name in names[j] for name in refs):
+                    waits[j].append(n)
+    return [sorted(w, key=lambda n: n.name) for w in waits]
+
+
+def _bits(mask):
+    """The positions of the bits set in ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def _same_on_every_replica(node, variant, variables, local_rows, functions, good):

@@ -44,19 +44,18 @@ class InvariantTermsPass(Pass):
         kept = set(ctx.options.merge or ()) | set(ctx.options.outputs or ())   # fetched by name: merged
         kept = {name.split(":")[0] for name in kept}
         for i in rm.built:
-            first = rm.first_replica + i == 0
-            left_out = []
-            for key, name, terms in plan.invariant_terms:
-                total = rm.node(graph, i, name)
-                wanted = set(terms)
-                positions = [pos for pos, t in enumerate(total.inputs) if _original_name(rm, i, t) in wanted]
-                if first:
-                    with graph.adding_to_replica(i):
+            entries = [(key, rm.node(graph, i, name), set(terms)) for key, name, terms in plan.invariant_terms]
+            sums = [(total, [pos for pos, t in enumerate(total.inputs) if _original_name(rm, i, t) in terms],
+                     variables[key] | {rm.prefixes[i] + v for v in variables[key]})
+                    for key, total, terms in entries]
+            if rm.first_replica + i == 0:
+                with graph.adding_to_replica(i):
+                    for total, positions, _ in sums:
                         for pos in positions:
                             total.set_input(pos, _times(graph, total.inputs[pos], rm.group_size, rm.devices[i]))
-                    continue
-                names = variables[key] | {rm.prefixes[i] + v for v in variables[key]}
-                waits = ordered_ops(total, positions, names)
+                continue
+            left_out = []
+            for (total, positions, _), waits in zip(sums, ordered_ops(graph.topological_nodes(), sums)):
                 left_out += [total.inputs[pos].node for pos in positions]
                 total.set_inputs([t for pos, t in enumerate(total.inputs) if pos not in positions])
                 total.set_attr("N", len(total.inputs))

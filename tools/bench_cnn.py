@@ -35,12 +35,22 @@ variables; the peer computes the L2 loss on its last tower only, each of our rep
 computes it (the single-device graph's loss, which the rewrite keeps).
 
 Prints per round both figures and ours / peer (>= 1: ours is not slower), then the
-medians. ``--with-single`` adds two one-device runs per round, the peer with one tower
+medians.
+
+    python tools/bench_cnn.py --plan-variant JSON [--rounds 3] [--num-batches 200]
+
+measures, without the peer, what a change of the plan costs or saves on this model: our
+rewrite as it is and the same rewrite given its plan with JSON's fields replaced
+(``'{"invariant_terms": []}'``: every replica computes its weight decay's gradient
+terms), each in its own session of one process (a fresh one per round), stepped in turn
+with the order alternating, so both see the same machine; prints the milliseconds per
+step of each (median) and the median of the per-step ratios, variant / as it is. ``--with-single`` adds two one-device runs per round, the peer with one tower
 of B images (``--num_gpus=1``) and our single-device graph in a plain
 tf.compat.v1.Session: the model's cost on each side without any replication.
 """
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -144,6 +154,40 @@ def measure_ours(batch, num_batches, warmup, single=False, algorithm="flat"):
     return num_batches * batch / elapsed
 
 
+def measure_plan_variant(batch, num_batches, warmup, algorithm, fields):
+    """(ms per step as rewritten, ms per step with the plan's ``fields`` replaced, the
+    median per-step ratio variant / as rewritten), the two stepped in turn in one process."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    import graph_rewriter as gr
+    graph_def = build_graph()
+    options = dict(device_type="CPU", devices_per_worker=2, allreduce_algorithm=algorithm)
+    result = gr.rewrite(graph_def, **options)
+    plan = {**result.plan.to_dict(), **fields}
+    sessions = [gr.Session(result), gr.Session(gr.rewrite(graph_def, strategy=gr.Plan.from_dict(plan), **options))]
+    rng = np.random.default_rng(0)
+    batches = [{"images:0": np.clip(rng.normal(127, 60, size=(batch, IMAGE, IMAGE, CHANNELS)), 7, 247).astype(np.float32),
+                "labels:0": rng.integers(0, CLASSES - 1, size=batch).astype(np.int32)} for _ in range(4)]
+    times = [[], []]
+    try:
+        for sess in sessions:
+            sess.run("init")
+            for i in range(warmup):
+                sess.run("train_op", batches[i % 4])
+        for step in range(num_batches):
+            for k in ((0, 1) if step % 2 == 0 else (1, 0)):
+                start = time.perf_counter()
+                sessions[k].run("train_op", batches[step % 4])
+                times[k].append(time.perf_counter() - start)
+    finally:
+        for sess in sessions:
+            sess.close()
+    return (1000 * statistics.median(times[0]), 1000 * statistics.median(times[1]),
+            statistics.median(b / a for a, b in zip(*times)))
+
+
 def run_ours(batch, num_batches, warmup, timeout, single=False, algorithm="flat"):
     cmd = [sys.executable, os.path.abspath(__file__), "--measure-ours", "--batch-size", str(batch),
            "--num-batches", str(num_batches), "--warmup", str(warmup),
@@ -153,6 +197,33 @@ def run_ours(batch, num_batches, warmup, timeout, single=False, algorithm="flat"
     if proc.returncode != 0:
         raise SystemExit(f"ours failed:\n{proc.stderr[-3000:]}")
     return float(proc.stdout.strip().splitlines()[-1])
+
+
+def run_plan_variant(args):
+    """--plan-variant: a fresh process per round, each stepping both rewrites in turn."""
+    try:
+        fields = json.loads(args.plan_variant)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--plan-variant: not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise SystemExit("--plan-variant: give a JSON object of plan fields, e.g. '{\"invariant_terms\": []}'")
+    print(f"# {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}   (cores: {os.cpu_count()})")
+    rounds = []
+    for r in range(args.rounds):
+        cmd = [sys.executable, os.path.abspath(__file__), "--measure-variant", "--plan-variant", args.plan_variant,
+               "--batch-size", str(args.batch_size), "--num-batches", str(args.num_batches),
+               "--warmup", str(args.warmup), "--allreduce-algorithm", args.allreduce_algorithm]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        if proc.returncode != 0:
+            raise SystemExit(f"the measurement failed:\n{proc.stderr[-3000:]}")
+        plain, variant, ratio = json.loads(proc.stdout.strip().splitlines()[-1])
+        rounds.append((plain, variant, ratio))
+        print(f"round {r + 1}: as rewritten {plain:.2f} ms/step, variant {variant:.2f} ms/step, "
+              f"variant / as rewritten {ratio:.3f}", flush=True)
+    print(f"as rewritten: {statistics.median(x[0] for x in rounds):.2f} ms/step, variant: "
+          f"{statistics.median(x[1] for x in rounds):.2f} ms/step (medians); variant / as rewritten = "
+          f"{statistics.median(x[2] for x in rounds):.3f} (median of the rounds' per-step medians)")
 
 
 def main():
@@ -167,13 +238,24 @@ def main():
                    help="also run both sides on one device (the peer with one tower) each round")
     p.add_argument("--allreduce-algorithm", default="flat", choices=("flat", "reduce_to_one", "auto"),
                    help="our rewrite's allreduce_algorithm (default: flat, the rewrite's default)")
+    p.add_argument("--plan-variant", metavar="JSON",
+                   help="measure our rewrite against the same rewrite given its plan with these fields "
+                        "replaced, in one process (no peer); e.g. '{\"invariant_terms\": []}'")
     p.add_argument("--measure-ours", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--measure-variant", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.batch_size % 2:
         p.error("--batch-size must be even (2 replicas)")
     if args.measure_ours:
         print(measure_ours(args.batch_size, args.num_batches, args.warmup, args.single, args.allreduce_algorithm))
+        return
+    if args.measure_variant:
+        print(json.dumps(measure_plan_variant(args.batch_size, args.num_batches, args.warmup,
+                                              args.allreduce_algorithm, json.loads(args.plan_variant))))
+        return
+    if args.plan_variant:
+        run_plan_variant(args)
         return
     if not args.peer_dir:
         p.error("--peer-dir is required")

@@ -814,14 +814,15 @@ def test_between_graph_workers_read_their_own_shard_of_an_in_graph_pipeline(pipe
 def two_workers_read(pool, procs, tmp_path, graph, strategy, steps, reads, feeds=None, suffix="pb", options=None,
                      step_ops=None, dpw=1, halve=None, carry=()):
     """Trains ``graph`` between-graph on 2 workers x ``dpw`` replicas of a pooled cluster
-    (with a ps task unless ``strategy`` is allreduce), each its own worker_client
+    (with a ps task unless ``strategy`` is allreduce, or an allreduce Plan), each its own worker_client
     process, worker k fed the k-th half of every global batch of ``feeds`` (none: an
     in-graph pipeline; ``halve(feed, k)``, when given, makes worker k's half), ``steps``
     steps; returns worker 0's values of the ``reads`` tensors. ``suffix`` "meta" saves
     MetaGraphDefs (their QueueRunners); ``options``: more rewrite keywords; ``step_ops``:
     (loss, train op) pairs the steps run in turns (default loss:0, train_op); ``carry``:
     (fetch, feed) pairs each client carries from step to step (worker_client --carry)."""
-    with pool.use(2, 0 if strategy == "allreduce" else 1, SERVER_DEVICES) as cluster:
+    allreduce = strategy == "allreduce" or getattr(strategy, "strategy", None) == "allreduce"   # (or a Plan)
+    with pool.use(2, 0 if allreduce else 1, SERVER_DEVICES) as cluster:
         outs = []
         for k in range(2):
             path = gr.rewrite(graph, cluster.spec, strategy=strategy, device_type="CPU", devices_per_worker=dpw,

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import graph_rewriter as gr
+import test_cluster as tc
 from graph_rewriter.testing import harness
 from graph_rewriter.testing.tf1_scripts import WEIGHT_DECAYS, dropout_batches, weight_decay_mlp
+from test_cluster import pool, procs  # noqa: F401  (fixtures: the server pool, client processes)
 
 STEPS, BATCH = 4, 8
 RTOL, ATOL = 1e-5, 1e-6
@@ -204,3 +206,23 @@ def test_inspect_names_the_variables_whose_terms_moved():
     text = format_report(report(_cpu(weight_decay_mlp("l2"))))
     assert "gradient terms every replica computes alike" in text
     assert "of: w2, b1, w1" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_two_workers_given_the_terms_train_as_one_device_on_loopback_servers(pool, procs, tmp_path):
+    """Between-graph, 2 workers x 2 replicas, each worker its own client fed its half of
+    every batch, with a given plan listing the terms (not the default across machines):
+    worker 0's first replica adds them 4 times, the other three replicas leave them out."""
+    graph_def, feeds = weight_decay_mlp("l2"), dropout_batches(STEPS, 4 * BATCH)
+    plan = gr.rewrite(graph_def, {"worker": ["localhost:1", "localhost:2"]}, devices_per_worker=2,
+                      device_type="CPU", task="worker:0").plan.to_dict()
+    assert plan.get("invariant_terms") is None
+    plan["invariant_terms"] = _cpu(graph_def).plan.invariant_terms
+    reads = harness.resource_reads(graph_def)
+    with harness.one_device_session(graph_def) as sess:
+        _, want = harness.train_and_read(sess, graph_def, feeds)
+    got = tc.two_workers_read(pool, procs, tmp_path, graph_def, gr.Plan.from_dict(plan), STEPS, reads.values(),
+                              feeds, dpw=2)
+    for name, tensor in reads.items():
+        np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)

@@ -93,31 +93,41 @@ def _summed_by(values, alike):
 def ordered_ops(order, sums):
     """For each ``(total, positions, variable_names)`` of ``sums``, the ops that the sum
     ``total`` leaving out its inputs at ``positions`` must wait for (module doc), sorted
-    by name. ``variable_names``: the names of the variables its cut updates (of the
-    replica's copies too, once they exist). ``order``: the graph's nodes, producers
-    before consumers. One walk back over ``order`` marks, for every node, which sums'
-    terms depend on it (data or control) and which by data alone."""
+    by name, but those its other inputs wait for anyway. ``variable_names``: the names
+    of the variables its cut updates (of the replica's copies too, once they exist).
+    ``order``: the graph's nodes, producers before consumers. One walk back over
+    ``order`` marks, for every node, which sums' terms depend on it (data or control),
+    which by data alone, and which sums' other inputs depend on it."""
     from graph_rewriter.analysis import variable_of
-    reached, data = {}, {}
+    reached, data, kept = {}, {}, {}
     for j, (total, positions, _) in enumerate(sums):
-        for pos in positions:
-            n = total.inputs[pos].node
-            reached[n] = data[n] = reached.get(n, 0) | 1 << j
+        for pos, t in enumerate(total.inputs):
+            marks = (reached, data) if pos in positions else (kept,)
+            for mark in marks:
+                mark[t.node] = mark.get(t.node, 0) | 1 << j
+        for c in total.control_inputs:
+            kept[c] = kept.get(c, 0) | 1 << j
     for n in reversed(order):
-        r = reached.get(n)
-        if not r:
+        r, d, k = reached.get(n, 0), data.get(n, 0), kept.get(n, 0)
+        if not (r or k):
             continue
-        d = data.get(n, 0)
         for t in n.inputs:
-            reached[t.node] = reached.get(t.node, 0) | r
+            if r:
+                reached[t.node] = reached.get(t.node, 0) | r
             if d:
                 data[t.node] = data.get(t.node, 0) | d
+            if k:
+                kept[t.node] = kept.get(t.node, 0) | k
         for c in n.control_inputs:
-            reached[c] = reached.get(c, 0) | r
+            if r:
+                reached[c] = reached.get(c, 0) | r
+            if k:
+                kept[c] = kept.get(c, 0) | k
     names = [found for _, _, found in sums]
     waits = [[] for _ in sums]
     for n, r in reached.items():
-        if n.op in VARIABLE_OPS:
+        r &= ~kept.get(n, 0)
+        if not r or n.op in VARIABLE_OPS:
             continue
         if n.op in _VARIABLE_READS:
             var = variable_of(n.inputs[0])

@@ -226,3 +226,13 @@ def test_two_workers_given_the_terms_train_as_one_device_on_loopback_servers(poo
                               feeds, dpw=2)
     for name, tensor in reads.items():
         np.testing.assert_allclose(got[tensor], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["l2", "ref", "noisy"])
+def test_the_template_export_equals_every_replica_built(kind):
+    """Four replicas from a template replica: the export leaves the terms out of
+    replicas 1..3, with their waits, as building every replica does."""
+    from test_template_replicas import _assert_same_graph, _rewrite_both, _used_template
+    built, template, lines, result = _rewrite_both(weight_decay_mlp(kind), devices_per_worker=4, device_type="CPU")
+    assert _used_template(lines) and result.plan.invariant_terms
+    _assert_same_graph(built, template)

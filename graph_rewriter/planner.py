@@ -391,8 +391,8 @@ def _plan_invariant_terms(plan, analysis, log):
     one_machine = plan.device_type == "CPU" and plan.num_replicas == plan.devices_per_worker
     if one_machine and eligible:
         plan.invariant_terms = [[key, name, terms] for (key, name), terms in eligible.items()]
-        log(f"plan: gradient terms every replica computes alike, added by the first replica alone: "
-            f"{', '.join(t for terms in eligible.values() for t in terms)}")
+        log(f"plan: gradient terms every replica computes alike (weight decay's), added {plan.num_replicas} "
+            f"times by the first replica alone, of: {', '.join(key for key, _ in eligible)}")
 
 
 def _plan_loss_sums(plan, analysis, log):

@@ -18,7 +18,7 @@ With --ignore-passes-run the metadata's list of the passes that ran is left out 
 the comparison (and the pass names out of error messages), for a change that only
 changes which passes a plan runs.
 
-    python tools/compare_outputs.py time REV GRAPH.pb [--replicas 4,16] [--rounds 3]
+    python tools/compare_outputs.py time REV GRAPH.pb [--replicas 4,16] [--rounds 3] [--device-type CPU]
 
 times ``rewrite`` of one graph with REV's code and with this tree, alternating the two in
 fresh processes round after round (this machine's speed drifts over minutes), each
@@ -322,20 +322,21 @@ _TIMER = r"""
 import sys, time
 import graph_rewriter as gr
 data = open(sys.argv[1], "rb").read()
-replicas = int(sys.argv[2])
-gr.rewrite(data, devices_per_worker=replicas)
+replicas, device_type = int(sys.argv[2]), sys.argv[3]
+gr.rewrite(data, devices_per_worker=replicas, device_type=device_type)
 best = float("inf")
 for _ in range(3):
     start = time.perf_counter()
-    gr.rewrite(data, devices_per_worker=replicas)
+    gr.rewrite(data, devices_per_worker=replicas, device_type=device_type)
     best = min(best, time.perf_counter() - start)
 print(best)
 """
 
 
-def time_revisions(rev, graph, replicas, rounds, work):
+def time_revisions(rev, graph, replicas, rounds, work, device_type="GPU"):
     """Best-of-3 rewrite seconds of ``graph`` with REV's code and the tree's, per replica
-    count, alternating the two trees in fresh processes for ``rounds`` rounds."""
+    count (of ``device_type`` devices), alternating the two trees in fresh processes for
+    ``rounds`` rounds."""
     work = work or tempfile.mkdtemp(prefix="compare_outputs_")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tree = _worktree(here, rev, os.path.join(work, "before"))
@@ -346,7 +347,7 @@ def time_revisions(rev, graph, replicas, rounds, work):
         seconds = {label: [] for label in codes}
         for _ in range(rounds):
             for label, code in codes.items():
-                out = subprocess.run([sys.executable, "-c", _TIMER, graph, str(r)], cwd=code,
+                out = subprocess.run([sys.executable, "-c", _TIMER, graph, str(r), device_type], cwd=code,
                                      env=dict(os.environ, PYTHONPATH=code), capture_output=True,
                                      text=True, check=True)
                 seconds[label].append(float(out.stdout.split()[-1]))
@@ -378,6 +379,7 @@ def main():
     t.add_argument("--replicas", default="4,16")
     t.add_argument("--rounds", type=int, default=3)
     t.add_argument("--work")
+    t.add_argument("--device-type", choices=("GPU", "CPU"), default="GPU")
     i = sub.add_parser("inputs")
     i.add_argument("dir")
     i.add_argument("--keras", action="store_true")
@@ -394,7 +396,7 @@ def main():
         emit(ARGS.dir, ARGS.out, ARGS.keep, ARGS.ignore_passes_run, ARGS.import_tensorflow)
     elif ARGS.cmd == "time":
         time_revisions(ARGS.rev, ARGS.graph, [int(r) for r in ARGS.replicas.split(",")], ARGS.rounds,
-                       ARGS.work)
+                       ARGS.work, ARGS.device_type)
     else:
         sys.exit(compare(ARGS.rev, ARGS.work))
 

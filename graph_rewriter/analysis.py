@@ -361,6 +361,8 @@ class _Analyzer:
         self.position = {n: i for i, n in enumerate(self.order)}
         self.gradient_scopes = named_gradient_scopes(self.order)
         self._named_backward = None   # (any node in a tf.gradients scope: _from_backward)
+        self._backward_names = {}     # {node name: in a backward pass} (_in_backward)
+        self._regradient_sources = None   # (_differentiated_again)
         self.functions = {f.signature.name: f for f in g.library.function} if g.library is not None else {}
         self.variables = self._find_variables()
         self._find_writers()
@@ -1177,7 +1179,13 @@ class _Analyzer:
         return self._named_backward
 
     def _in_backward(self, node):
-        return in_backward(node.name, self.gradient_scopes)
+        # (asked hundreds of thousands of times on a large graph; the pattern search is
+        # most of the analysis' time without the cache)
+        name = node.name
+        found = self._backward_names.get(name)
+        if found is None:
+            found = self._backward_names[name] = in_backward(name, self.gradient_scopes)
+        return found
 
     def _from_backward(self, tensor, limit=4096):
         """True if ``tensor`` is computed from the backward pass (a gradient, as an
@@ -1329,9 +1337,12 @@ class _Analyzer:
         seed_nodes = {t.node for t in seeds}
         static = set(self.static_batch.values()) - {None}
         out = []
+        reached = None   # (variant0 | seed_nodes, made once: NASNet has 384 conds)
         for n in self.order:
             if n.op in _FUNCTIONAL and n in variant0 and self.g.library is not None:
-                out += _called_draws(n, self.g.library, variant0 | seed_nodes, static)
+                if reached is None:
+                    reached = variant0 | seed_nodes
+                out += _called_draws(n, self.functions, reached, static)
             if not _is_seeded_draw(n) or not n.inputs:
                 continue
             rows = _leading_rows(n.inputs[0])
@@ -1733,7 +1744,7 @@ class _Analyzer:
                 out.append(n.name)
         return out
 
-    def _differentiated_again(self, node, limit=20000):
+    def _differentiated_again(self, node):
         """True if a value of the backward pass leaves it (through its own ops) into ops
         outside any backward pass whose values a backward pass reads: a loss computed
         from the gradient (GradNorm's norms) or weights stepped by it (MAML's fast
@@ -1741,19 +1752,41 @@ class _Analyzer:
         updates (clipping, an optimizer by hand, a Keras optimizer's IdentityN) is read
         by no backward op; an update's effect on later reads is a control edge, which
         the walk does not follow (SAM's ascent)."""
-        stack, seen = [node], {node}
-        while stack and len(seen) < limit:
+        if self._regradient_sources is None:
+            self._regradient_sources = self._backward_nodes_read_again()
+        return node in self._regradient_sources
+
+    def _backward_nodes_read_again(self):
+        """The backward-pass nodes from which a path of data edges, first through
+        backward ops and then through forward ones only, reaches a forward op that a
+        backward op reads. Two walks back over the data edges, once per analysis (a walk
+        forward from each candidate cost NASNet's analysis three seconds)."""
+        inside = self._in_backward
+        # forward ops that reach a backward reader through forward ops only
+        leaving = {}
+        stack = [n for n in self.order if not inside(n) and any(inside(c) for c, _ in n.consumers())]
+        for n in stack:
+            leaving[n] = None
+        while stack:
             n = stack.pop()
-            inside = self._in_backward(n)
-            for c, _ in n.consumers():
-                if c in seen:
-                    continue
-                if not inside and self._in_backward(c):
-                    return True
-                if inside or not self._in_backward(c):
-                    seen.add(c)
-                    stack.append(c)
-        return False
+            for t in n.inputs:
+                m = t.node
+                if m not in leaving and not inside(m):
+                    leaving[m] = None
+                    stack.append(m)
+        # backward ops that reach one of those through backward ops
+        sources = {}
+        stack = [n for n in self.order if inside(n) and any(c in leaving for c, _ in n.consumers())]
+        for n in stack:
+            sources[n] = None
+        while stack:
+            n = stack.pop()
+            for t in n.inputs:
+                m = t.node
+                if m not in sources and inside(m):
+                    sources[m] = None
+                    stack.append(m)
+        return sources
 
     def _find_row_gradients(self, seeds, variant0, cut_tensors, loss_sums):
         """Gradients with respect to the batch's rows (an input's, an activation's) that
@@ -3324,13 +3357,12 @@ def called_functions(call):
     return out
 
 
-def _called_draws(call, library, variant, static=()):
+def _called_draws(call, functions, variant, static=()):
     """The seeded draws of the batch's rows in the functions of the v2 cond or while
     loop ``call`` (``call:function:node``): those whose shape's rows are an argument's
     (or computed from one) that the call passes from the batch, or, with static batches
     ``static``, whose shape is a constant whose first entry is one and whose draw meets
-    such an argument's values."""
-    functions = {f.signature.name: f for f in library.function}
+    such an argument's values. ``functions``: the library's, by name."""
     skip = _FUNCTIONAL[call.op][1]
     out = []
     for _, name in called_functions(call):

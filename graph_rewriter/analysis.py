@@ -1289,10 +1289,15 @@ class _Analyzer:
 
         def is_count(divisor, dividend):
             if divisor not in counts:
+                # (the ancestor walks only for a Sum over every axis: each walks most of
+                # the forward graph, and a transformer divides by hundreds of other values)
                 total = _the_sum(divisor.node)
-                reached = _value_ancestors(divisor.node)
-                counts[divisor] = (total is not None and _sums_every_axis(total) and bool(reached & seed_nodes),
-                                   not reached & trainable, not _differentiable_ancestors(divisor.node) & trainable)
+                if total is None or not _sums_every_axis(total):
+                    counts[divisor] = (False, False, False)
+                else:
+                    reached = _value_ancestors(divisor.node)
+                    counts[divisor] = (bool(reached & seed_nodes), not reached & trainable,
+                                       not _differentiable_ancestors(divisor.node) & trainable)
             summed, variable_free, gradient_free = counts[divisor]
             if not summed or variable_free or not gradient_free:
                 return summed and variable_free
@@ -1493,10 +1498,15 @@ class _Analyzer:
         replica's rows, or the plan says so."""
         from graph_rewriter.row_axes import MEETING_OPS, meets_rows
         seed_nodes, holds = {t.node for t in seeds}, {}
+        follow = _memoized(_rows_follow(strict=True, limit=_ROWS_LIMIT))
+        # (the nodes any walk back could find a batch input from, found once: most of a
+        # deep model's values hold no rows, and each walk that finds none goes to its limit)
+        reaching = _Lazy(lambda: _reaching(self.order, seed_nodes, follow))
 
         def holds_rows(t):   # (by node: _reaches_rows walks back from the node)
             if t.node not in holds:
-                holds[t.node] = _reaches_rows(t, seed_nodes, strict=True)
+                holds[t.node] = t.node in reaching.value and _reaches_rows(
+                    t, seed_nodes, strict=True, follow=follow)
             return holds[t.node]
         return [n.name for n in self.order
                 if n.op in MEETING_OPS and n in variant0 and not in_gradients_scope(n.name, self.gradient_scopes)
@@ -2823,7 +2833,10 @@ def _search_back(node, found, follow, limit):
     return None
 
 
-def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False, slices=False):
+_ROWS_LIMIT = 4096   # nodes _reaches_rows visits at most
+
+
+def _reaches_rows(tensor, batch_nodes, limit=_ROWS_LIMIT, strict=False, slices=False, follow=None):
     """True if a value is computed from the rows of a batch input one by one along some
     path: through ops that keep rows apart, a reduction whose constant axes leave the
     first one, a MatMul's left operand (not transposed), a gather's indices. False when
@@ -2833,9 +2846,37 @@ def _reaches_rows(tensor, batch_nodes, limit=4096, strict=False, slices=False):
     rows (_MOVES_ROWS), so the value's first axis is the batch's rows; a Reshape that
     keeps its first axis (_keeps_first_axis: tf_keras' and tf.layers' Flatten) is no
     such op; with ``slices``, nor is a slice that keeps every row in order on axis 0
-    (``s[:, 0]``, a score per row)."""
-    return _search_back(tensor.node, lambda n: n in batch_nodes, _rows_follow(strict, limit, slices),
+    (``s[:, 0]``, a score per row). ``follow``: _rows_follow(strict, limit, slices),
+    made by the caller to share among many walks (memoized)."""
+    return _search_back(tensor.node, lambda n: n in batch_nodes, follow or _rows_follow(strict, limit, slices),
                         limit) is not None
+
+
+def _memoized(follow):
+    """``follow`` (a walk's step back from a node), computed once per node."""
+    steps = {}
+
+    def step(n):
+        if n not in steps:
+            steps[n] = follow(n)
+        return steps[n]
+    return step
+
+
+def _reaching(nodes, found, follow):
+    """The nodes from which a walk back along ``follow`` (from ``nodes``) reaches a node
+    of ``found``, with no limit: a walk from any other node finds none."""
+    consumers = {}
+    for n in nodes:
+        for m in follow(n):
+            consumers.setdefault(m, []).append(n)
+    out, stack = set(found), list(found)
+    while stack:
+        for n in consumers.get(stack.pop(), ()):
+            if n not in out:
+                out.add(n)
+                stack.append(n)
+    return out
 
 
 def _rows_follow(strict, limit, slices=False):
@@ -3639,16 +3680,25 @@ def static_rank(tensor, depth=0, memo=None):
     constant axes, one_hot, gathers along axis 0, unsorted segment sums, bincounts and
     the cross-entropy ops. Enough to tell the sum of a [batch] weight vector (axes [0],
     every axis) from the sum over the time axis of a time-major [time, batch] mask (axes
-    [0], one of two). ``memo`` keeps the
-    ranks found in one call, by tensor and depth: a chain of element-wise ops reading a
-    value twice (a layer norm's) is otherwise walked once per path, exponentially."""
+    [0], one of two). ``memo`` keeps the ranks found, by tensor and depth (the graph's
+    own, _rank_memo, unless one is given): a chain of element-wise ops reading a value
+    twice (a layer norm's) is otherwise walked once per path, exponentially."""
     if depth > 40:
         return None
-    memo = {} if memo is None else memo
+    if memo is None:
+        memo = _rank_memo(tensor.node.graph)
     key = (tensor, depth)
     if key not in memo:
         memo[key] = _static_rank(tensor, depth, memo)
     return memo[key]
+
+
+def _rank_memo(graph):
+    """static_rank's memo for ``graph``: kept while the graph does not change (a rank is
+    a fact of the graph), so the hundreds of calls of one analysis walk a deep residual
+    stream once, not once each; a function body's graph keeps none."""
+    cached = getattr(graph, "cached", None)
+    return {} if cached is None else cached("static_rank", lambda g: {})
 
 
 def _static_rank(tensor, depth, memo):

@@ -1,10 +1,11 @@
 """Rewrite speed and memory: graph_rewriter against its floor and its peer.
 
-    python tools/bench_rewrite.py [--models resnet50,densenet121,nasnetmobile]
+    python tools/bench_rewrite.py [--models resnet50,densenet121,nasnetmobile,bert24]
                                   [--replicas 2,4,8,16,64] [--peer-replicas 16] [--repeat 3]
                                   [--strategy allreduce] [--ps 0]
 
-For each tf_keras model's training graph (built once, cached in --cache-dir) and each
+For each model's training graph (tf_keras applications, or bertL: the suite's BERT with
+L layers; built once, cached in --cache-dir) and each
 replica count R, prints (medians over --repeat runs, each in a fresh process):
 
 - floor: copying the input's nodes R times into one GraphDef and serializing it;
@@ -34,8 +35,16 @@ import time
 
 def build_model(name, path):
     """A tf_keras model's single-device training graph (SGD with momentum, BatchNorm
-    updates included), serialized to ``path``."""
+    updates included), serialized to ``path``; ``bertL`` (bert2, bert24): the test suite's
+    BERT-style classifier (graph_rewriter/testing/real_models.py: global-norm clipping, a
+    hand-written AdamW, dropout 0.1) with L encoder layers, to see the cost grow with depth."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if name.startswith("bert") and name[4:].isdigit():
+        from graph_rewriter.testing import real_models
+        example, _ = real_models.build_bert(dropout=0.1, layers=int(name[4:]))
+        with open(path, "wb") as f:
+            f.write(example.graph_def.SerializeToString())
+        return
     import tensorflow as tf
     import tf_keras
     tf.compat.v1.disable_eager_execution()

@@ -162,7 +162,7 @@ BERT_KEY_TOKENS = 10       # the first token (the class's evidence) is drawn bel
 
 
 def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_size=BERT_BATCH, dropout=0.0,
-               accumulation_steps=1):
+               accumulation_steps=1, layers=BERT_LAYERS):
     """The BERT-style classifier. ``dropout`` > 0: BERT's dropouts at that rate (its
     hidden_dropout_prob and attention_probs_dropout_prob, 0.1 in the public configs): on
     the embeddings after their layer norm, on the attention probabilities, and on the
@@ -171,7 +171,8 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
     ``accumulation_steps`` = k > 1: NVIDIA's BERT gradient accumulation by hand (the
     clipped gradients summed into accumulator variables under a v1 cond on a local step
     counter, AdamW applying the sums at every k-th step under another; global_step
-    counts the applies).
+    counts the applies). ``layers``: the encoder's depth (tools/bench_rewrite.py's
+    bert24 measures the rewrite on a deep graph).
 
     ``shards`` = k > 1 builds a control variant of the same model (same variables, same
     initial values): the batch is cut into k equal shards and each shard's gradient is
@@ -226,7 +227,7 @@ def build_bert(seed=0, data_seed=0, shards=1, per_shard_clipping=False, batch_si
                 x = tf.gather(word, input_ids) + tf.reshape(position, [1, S, H])
                 x = drop(layer_norm(tf.reshape(x, [-1, H])))            # [B*S, H]
             with tf.compat.v1.variable_scope("encoder"):
-                for i in range(BERT_LAYERS):
+                for i in range(layers):
                     with tf.compat.v1.variable_scope(f"layer_{i}"):
                         with tf.compat.v1.variable_scope("attention"):
                             with tf.compat.v1.variable_scope("self"):

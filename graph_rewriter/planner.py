@@ -1146,8 +1146,9 @@ def _keep_coupled_together(plan, analysis, log):
     grouped = {v for g in groups for v in g}
     groups += [[c.variable] for c in analysis.cuts if c.variable not in grouped]
     changed = False
+    index = plan.cut_index()
     for group in groups:
-        planned = [plan.cut(v) for v in group]
+        planned = [index.get(v) for v in group]
         on_ps = [c for c in planned if c.sync == "accumulate"]
         if not on_ps:
             continue

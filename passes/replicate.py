@@ -185,8 +185,9 @@ def _global_nodes(graph, analysis, plan):
     # mirrored updates) runs on every replica, from that replica's average.
     per_replica = set()
     stack = []
+    planned = plan.cut_index()
     for cut in analysis.cuts:
-        if plan.cut(cut.key).sync != "accumulate":
+        if planned[cut.key].sync != "accumulate":
             stack += [c for c, _ in gradient_readers(cut.values, cut.indices)]
     while stack:
         n = stack.pop()

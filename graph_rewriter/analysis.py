@@ -38,6 +38,7 @@ of the GraphDef's nodes or on a prefix on every name (tests/test_graph_form.py):
 
 import collections
 import dataclasses
+import functools
 import re
 
 from graph_rewriter.protos import types_pb2
@@ -1498,7 +1499,7 @@ class _Analyzer:
         replica's rows, or the plan says so."""
         from graph_rewriter.row_axes import MEETING_OPS, meets_rows
         seed_nodes, holds = {t.node for t in seeds}, {}
-        follow = _memoized(_rows_follow(strict=True, limit=_ROWS_LIMIT))
+        follow = functools.cache(_rows_follow(strict=True, limit=_ROWS_LIMIT))   # (a step per node, once)
         # (the nodes any walk back could find a batch input from, found once: most of a
         # deep model's values hold no rows, and each walk that finds none goes to its limit)
         reaching = _Lazy(lambda: _reaching(self.order, seed_nodes, follow))
@@ -2850,17 +2851,6 @@ def _reaches_rows(tensor, batch_nodes, limit=_ROWS_LIMIT, strict=False, slices=F
     made by the caller to share among many walks (memoized)."""
     return _search_back(tensor.node, lambda n: n in batch_nodes, follow or _rows_follow(strict, limit, slices),
                         limit) is not None
-
-
-def _memoized(follow):
-    """``follow`` (a walk's step back from a node), computed once per node."""
-    steps = {}
-
-    def step(n):
-        if n not in steps:
-            steps[n] = follow(n)
-        return steps[n]
-    return step
 
 
 def _reaching(nodes, found, follow):

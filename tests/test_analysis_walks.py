@@ -3,6 +3,8 @@ rows filter (_reaching: the nodes a walk back can find a batch input from, found
 agrees with the limited walk from every node of real models, and static_rank's memo,
 kept by the graph, follows the graph's edits."""
 
+import functools
+
 import pytest
 
 from graph_rewriter import analysis, graph_io
@@ -24,7 +26,7 @@ def test_rows_filter_agrees_with_every_walk(model, strict):
     order = topological_order(graph)
     found = analysis.analyze(graph)
     seeds = {t.node for t in found.batch_inputs}
-    follow = analysis._memoized(analysis._rows_follow(strict, analysis._ROWS_LIMIT))
+    follow = functools.cache(analysis._rows_follow(strict, analysis._ROWS_LIMIT))
     reaching = analysis._reaching(order, seeds, follow)
     # (the filter must matter on these graphs, or the test compares nothing)
     assert seeds <= reaching and 0 < len(reaching) < len(order)
